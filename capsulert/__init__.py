@@ -1,0 +1,1 @@
+"""capsulert: a latency-first session runtime for hybrid (Gated DeltaNet + attention) LLMs."""

@@ -1,0 +1,1 @@
+"""Capsules and their store: tiers (gpu, host, disk), moves between them, the on-disk format."""

@@ -1,0 +1,81 @@
+"""Typed errors. Every refusal the runtime makes is one of these, with a message that says what to do."""
+
+
+class CapsuleRTError(Exception):
+    """Base class of every error capsulert raises on purpose."""
+
+
+# configuration and model loading
+class ConfigError(CapsuleRTError):
+    """A configuration value is invalid."""
+
+
+class UnsupportedModelError(ConfigError):
+    """The checkpoint is of an architecture this runtime does not implement."""
+
+
+class ModelLoadError(CapsuleRTError):
+    """A checkpoint directory is missing, incomplete or inconsistent with its config."""
+
+
+# sessions and input
+class InvalidTokenError(CapsuleRTError):
+    """Token ids outside the vocabulary or of the wrong type."""
+
+
+class SequenceTooLongError(CapsuleRTError):
+    """The session would grow past the engine's max_seq."""
+
+
+class SessionClosedError(CapsuleRTError):
+    """The session was closed; its slot may already belong to another session."""
+
+
+class NoFreeSlotError(CapsuleRTError):
+    """Every slot of the state set holds an open session."""
+
+
+class ForeignSessionError(CapsuleRTError):
+    """A session of another engine was passed to this engine."""
+
+
+# capsules
+class CapsuleError(CapsuleRTError):
+    """Base class of capsule refusals."""
+
+
+class InvalidCapsuleNameError(CapsuleError):
+    """A capsule name is empty, too long, or looks like a path."""
+
+
+class UnknownCapsuleError(CapsuleError):
+    """No capsule of that name exists in the namespace."""
+
+
+class DuplicateCapsuleError(CapsuleError):
+    """A capsule of that name already exists in the namespace (capsules are immutable)."""
+
+
+class IncompatibleCapsuleError(CapsuleError):
+    """The capsule was made by another model (fingerprint) or another state layout version."""
+
+
+class CorruptCapsuleError(CapsuleError):
+    """A capsule file is truncated, malformed or fails its checksum."""
+
+
+class BudgetExceededError(CapsuleError):
+    """A tier cannot hold the capsule: pinned capsules alone would exceed its byte budget."""
+
+
+class UnsupportedStateModeError(CapsuleError):
+    """The session's state cannot be captured completely in this mode."""
+
+
+class CapsuleInUseError(CapsuleError):
+    """The capsule is being read by a restore or a move and cannot be deleted now."""
+
+
+# orchestrator
+class WorkerLost(CapsuleRTError):
+    """A worker actor died or did not answer in time; the call did not complete."""

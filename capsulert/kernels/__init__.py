@@ -1,0 +1,1 @@
+"""Kernels: pure-torch references (CPU path and oracle) and fast GPU versions tested against them."""

@@ -1,0 +1,1 @@
+"""Pluggable pinning, promotion and eviction policies for the capsule store (ABC + registry)."""
