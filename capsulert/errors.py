@@ -79,3 +79,7 @@ class CapsuleInUseError(CapsuleError):
 # orchestrator
 class WorkerLost(CapsuleRTError):
     """A worker actor died or did not answer in time; the call did not complete."""
+
+
+class InvalidRequestError(CapsuleRTError):
+    """An argument of a verb is out of range (n < 1 branches, negative max_new_tokens, ...)."""

@@ -1,0 +1,304 @@
+"""Engine: owns the model, the state set, the capsule store and the slots; runs every verb.
+
+Prefill runs on a global chunk grid (chunks start at multiples of prefill_chunk); an append re-runs the
+tokens since the slot's last grid point from its grid checkpoint, so appends split anywhere and a cold
+prefill give bitwise the same logits and state. Decode steps several slots at once.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from capsulert.config import ModelConfig
+from capsulert.errors import (
+    ForeignSessionError,
+    InvalidRequestError,
+    InvalidTokenError,
+    NoFreeSlotError,
+    SequenceTooLongError,
+)
+from capsulert.worker.engine_config import EngineConfig
+from capsulert.worker.model import HybridModel
+from capsulert.worker.sampler import GREEDY, SamplingParams, make_generator, sample
+from capsulert.worker.session import Session
+from capsulert.worker.state import StateLayout, StateSet
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                 tokenizer=None, fingerprint: str = ""):
+        self.config = config
+        self.model_cfg = model_cfg
+        self.device = next(iter(weights.values())).device
+        self.dtype = weights["model.embed_tokens.weight"].dtype
+        self.model = HybridModel(model_cfg, weights)
+        self.tokenizer = tokenizer
+        self.fingerprint = fingerprint
+        self.chunk = config.prefill_chunk
+        self.state = StateSet(StateLayout.for_model(model_cfg, config.slots, config.max_seq, self.dtype, self.device))
+        self._free = list(range(config.slots))
+        self._sessions: dict[int, Session] = {}
+        self._lock = threading.RLock()
+        self._prefill_s_per_token = 0.0
+        from capsulert.worker.capsules import CapsuleVerbs
+
+        self.capsules = CapsuleVerbs(self)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig | dict | None = None, **overrides) -> "Engine":
+        from capsulert.worker.default_model import ensure_default_model
+        from capsulert.worker.loader import load_checkpoint, load_tokenizer, weights_fingerprint
+
+        if config is None or isinstance(config, dict):
+            config = EngineConfig(**{**(config or {}), **overrides})
+        elif overrides:
+            config = config.model_copy(update=overrides)
+        device = config.torch_device()
+        dtype = config.torch_dtype(device)
+        if config.model == "default":
+            path = ensure_default_model(Path(config.cache_dir) if config.cache_dir else None)
+        else:
+            path = Path(config.model)
+        model_cfg, weights = load_checkpoint(path, dtype=dtype, device=device)
+        fingerprint = f"{weights_fingerprint(model_cfg, weights)}:{dtype}".replace("torch.", "")
+        return cls(config, model_cfg, weights, load_tokenizer(path), fingerprint)
+
+    # ------------------------------------------------------------------ sessions
+    def open(self) -> Session:
+        with self._lock:
+            return self._take_slots(1)[0]
+
+    def _take_slots(self, n: int) -> list[Session]:
+        if n > len(self._free):
+            raise NoFreeSlotError(
+                f"{n} slot(s) needed, {len(self._free)} free of {self.config.slots}; close sessions or raise `slots`"
+            )
+        sessions = []
+        for _ in range(n):
+            slot = self._free.pop(0)
+            self._reset_slot(slot)
+            s = Session(self, slot)
+            self._sessions[slot] = s
+            sessions.append(s)
+        return sessions
+
+    def _reset_slot(self, slot: int) -> None:
+        st = self.state
+        for name in ("ssm", "conv", "ssm_grid", "conv_grid"):
+            st.slot_view(name, slot).zero_()
+        st.pos[slot] = 0
+
+    def release(self, session: Session) -> None:
+        with self._lock:
+            self._own(session)
+            session.closed = True
+            del self._sessions[session.slot]
+            self._free.append(session.slot)
+            self._free.sort()
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def _own(self, session: Session) -> None:
+        if session.engine is not self:
+            raise ForeignSessionError(f"session {session.id} belongs to another engine")
+        session._check_open()
+
+    # ------------------------------------------------------------------ tokens
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidTokenError("this model has no tokenizer.json; pass token ids instead of text")
+        return self.tokenizer.encode(text).ids
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise InvalidTokenError("this model has no tokenizer.json")
+        return self.tokenizer.decode(list(tokens))
+
+    def _as_tokens(self, tokens_or_text, room: int) -> list[int]:
+        if isinstance(tokens_or_text, str):
+            # refuse before tokenising a huge string: a token is at least one byte of text here
+            if len(tokens_or_text) > 64 * self.config.max_seq:
+                raise SequenceTooLongError(f"text of {len(tokens_or_text)} characters cannot fit max_seq={self.config.max_seq}")
+            tokens = self.tokenize(tokens_or_text)
+        elif isinstance(tokens_or_text, torch.Tensor):
+            if tokens_or_text.dim() != 1 or tokens_or_text.dtype.is_floating_point:
+                raise InvalidTokenError("token tensor must be 1-D of an integer dtype")
+            tokens = tokens_or_text.tolist()
+        else:
+            tokens = list(tokens_or_text)
+        if not tokens:
+            raise InvalidTokenError("nothing to append: empty token list")
+        vocab = self.model_cfg.vocab_size
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidTokenError(f"token id {t!r} is not an int in [0, {vocab})")
+        if len(tokens) > room:
+            raise SequenceTooLongError(
+                f"{len(tokens)} tokens do not fit: the session holds {self.config.max_seq - room} of max_seq={self.config.max_seq}"
+            )
+        return tokens
+
+    # ------------------------------------------------------------------ prefill
+    def _kv_len(self, end: int) -> int:
+        return min(self.config.max_seq, -(-end // self.chunk) * self.chunk)
+
+    def _run_prefill(self, slot: int, tokens: list[int], start: int) -> None:
+        """Run tokens at positions [start, start+len) on the chunk grid; the slot's live state must be at start."""
+        slots = torch.tensor([slot], device=self.device)
+        ids = torch.tensor(tokens, device=self.device)
+        a, end = start, start + len(tokens)
+        t0 = time.perf_counter()
+        while a < end:
+            b = min((a // self.chunk + 1) * self.chunk, end)
+            self.model.forward(self.state, slots, ids[None, a - start:b - start], self._kv_len(b))
+            if b % self.chunk == 0:
+                self.state.save_grid(slot)
+            a = b
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        per_token = (time.perf_counter() - t0) / len(tokens)
+        self._prefill_s_per_token = per_token if not self._prefill_s_per_token else 0.9 * self._prefill_s_per_token + 0.1 * per_token
+
+    def append(self, session: Session, tokens_or_text) -> torch.Tensor:
+        with self._lock:
+            self._own(session)
+            new = self._as_tokens(tokens_or_text, self.config.max_seq - len(session.tokens))
+            P = len(session.tokens)
+            G = P // self.chunk * self.chunk
+            if session.live_len != G:
+                self.state.load_grid(session.slot)
+                self.state.pos[session.slot] = G
+            self._run_prefill(session.slot, session.tokens[G:] + new, G)
+            session.tokens.extend(new)
+            session.live_len = len(session.tokens)
+            return self.logits(session)
+
+    def _catch_up(self, session: Session) -> None:
+        """Fold tokens kept pending by a restore off the grid into the live state."""
+        if session.live_len < len(session.tokens):
+            self._run_prefill(session.slot, session.tokens[session.live_len:], session.live_len)
+            session.live_len = len(session.tokens)
+
+    def logits(self, session: Session) -> torch.Tensor:
+        self._own(session)
+        if not session.tokens:
+            raise InvalidRequestError("an empty session has no next-token logits; append a prompt first")
+        return self.model.logits(self.state, torch.tensor([session.slot], device=self.device))[0]
+
+    # ------------------------------------------------------------------ decode
+    def generate(self, sessions: Sequence[Session], max_new_tokens: int,
+                 sampling: Sequence[SamplingParams | None] | None = None) -> list[list[int]]:
+        """Sample for several sessions together, one batched decode step per token."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise InvalidRequestError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        sampling = list(sampling) if sampling is not None else [None] * len(sessions)
+        if len(sampling) != len(sessions):
+            raise InvalidRequestError("one SamplingParams per session (or None)")
+        params = [p or GREEDY for p in sampling]
+        with self._lock:
+            if len({id(s) for s in sessions}) != len(sessions):
+                raise InvalidRequestError("a session appears twice in one generate call")
+            for s in sessions:
+                self._own(s)
+                if not s.tokens:
+                    raise InvalidRequestError(f"session {s.id} is empty; append a prompt before generating")
+                s._interrupt = False
+                s.stop_reason = None
+            gens = [make_generator(p, self.device) for p in params]
+            outs: list[list[int]] = [[] for _ in sessions]
+            active = list(range(len(sessions)))
+            if max_new_tokens == 0:
+                for s in sessions:
+                    s.stop_reason = "length"
+                return outs
+            slots = torch.tensor([s.slot for s in sessions], device=self.device)
+            logits = self.model.logits(self.state, slots)
+            rows = {i: i for i in active}
+            for s in sessions:
+                self._catch_up(s)
+            while active:
+                toks = {}
+                for i in active:
+                    s = sessions[i]
+                    if len(s.tokens) >= self.config.max_seq:
+                        s.stop_reason = "max_seq"
+                        continue
+                    toks[i] = sample(logits[rows[i]], params[i], gens[i])
+                active = [i for i in active if i in toks]
+                if not active:
+                    break
+                self._decode([sessions[i] for i in active], [toks[i] for i in active])
+                still = []
+                for i in active:
+                    s, t = sessions[i], toks[i]
+                    outs[i].append(t)
+                    if t in params[i].stop_tokens:
+                        s.stop_reason = "stop_token"
+                    elif s._interrupt:
+                        s.stop_reason = "interrupted"
+                    elif len(outs[i]) >= max_new_tokens:
+                        s.stop_reason = "length"
+                    else:
+                        still.append(i)
+                active = still
+                if active:
+                    logits = self.model.logits(self.state, torch.tensor([sessions[i].slot for i in active], device=self.device))
+                    rows = {i: r for r, i in enumerate(active)}
+            return outs
+
+    def _decode(self, sessions: list[Session], tokens: list[int]) -> None:
+        slots = torch.tensor([s.slot for s in sessions], device=self.device)
+        ids = torch.tensor(tokens, device=self.device)[:, None]
+        self.model.forward(self.state, slots, ids, self._kv_len(max(len(s.tokens) for s in sessions) + 1))
+        for s, t in zip(sessions, tokens):
+            s.tokens.append(t)
+            s.live_len = len(s.tokens)
+            if s.live_len % self.chunk == 0:
+                self.state.save_grid(s.slot)
+
+    # ------------------------------------------------------------------ capsules
+    @property
+    def store(self):
+        return self.capsules.store
+
+    def snapshot(self, session: Session, name: str, tier: str = "gpu", pin: bool = False,
+                 mode: str = "full", namespace: str = "default"):
+        with self._lock:
+            self._own(session)
+            return self.capsules.snapshot(session, name, tier=tier, pin=pin, mode=mode, namespace=namespace)
+
+    def restore(self, name: str, namespace: str = "default") -> Session:
+        with self._lock:
+            session = self._take_slots(1)[0]
+            try:
+                self.capsules.restore_into(session, name, namespace)
+            except BaseException:
+                self.release(session)
+                raise
+            return session
+
+    def restore_into(self, session: Session, name: str, namespace: str = "default") -> None:
+        with self._lock:
+            self._own(session)
+            self.capsules.restore_into(session, name, namespace)
+
+    def fork(self, name: str, n: int, namespace: str = "default") -> list[Session]:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidRequestError(f"fork needs n >= 1 branches, got {n!r}")
+        with self._lock:
+            self.capsules.check_exists(name, namespace)
+            sessions = self._take_slots(n)
+            try:
+                for s in sessions:
+                    self.capsules.restore_into(s, name, namespace)
+            except BaseException:
+                for s in sessions:
+                    self.release(s)
+                raise
+            return sessions

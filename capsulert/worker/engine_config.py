@@ -1,0 +1,63 @@
+"""EngineConfig: the validated edge where users configure an Engine (pydantic)."""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK
+
+
+class TierBudgets(BaseModel):
+    """Byte budget per capsule tier; None = unlimited, 0 = tier disabled."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    gpu: int | None = Field(None, ge=0)
+    host: int | None = Field(None, ge=0)
+    disk: int | None = Field(None, ge=0)
+
+    def as_dict(self) -> dict[str, int | None]:
+        return {"gpu": self.gpu, "host": self.host, "disk": self.disk}
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field("default", description='"default" (embedded, generated on first use) or an HF checkpoint dir')
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    slots: int = Field(8, ge=1, le=4096)
+    max_seq: int = Field(4096, ge=64)
+    prefill_chunk: int = Field(256, ge=GATED_DELTA_CHUNK)
+    cache_dir: str | None = None
+    capsule_budgets: TierBudgets = TierBudgets()
+    disk_dir: str | None = None
+    policy: str = "pinned_lru"
+
+    @field_validator("prefill_chunk")
+    @classmethod
+    def _on_gated_delta_grid(cls, v: int) -> int:
+        if v % GATED_DELTA_CHUNK:
+            raise ValueError(f"prefill_chunk must be a multiple of {GATED_DELTA_CHUNK}, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _max_seq_on_grid(self) -> "EngineConfig":
+        if self.max_seq % self.prefill_chunk:
+            raise ValueError(f"max_seq ({self.max_seq}) must be a multiple of prefill_chunk ({self.prefill_chunk})")
+        return self
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            from capsulert.errors import ConfigError
+
+            raise ConfigError("device='cuda' was asked for but torch sees no CUDA device")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)

@@ -1,0 +1,156 @@
+"""Qwen3.5 hybrid text model (Gated DeltaNet + gated full attention) running on a StateSet.
+
+Functional: weights are plain tensors, every piece of session state lives in the StateSet and is
+updated in place. One forward handles B slots x T tokens: prefill (B = 1, T <= prefill_chunk, chunked
+gated delta rule) or decode (T = 1, recurrent step). Positions are read from `state.pos` on the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from capsulert.config import FULL, ModelConfig
+from capsulert.kernels import ops
+from capsulert.worker.state import StateSet
+
+
+def rms_norm_1p(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm: normalise in fp32, scale by (1 + w)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + w.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with a plain weight, then multiplied by silu(gate)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return ((w * xf.to(dtype)) * F.silu(gate.float())).to(dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass(frozen=True)
+class Layer:
+    index: int
+    kind: str  # "linear_attention" or "full_attention"
+    state_index: int  # index into the linear-layer or attention-layer buffers
+    w: dict[str, torch.Tensor]
+
+
+class HybridModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+        self.cfg = cfg
+        self.embed = weights["model.embed_tokens.weight"]
+        self.norm = weights["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        attn_idx = {layer: i for i, layer in enumerate(cfg.attention_layers)}
+        lin_idx = {layer: i for i, layer in enumerate(cfg.linear_layers)}
+        self.layers: list[Layer] = []
+        for i, kind in enumerate(cfg.layer_types):
+            prefix = f"model.layers.{i}."
+            w = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+            if kind != FULL:
+                w["conv"] = w["linear_attn.conv1d.weight"][:, 0, :]
+                w["neg_A"] = -w["linear_attn.A_log"].float().exp()
+            state_index = attn_idx[i] if kind == FULL else lin_idx[i]
+            self.layers.append(Layer(i, kind, state_index, w))
+        rot = cfg.rotary_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=self.device) / rot))
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, kv_len: int) -> None:
+        """Run tokens [B, T] for slots [B] at positions state.pos[slots] + t; updates every state buffer
+        of those slots in place, stores the last token's hidden state in last_hidden and advances pos."""
+        decode = tokens.shape[1] == 1 and tokens.shape[0] > 0
+        start = state.pos[slots].long()
+        h = self.embed[tokens]
+        positions = start[:, None] + torch.arange(tokens.shape[1], device=self.device)
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        rope = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
+        eps = self.cfg.rms_norm_eps
+        for layer in self.layers:
+            w = layer.w
+            x = rms_norm_1p(h, w["input_layernorm.weight"], eps)
+            if layer.kind == FULL:
+                x = self._attention(layer, x, state, slots, start, kv_len, rope)
+            else:
+                x = self._gated_delta_net(layer, x, state, slots, decode)
+            h = h + x
+            x = rms_norm_1p(h, w["post_attention_layernorm.weight"], eps)
+            x = F.linear(F.silu(F.linear(x, w["mlp.gate_proj.weight"])) * F.linear(x, w["mlp.up_proj.weight"]), w["mlp.down_proj.weight"])
+            h = h + x
+        state.last_hidden.index_copy_(0, slots, h[:, -1])
+        state.pos.index_add_(0, slots, torch.full_like(slots, tokens.shape[1], dtype=torch.int32))
+
+    def logits(self, state: StateSet, slots: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [B, vocab] (fp32) from the slots' last hidden state."""
+        h = rms_norm_1p(state.last_hidden[slots], self.norm, self.cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    # ------------------------------------------------------------------ mixers
+    def _attention(self, layer, x, state, slots, start, kv_len, rope):
+        cfg, w = self.cfg, layer.w
+        B, T, _ = x.shape
+        D = cfg.head_dim
+        q, gate = F.linear(x, w["self_attn.q_proj.weight"]).view(B, T, -1, 2 * D).chunk(2, dim=-1)
+        gate = gate.reshape(B, T, -1)
+        q = rms_norm_1p(q, w["self_attn.q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm_1p(F.linear(x, w["self_attn.k_proj.weight"]).view(B, T, -1, D), w["self_attn.k_norm.weight"], cfg.rms_norm_eps)
+        v = F.linear(x, w["self_attn.v_proj.weight"]).view(B, T, -1, D)
+        cos, sin = (t[:, :, None, :] for t in rope)
+        r = cfg.rotary_dim
+        q = torch.cat((q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]), dim=-1)
+        k = torch.cat((k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]), dim=-1)
+        kv_k, kv_v = state.kv_k[layer.state_index], state.kv_v[layer.state_index]
+        ops.write_kv(kv_k, kv_v, slots, start, k, v)
+        o = ops.attention(q, kv_k, kv_v, slots, start, kv_len, D**-0.5)
+        o = o.reshape(B, T, -1) * torch.sigmoid(gate)
+        return F.linear(o, w["self_attn.o_proj.weight"])
+
+    def _gated_delta_net(self, layer, x, state, slots, decode: bool):
+        cfg, w = self.cfg, layer.w
+        B, T, _ = x.shape
+        Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        mixed = F.linear(x, w["linear_attn.in_proj_qkv.weight"])
+        z = F.linear(x, w["linear_attn.in_proj_z.weight"]).view(B, T, Hv, Dv)
+        b = F.linear(x, w["linear_attn.in_proj_b.weight"])
+        a = F.linear(x, w["linear_attn.in_proj_a.weight"])
+        li = layer.state_index
+        conv_buf, ssm_buf = state.conv[li], state.ssm[li]
+        if decode:
+            mixed = ops.conv_step(mixed[:, 0], conv_buf, slots, w["conv"])[:, None]
+        else:
+            mixed = ops.conv_prefill(mixed, conv_buf, slots, w["conv"])
+        q, k, v = torch.split(mixed, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
+        q = q.reshape(B, T, Hk, Dk)
+        k = k.reshape(B, T, Hk, Dk)
+        v = v.reshape(B, T, Hv, Dv)
+        beta = torch.sigmoid(b).float()
+        g = w["neg_A"] * F.softplus(a.float() + w["linear_attn.dt_bias"])
+        if Hv != Hk:
+            q = q.repeat_interleave(Hv // Hk, dim=2)
+            k = k.repeat_interleave(Hv // Hk, dim=2)
+        q = l2_normalize(q.float()) * Dk**-0.5
+        k = l2_normalize(k.float())
+        v = v.float()
+        if decode:
+            o = ops.gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm_buf, slots)[:, None]
+        else:
+            o = ops.gated_delta_prefill(q, k, v, g, beta, ssm_buf, slots)
+        o = gated_rms_norm(o.to(x.dtype), z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
+        return F.linear(o.reshape(B, T, -1), w["linear_attn.out_proj.weight"])

@@ -1,0 +1,71 @@
+"""Session: a handle on one slot of the engine's state set. All work is done by the Engine."""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from capsulert.errors import SessionClosedError
+from capsulert.worker.sampler import SamplingParams
+
+if TYPE_CHECKING:
+    from capsulert.capsule_store.capsule import CapsuleRef
+    from capsulert.worker.engine import Engine
+
+_ids = itertools.count()
+
+
+class Session:
+    """Host-side view of a slot: the token ids committed so far and how many are folded into live state.
+
+    `tokens[:live_len]` are in the slot's live buffers; `tokens[live_len:]` (only after a restore of a
+    boundary off the prefill grid) are replayed before they are needed. Users never see the difference.
+    """
+
+    def __init__(self, engine: "Engine", slot: int):
+        self.engine = engine
+        self.slot = slot
+        self.id = next(_ids)
+        self.tokens: list[int] = []
+        self.live_len = 0
+        self.closed = False
+        self.stop_reason: str | None = None
+        self._interrupt = False
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"slot={self.slot} len={len(self.tokens)}"
+        return f"Session(id={self.id}, {state})"
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionClosedError(f"session {self.id} is closed; open or restore a new one")
+
+    def append(self, tokens_or_text: str | Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Prefill more tokens; returns the next-token logits [vocab] (fp32)."""
+        return self.engine.append(self, tokens_or_text)
+
+    def logits(self) -> torch.Tensor:
+        return self.engine.logits(self)
+
+    def generate(self, max_new_tokens: int, sampling: SamplingParams | None = None) -> list[int]:
+        """Sample up to max_new_tokens; each produced token is committed to the state before the next."""
+        return self.engine.generate([self], max_new_tokens, [sampling] if sampling else None)[0]
+
+    def interrupt(self) -> None:
+        """Stop a running generate at the next token boundary (thread-safe flag)."""
+        self._interrupt = True
+
+    def snapshot(self, name: str, tier: str = "gpu", pin: bool = False, mode: str = "full") -> "CapsuleRef":
+        return self.engine.snapshot(self, name, tier=tier, pin=pin, mode=mode)
+
+    def restore(self, name: str) -> None:
+        """Replace this session's state with the capsule's, in place (rollback, episode reset)."""
+        self.engine.restore_into(self, name)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.engine.release(self)
