@@ -1,0 +1,36 @@
+import pytest
+
+from capsulert.worker.default_model import ensure_default_model
+from capsulert.worker.engine import Engine
+
+PROMPT = (
+    "The capsule runtime keeps the complete state of a session at a committed boundary, so an agent can "
+    "return to a long shared context in milliseconds. A hybrid model folds the whole prefix into its "
+    "recurrent state; the attention layers keep keys and values for every position. Restoring only the "
+    "keys and values would lose the fold, and the continuation would drift away from the original one. "
+)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory):
+    return ensure_default_model(tmp_path_factory.mktemp("model-cache"))
+
+
+@pytest.fixture
+def make_engine(default_model_dir):
+    def make(**overrides):
+        cfg = dict(model=str(default_model_dir), device="cpu", slots=4, max_seq=2048, prefill_chunk=128)
+        cfg.update(overrides)
+        return Engine.from_config(cfg)
+
+    return make
+
+
+@pytest.fixture
+def engine(make_engine):
+    return make_engine()
+
+
+@pytest.fixture
+def text():
+    return PROMPT * 6

@@ -1,0 +1,141 @@
+"""Engine behaviour on the embedded default model (CPU, fp32)."""
+import json
+
+import pytest
+import torch
+
+from capsulert.errors import (
+    InvalidRequestError,
+    InvalidTokenError,
+    ModelLoadError,
+    NoFreeSlotError,
+    SequenceTooLongError,
+    SessionClosedError,
+    UnsupportedModelError,
+)
+from capsulert.worker.engine import Engine
+from capsulert.worker.sampler import SamplingParams
+
+
+def slot_state(engine, session):
+    """Every live buffer of the slot, KV up to the session length."""
+    st, s, n = engine.state, session.slot, len(session)
+    return {
+        "kv_k": st.kv_k[:, s, :n].clone(),
+        "kv_v": st.kv_v[:, s, :n].clone(),
+        "ssm": st.ssm[:, s].clone(),
+        "conv": st.conv[:, s].clone(),
+        "last_hidden": st.last_hidden[s].clone(),
+        "pos": st.pos[s].clone(),
+    }
+
+
+def assert_state_equal(a, b):
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("splits", [[128, 256], [100, 300], [1, 129, 130, 400], [383]], ids=["on-grid", "off-grid", "ragged", "one-short"])
+def test_prefill_split_into_appends_is_bitwise_equal(engine, text, splits):
+    tokens = engine.tokenize(text)[:450]
+    one = engine.open()
+    logits_one = one.append(tokens)
+    state_one = slot_state(engine, one)
+    many = engine.open()
+    prev = 0
+    for cut in splits + [len(tokens)]:
+        logits_many = many.append(tokens[prev:cut])
+        prev = cut
+    assert torch.equal(logits_one, logits_many)
+    assert_state_equal(state_one, slot_state(engine, many))
+
+
+def test_state_buffers_never_move(engine, text):
+    before = engine.state.data_ptrs()
+    s = engine.open()
+    s.append(text)
+    s.generate(8)
+    s.snapshot("p")
+    r = engine.restore("p")
+    r.append("more text")
+    engine.generate([s, r], 4)
+    assert engine.state.data_ptrs() == before
+
+
+def test_batched_decode_matches_single_greedy(engine, text):
+    prompts = [text[:200], text[100:400], text[50:150]]
+    singles = []
+    for p in prompts:
+        s = engine.open()
+        s.append(p)
+        singles.append(s.generate(24))
+        s.close()
+    sessions = [engine.open() for _ in prompts]
+    for s, p in zip(sessions, prompts):
+        s.append(p)
+    assert engine.generate(sessions, 24) == singles
+
+
+def test_seeded_sampling_is_reproducible(engine, text):
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=7)
+    outs = []
+    for seed in (7, 7, 8):
+        s = engine.open()
+        s.append(text)
+        outs.append(s.generate(32, params.model_copy(update={"seed": seed})))
+        s.close()
+    assert outs[0] == outs[1]
+    assert outs[0] != outs[2]
+
+
+def test_generation_commits_every_token(engine, text):
+    s = engine.open()
+    s.append(text)
+    n = len(s)
+    out = s.generate(10)
+    assert len(s) == n + 10 and s.tokens[-10:] == out and s.stop_reason == "length"
+    # the state after generating equals a prefill of the same tokens, greedily
+    t = engine.open()
+    t.append(s.tokens)
+    assert s.generate(8) == t.generate(8)
+
+
+def test_generation_stops_at_max_seq_with_state_intact(make_engine):
+    eng = make_engine(max_seq=256)
+    s = eng.open()
+    s.append(list(range(1, 250)))
+    out = s.generate(50)
+    assert len(out) == 7 and s.stop_reason == "max_seq" and len(s) == 256
+    with pytest.raises(SequenceTooLongError):
+        s.append([5])
+
+
+def test_refusals_are_typed_and_leave_engine_usable(engine, text, tmp_path):
+    s = engine.open()
+    ref = s.append(text).clone()
+    vocab = engine.model_cfg.vocab_size
+    for bad in ([vocab], [-1], [1.5], ["a"], [True], []):
+        with pytest.raises(InvalidTokenError):
+            s.append(bad)
+    with pytest.raises(SequenceTooLongError):
+        s.append(list(range(engine.config.max_seq)))
+    with pytest.raises(SequenceTooLongError):
+        s.append("x" * (64 * engine.config.max_seq + 1))
+    with pytest.raises(InvalidRequestError):
+        s.generate(-1)
+    assert torch.equal(s.logits(), ref)  # nothing above touched the session
+    others = [engine.open() for _ in range(engine.free_slots)]
+    with pytest.raises(NoFreeSlotError):
+        engine.open()
+    others[0].close()
+    with pytest.raises(SessionClosedError):
+        others[0].append([1, 2, 3])
+    fresh = engine.open()
+    assert torch.equal(fresh.append(text), ref)
+
+    with pytest.raises(ModelLoadError):
+        Engine.from_config(model=str(tmp_path / "nowhere"), device="cpu")
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    with pytest.raises(UnsupportedModelError):
+        Engine.from_config(model=str(tmp_path / "llama"), device="cpu")
