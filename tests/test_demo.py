@@ -1,0 +1,13 @@
+"""The main job runs end to end (quick mode) and its own checks pass."""
+import subprocess
+import sys
+
+
+def test_demo_quick(default_model_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "capsulert.demo", "--quick", "--device", "cpu", "--cache-dir", str(default_model_dir)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all checks passed" in proc.stdout
+    assert proc.stdout.count("bitwise") == 3
