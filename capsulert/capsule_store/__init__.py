@@ -1,1 +1,29 @@
 """Capsules and their store: tiers (gpu, host, disk), moves between them, the on-disk format."""
+from capsulert.capsule_store.capsule import (
+    CapsuleInfo,
+    CapsuleMeta,
+    CapsuleRef,
+    capsule_file_name,
+    tensor_nbytes,
+    tensors_checksum,
+    token_digest,
+    validate_name,
+)
+from capsulert.capsule_store.disk import read_capsule, read_header, write_capsule, write_capsule_with_meta
+from capsulert.capsule_store.store import CapsuleStore
+
+__all__ = [
+    "CapsuleInfo",
+    "CapsuleMeta",
+    "CapsuleRef",
+    "CapsuleStore",
+    "capsule_file_name",
+    "read_capsule",
+    "read_header",
+    "tensor_nbytes",
+    "tensors_checksum",
+    "token_digest",
+    "validate_name",
+    "write_capsule",
+    "write_capsule_with_meta",
+]

@@ -1,0 +1,229 @@
+"""The capsule data model: metadata, listing records, references, name rules and digests.
+
+A capsule is a named, immutable copy of one session slot's complete state at a boundary P. Its
+tensors live in the store; this module holds what describes them. Nothing here touches the disk or
+the device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+import sys
+from array import array
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from capsulert.errors import CorruptCapsuleError, InvalidCapsuleNameError
+
+MAX_NAME_LEN = 200
+_NAME_RE = re.compile(r"[A-Za-z0-9_:@+=\-][A-Za-z0-9._:@+=\-]{0,199}")
+_HEX64_RE = re.compile(r"[0-9a-f]{64}")
+_INT32_MAX = 2**31 - 1
+
+
+def validate_name(name: object, what: str = "capsule name") -> str:
+    """Return `name` if it is a valid capsule name (or namespace); else InvalidCapsuleNameError.
+
+    Rule: 1..200 characters of [A-Za-z0-9._:@+=-], not starting with '.' (so never '.', '..' or a
+    hidden file). '/', '\\', NUL, spaces and non-ASCII are refused. A name is never a path: file
+    names on disk derive from a hash of (namespace, name).
+    """
+    if not isinstance(name, str):
+        raise InvalidCapsuleNameError(f"{what} must be a str, got {type(name).__name__}")
+    if not name:
+        raise InvalidCapsuleNameError(f"{what} must not be empty")
+    if len(name) > MAX_NAME_LEN:
+        raise InvalidCapsuleNameError(f"{what} is {len(name)} characters long; the limit is {MAX_NAME_LEN}")
+    if name.startswith("."):
+        raise InvalidCapsuleNameError(f"{what} {name!r} must not start with '.' (names are not paths)")
+    if _NAME_RE.fullmatch(name) is None:
+        raise InvalidCapsuleNameError(
+            f"{what} {name!r} may only contain ASCII letters, digits and . _ : @ + = - "
+            f"(no '/', '\\', NUL, spaces or other characters: names are not paths)"
+        )
+    return name
+
+
+def token_digest(tokens: Any) -> str:
+    """sha256 hex of the token ids as little-endian int32 bytes."""
+    arr = array("i", tokens)
+    if arr.itemsize != 4:  # pragma: no cover - every platform torch runs on has a 4-byte int
+        raise RuntimeError("array('i') is not 32-bit on this platform")
+    if sys.byteorder != "little":  # pragma: no cover
+        arr.byteswap()
+    return hashlib.sha256(arr.tobytes()).hexdigest()
+
+
+def tensor_nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def tensors_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 hex over (name, dtype, shape, raw bytes) of every tensor, in sorted-name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        head = f"{name}\x00{t.dtype}\x00{tuple(t.shape)}\x00{t.numel() * t.element_size()}\x00"
+        h.update(head.encode("utf-8"))
+        if t.numel():
+            flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            h.update(flat.numpy().data)
+    return h.hexdigest()
+
+
+def capsule_key_hash(namespace: str, name: str) -> str:
+    """sha256 hex of namespace + NUL + name: the only thing on disk derived from a name."""
+    return hashlib.sha256(f"{namespace}\x00{name}".encode("utf-8")).hexdigest()
+
+
+def capsule_file_name(namespace: str, name: str) -> str:
+    return f"{capsule_key_hash(namespace, name)[:40]}.capsule.safetensors"
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class CapsuleMeta:
+    """Everything that describes a capsule except its tensors. Validated on construction (ValueError
+    or InvalidCapsuleNameError); from_json turns any refusal into CorruptCapsuleError."""
+
+    name: str
+    namespace: str
+    boundary: int  # P: tokens covered
+    grid_pos: int  # G <= P: the stored state is at G; tokens[G:P] are replayed on restore
+    tokens: tuple[int, ...]
+    token_digest: str
+    fingerprint: str
+    layout_version: int
+    prefill_chunk: int
+    nbytes: int
+    created_at: float
+    recompute_cost_s: float
+    checksum: str = ""
+
+    def __post_init__(self) -> None:
+        validate_name(self.name)
+        validate_name(self.namespace, "namespace")
+        toks = self.tokens
+        if isinstance(toks, (str, bytes)) or not isinstance(toks, (tuple, list)):
+            raise ValueError(f"tokens must be a tuple of ints, got {type(toks).__name__}")
+        if not all(_is_int(t) and 0 <= t <= _INT32_MAX for t in toks):
+            raise ValueError("tokens must be ints in [0, 2**31 - 1]")
+        object.__setattr__(self, "tokens", tuple(toks))
+        for f in ("boundary", "grid_pos", "layout_version", "prefill_chunk", "nbytes"):
+            v = getattr(self, f)
+            if not _is_int(v) or v < 0:
+                raise ValueError(f"{f} must be an int >= 0, got {v!r}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.boundary != len(self.tokens):
+            raise ValueError(f"boundary {self.boundary} != number of tokens {len(self.tokens)}")
+        if self.grid_pos > self.boundary:
+            raise ValueError(f"grid_pos {self.grid_pos} > boundary {self.boundary}")
+        if not isinstance(self.fingerprint, str) or not self.fingerprint:
+            raise ValueError("fingerprint must be a non-empty str")
+        for f in ("created_at", "recompute_cost_s"):
+            v = getattr(self, f)
+            if not _is_num(v) or v < 0:
+                raise ValueError(f"{f} must be a finite number >= 0, got {v!r}")
+            object.__setattr__(self, f, float(v))
+        if not isinstance(self.token_digest, str) or _HEX64_RE.fullmatch(self.token_digest) is None:
+            raise ValueError("token_digest must be 64 lowercase hex characters")
+        if self.token_digest != token_digest(self.tokens):
+            raise ValueError("token_digest does not match tokens")
+        if not isinstance(self.checksum, str) or (
+            self.checksum and _HEX64_RE.fullmatch(self.checksum) is None
+        ):
+            raise ValueError("checksum must be '' or 64 lowercase hex characters")
+
+    @classmethod
+    def build(cls, *, name: str, namespace: str = "default", tokens: Any, grid_pos: int,
+              fingerprint: str, layout_version: int, prefill_chunk: int, nbytes: int,
+              recompute_cost_s: float = 0.0, created_at: float | None = None) -> "CapsuleMeta":
+        """Convenience constructor: fills boundary, token_digest and created_at."""
+        import time
+
+        toks = tuple(int(t) for t in tokens)
+        return cls(name=name, namespace=namespace, boundary=len(toks), grid_pos=grid_pos,
+                   tokens=toks, token_digest=token_digest(toks), fingerprint=fingerprint,
+                   layout_version=layout_version, prefill_chunk=prefill_chunk, nbytes=nbytes,
+                   created_at=time.time() if created_at is None else created_at,
+                   recompute_cost_s=recompute_cost_s)
+
+    def replace(self, **changes: Any) -> "CapsuleMeta":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["tokens"] = list(self.tokens)
+        return json.dumps(d, separators=(",", ":"), sort_keys=True, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "CapsuleMeta":
+        try:
+            d = json.loads(text, parse_constant=_refuse_constant)
+        except (ValueError, TypeError, RecursionError) as e:
+            raise CorruptCapsuleError(f"capsule metadata is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise CorruptCapsuleError("capsule metadata must be a JSON object")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if set(d) != fields:
+            missing, extra = sorted(fields - set(d)), sorted(set(d) - fields)
+            raise CorruptCapsuleError(f"capsule metadata fields wrong: missing {missing}, unexpected {extra}")
+        for f in ("name", "namespace", "token_digest", "fingerprint", "checksum"):
+            if not isinstance(d[f], str):
+                raise CorruptCapsuleError(f"capsule metadata field {f!r} must be a string")
+        if not isinstance(d["tokens"], list):
+            raise CorruptCapsuleError("capsule metadata field 'tokens' must be a list")
+        try:
+            return cls(**{**d, "tokens": tuple(d["tokens"])})
+        except (ValueError, TypeError, InvalidCapsuleNameError) as e:
+            raise CorruptCapsuleError(f"capsule metadata is invalid: {e}") from None
+
+
+def _refuse_constant(c: str) -> Any:
+    raise ValueError(f"non-finite number {c} in capsule metadata")
+
+
+@dataclass(frozen=True)
+class CapsuleInfo:
+    """One row of CapsuleStore.list(): the metadata plus where the capsule is now."""
+
+    meta: CapsuleMeta
+    tier: str
+    pinned: bool
+    last_used: float
+
+    @property
+    def name(self) -> str:
+        return self.meta.name
+
+    @property
+    def namespace(self) -> str:
+        return self.meta.namespace
+
+    @property
+    def nbytes(self) -> int:
+        return self.meta.nbytes
+
+
+@dataclass(frozen=True)
+class CapsuleRef:
+    """What snapshot returns: a handle by name, not the tensors."""
+
+    name: str
+    namespace: str
+    tier: str
+    nbytes: int
+    boundary: int
