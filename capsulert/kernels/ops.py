@@ -17,9 +17,16 @@ def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float) -> torch.T
     return attention_ref(q, kv_k, kv_v, slots, start, kv_len, scale)
 
 
-def conv_prefill(x, conv_buf, slots, weight) -> torch.Tensor:
-    """x [B, T, C]; conv_buf [slots, C, K-1] updated in place for `slots`."""
-    out, new_state = causal_conv1d_ref(x, conv_buf[slots], weight)
+def conv_prefill(x, conv_buf, slots, weight, valid=None) -> torch.Tensor:
+    """x [B, T, C]; conv_buf [slots, C, K-1] updated in place for `slots`. With `valid` [B], only the
+    first valid[b] tokens of a row are real: the new state is the history ending at the last real one."""
+    history = conv_buf[slots]
+    out, new_state = causal_conv1d_ref(x, history, weight)
+    if valid is not None:
+        width = history.shape[-1]
+        full = torch.cat([history, x.transpose(1, 2)], dim=-1)
+        idx = (valid[:, None] + torch.arange(width, device=x.device))[:, None, :].expand(-1, full.shape[1], -1)
+        new_state = full.gather(-1, idx)
     conv_buf.index_copy_(0, slots, new_state)
     return out
 

@@ -39,7 +39,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.fingerprint = fingerprint
         self.chunk = config.prefill_chunk
-        self.state = StateSet(StateLayout.for_model(model_cfg, config.slots, config.max_seq, self.dtype, self.device))
+        # one extra scratch slot absorbs the padding rows of captured graphs; KV keeps a chunk of slack
+        # rows because a padded prefill chunk writes (ignored) KV past the last real token
+        self.scratch_slot = config.slots
+        layout = StateLayout.for_model(model_cfg, config.slots + 1, config.max_seq + self.chunk, self.dtype, self.device)
+        self.state = StateSet(layout)
         self._free = list(range(config.slots))
         self._sessions: dict[int, Session] = {}
         self._lock = threading.RLock()
@@ -47,6 +51,13 @@ class Engine:
         from capsulert.worker.capsules import CapsuleVerbs
 
         self.capsules = CapsuleVerbs(self)
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            from capsulert.worker.graphs import GraphPlans
+
+            self.graphs = GraphPlans(self.model, self.state, self.scratch_slot, config.max_seq, self.chunk,
+                                     tuple(b for b in config.decode_batches if b <= config.slots) or (1,))
+            self.graphs.capture()
 
     @classmethod
     def from_config(cls, config: EngineConfig | dict | None = None, **overrides) -> "Engine":
@@ -150,13 +161,17 @@ class Engine:
 
     def _run_prefill(self, slot: int, tokens: list[int], start: int) -> None:
         """Run tokens at positions [start, start+len) on the chunk grid; the slot's live state must be at start."""
-        slots = torch.tensor([slot], device=self.device)
-        ids = torch.tensor(tokens, device=self.device)
+        if self.graphs is None:
+            slots = torch.tensor([slot], device=self.device)
+            ids = torch.tensor(tokens, device=self.device)
         a, end = start, start + len(tokens)
         t0 = time.perf_counter()
         while a < end:
             b = min((a // self.chunk + 1) * self.chunk, end)
-            self.model.forward(self.state, slots, ids[None, a - start:b - start], self._kv_len(b))
+            if self.graphs is not None:
+                self.graphs.prefill(slot, tokens[a - start:b - start])
+            else:
+                self.model.forward(self.state, slots, ids[None, a - start:b - start], self._kv_len(b))
             if b % self.chunk == 0:
                 self.state.save_grid(slot)
             a = b
@@ -233,7 +248,7 @@ class Engine:
                 active = [i for i in active if i in toks]
                 if not active:
                     break
-                self._decode([sessions[i] for i in active], [toks[i] for i in active])
+                step_logits = self._decode([sessions[i] for i in active], [toks[i] for i in active])
                 still = []
                 for i in active:
                     s, t = sessions[i], toks[i]
@@ -246,21 +261,25 @@ class Engine:
                         s.stop_reason = "length"
                     else:
                         still.append(i)
+                logits, rows = step_logits, {i: r for r, i in enumerate(active)}
                 active = still
-                if active:
-                    logits = self.model.logits(self.state, torch.tensor([sessions[i].slot for i in active], device=self.device))
-                    rows = {i: r for r, i in enumerate(active)}
             return outs
 
-    def _decode(self, sessions: list[Session], tokens: list[int]) -> None:
-        slots = torch.tensor([s.slot for s in sessions], device=self.device)
-        ids = torch.tensor(tokens, device=self.device)[:, None]
-        self.model.forward(self.state, slots, ids, self._kv_len(max(len(s.tokens) for s in sessions) + 1))
+    def _decode(self, sessions: list[Session], tokens: list[int]) -> torch.Tensor:
+        """Feed one token to each session (one batched step); returns their next-token logits."""
+        if self.graphs is not None:
+            logits = self.graphs.decode([s.slot for s in sessions], tokens)
+        else:
+            slots = torch.tensor([s.slot for s in sessions], device=self.device)
+            ids = torch.tensor(tokens, device=self.device)[:, None]
+            self.model.forward(self.state, slots, ids, self._kv_len(max(len(s.tokens) for s in sessions) + 1))
+            logits = self.model.logits(self.state, slots)
         for s, t in zip(sessions, tokens):
             s.tokens.append(t)
             s.live_len = len(s.tokens)
             if s.live_len % self.chunk == 0:
                 self.state.save_grid(s.slot)
+        return logits
 
     # ------------------------------------------------------------------ capsules
     @property

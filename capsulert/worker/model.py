@@ -72,10 +72,14 @@ class HybridModel:
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, kv_len: int) -> None:
+    def forward(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, kv_len: int,
+                valid: torch.Tensor | None = None) -> None:
         """Run tokens [B, T] for slots [B] at positions state.pos[slots] + t; updates every state buffer
-        of those slots in place, stores the last token's hidden state in last_hidden and advances pos."""
-        decode = tokens.shape[1] == 1 and tokens.shape[0] > 0
+        of those slots in place, stores the last token's hidden state in last_hidden and advances pos.
+
+        `valid` [B] (device) marks only the first valid[b] tokens of a row as real: the rest is padding
+        that a captured graph of a fixed T carries; it neither writes state nor advances pos."""
+        decode = tokens.shape[1] == 1
         start = state.pos[slots].long()
         h = self.embed[tokens]
         positions = start[:, None] + torch.arange(tokens.shape[1], device=self.device)
@@ -89,13 +93,18 @@ class HybridModel:
             if layer.kind == FULL:
                 x = self._attention(layer, x, state, slots, start, kv_len, rope)
             else:
-                x = self._gated_delta_net(layer, x, state, slots, decode)
+                x = self._gated_delta_net(layer, x, state, slots, decode, valid)
             h = h + x
             x = rms_norm_1p(h, w["post_attention_layernorm.weight"], eps)
             x = F.linear(F.silu(F.linear(x, w["mlp.gate_proj.weight"])) * F.linear(x, w["mlp.up_proj.weight"]), w["mlp.down_proj.weight"])
             h = h + x
-        state.last_hidden.index_copy_(0, slots, h[:, -1])
-        state.pos.index_add_(0, slots, torch.full_like(slots, tokens.shape[1], dtype=torch.int32))
+        if valid is None:
+            state.last_hidden.index_copy_(0, slots, h[:, -1])
+            state.pos.index_add_(0, slots, torch.full_like(slots, tokens.shape[1], dtype=torch.int32))
+        else:
+            last = h[torch.arange(h.shape[0], device=self.device), valid - 1]
+            state.last_hidden.index_copy_(0, slots, last)
+            state.pos.index_add_(0, slots, valid.to(torch.int32))
 
     def logits(self, state: StateSet, slots: torch.Tensor) -> torch.Tensor:
         """Next-token logits [B, vocab] (fp32) from the slots' last hidden state."""
@@ -122,7 +131,7 @@ class HybridModel:
         o = o.reshape(B, T, -1) * torch.sigmoid(gate)
         return F.linear(o, w["self_attn.o_proj.weight"])
 
-    def _gated_delta_net(self, layer, x, state, slots, decode: bool):
+    def _gated_delta_net(self, layer, x, state, slots, decode: bool, valid):
         cfg, w = self.cfg, layer.w
         B, T, _ = x.shape
         Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -135,13 +144,17 @@ class HybridModel:
         if decode:
             mixed = ops.conv_step(mixed[:, 0], conv_buf, slots, w["conv"])[:, None]
         else:
-            mixed = ops.conv_prefill(mixed, conv_buf, slots, w["conv"])
+            mixed = ops.conv_prefill(mixed, conv_buf, slots, w["conv"], valid)
         q, k, v = torch.split(mixed, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
         q = q.reshape(B, T, Hk, Dk)
         k = k.reshape(B, T, Hk, Dk)
         v = v.reshape(B, T, Hv, Dv)
         beta = torch.sigmoid(b).float()
         g = w["neg_A"] * F.softplus(a.float() + w["linear_attn.dt_bias"])
+        if valid is not None and not decode:  # padding tokens neither decay nor write the state
+            real = (torch.arange(T, device=x.device)[None, :] < valid[:, None]).float()[..., None]
+            beta = beta * real
+            g = g * real
         if Hv != Hk:
             q = q.repeat_interleave(Hv // Hk, dim=2)
             k = k.repeat_interleave(Hv // Hk, dim=2)

@@ -1,0 +1,108 @@
+"""Graph plans: CUDA graphs captured once over the static state set, keyed by ShapeKey.
+
+A plan reads its inputs from static buffers (token ids, slot ids, valid lengths) and positions from
+`state.pos`, so one captured graph serves every slot and every position. Prefill of n tokens replays the
+graph of the smallest bucket >= n with the tail marked as padding; a decode batch of b sessions replays
+the graph of the smallest batch bucket >= b, padding rows pointing at the scratch slot.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from capsulert.worker.model import HybridModel
+from capsulert.worker.state import StateSet
+
+
+@dataclass(frozen=True, order=True)
+class ShapeKey:
+    phase: str  # "prefill" or "decode"
+    batch: int
+    tokens: int
+
+
+def prefill_buckets(prefill_chunk: int, smallest: int = 16) -> list[int]:
+    out, t = [], smallest
+    while t < prefill_chunk:
+        out.append(t)
+        t *= 2
+    return out + [prefill_chunk]
+
+
+class GraphPlans:
+    def __init__(self, model: HybridModel, state: StateSet, scratch_slot: int, max_seq: int,
+                 prefill_chunk: int, decode_batches: tuple[int, ...]):
+        self.model, self.state, self.scratch = model, state, scratch_slot
+        self.max_seq = max_seq
+        self.prefill_sizes = prefill_buckets(prefill_chunk)
+        self.decode_batches = tuple(sorted(decode_batches))
+        dev = state.layout.device
+        bmax = max(self.decode_batches)
+        self.tokens = torch.zeros(max(bmax, 1), prefill_chunk, dtype=torch.long, device=dev)
+        self.slots = torch.full((bmax,), scratch_slot, dtype=torch.long, device=dev)
+        self.valid = torch.ones(bmax, dtype=torch.long, device=dev)
+        self.logits = torch.zeros(bmax, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.capture_s = 0.0
+
+    def _run(self, key: ShapeKey) -> None:
+        B, T = key.batch, key.tokens
+        # the scratch slot absorbs padding rows; keep its position in range whatever ran before
+        self.state.pos[self.scratch:self.scratch + 1].zero_()
+        self.model.forward(self.state, self.slots[:B], self.tokens[:B, :T], self.max_seq, self.valid[:B])
+        if key.phase == "decode":
+            self.logits[:B].copy_(self.model.logits(self.state, self.slots[:B]))
+
+    def capture(self, progress: bool = True) -> None:
+        keys = [ShapeKey("decode", b, 1) for b in self.decode_batches]
+        keys += [ShapeKey("prefill", 1, t) for t in self.prefill_sizes]
+        t0 = time.perf_counter()
+        saved = {n: b.clone() for n, b in self.state.buffers.items() if n in ("pos",)}
+        self.slots.fill_(self.scratch)
+        self.valid.fill_(1)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for key in keys:  # warm up every shape (allocator, Triton autotune) before capture
+                self._run(key)
+        torch.cuda.current_stream().wait_stream(side)
+        for i, key in enumerate(keys):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self._run(key)
+            self.pool = g.pool()
+            self.graphs[key] = g
+            if progress:
+                print(f"\rcapturing CUDA graphs {i + 1}/{len(keys)} ({key.phase} b={key.batch} t={key.tokens})",
+                      end="", file=sys.stderr, flush=True)
+        torch.cuda.synchronize()
+        for n, b in saved.items():
+            self.state.buffers[n].copy_(b)
+        self.capture_s = time.perf_counter() - t0
+        if progress:
+            print(f"\rcaptured {len(keys)} CUDA graphs in {self.capture_s:.1f} s" + " " * 20, file=sys.stderr)
+
+    def prefill(self, slot: int, tokens: list[int]) -> None:
+        n = len(tokens)
+        T = next(t for t in self.prefill_sizes if t >= n)
+        row = torch.zeros(T, dtype=torch.long)
+        row[:n] = torch.tensor(tokens)
+        self.tokens[0, :T].copy_(row, non_blocking=True)
+        self.slots[0] = slot
+        self.valid[0] = n
+        self.graphs[ShapeKey("prefill", 1, T)].replay()
+
+    def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
+        """One token for each slot; returns next-token logits [len(slots), vocab] (a view, copy to keep)."""
+        n = len(slots)
+        B = next(b for b in self.decode_batches if b >= n)
+        pad = B - n
+        self.tokens[:B, 0].copy_(torch.tensor(tokens + [0] * pad), non_blocking=True)
+        self.slots[:B].copy_(torch.tensor(slots + [self.scratch] * pad), non_blocking=True)
+        self.valid[:B].fill_(1)
+        self.graphs[ShapeKey("decode", B, 1)].replay()
+        return self.logits[:n]

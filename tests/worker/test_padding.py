@@ -1,0 +1,44 @@
+"""Padded forwards (what captured graphs run) equal unpadded ones on the real tokens and rows."""
+import torch
+
+from tests.worker.test_engine import slot_state
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_padded_prefill_chunk_matches_exact_length(engine, text):
+    tokens = engine.tokenize(text)[:37]
+    exact = engine.open()
+    exact.append(tokens)
+    padded = engine.open()
+    ids = torch.zeros(1, 64, dtype=torch.long)
+    ids[0, :37] = torch.tensor(tokens)
+    engine.model.forward(engine.state, torch.tensor([padded.slot]), ids, 128, torch.tensor([37]))
+    padded.tokens, padded.live_len = list(tokens), 37
+    a, b = slot_state(engine, exact), slot_state(engine, padded)
+    assert torch.equal(a["pos"], b["pos"])
+    for k in ("kv_k", "kv_v", "ssm", "conv", "last_hidden"):
+        close(a[k], b[k])
+    close(exact.logits(), padded.logits())
+    assert exact.generate(8) == padded.generate(8)
+
+
+def test_padded_decode_rows_touch_only_the_scratch_slot(engine, text):
+    s = engine.open()
+    s.append(text[:300])
+    bystander = engine.open()
+    bystander.append(text[300:500])
+    before = slot_state(engine, bystander)
+    ref = engine.open()
+    ref.append(text[:300])
+    ref_logits = engine._decode([ref], [7])
+    scratch = engine.scratch_slot
+    engine.state.pos[scratch] = 0
+    slots = torch.tensor([s.slot, scratch, scratch])
+    engine.model.forward(engine.state, slots, torch.tensor([[7], [0], [0]]), engine.config.max_seq, torch.ones(3, dtype=torch.long))
+    close(engine.model.logits(engine.state, slots[:1]), ref_logits)
+    after = slot_state(engine, bystander)
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
