@@ -6,6 +6,7 @@ prefill give bitwise the same logits and state. Decode steps several slots at on
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from capsulert.worker.model import HybridModel
 from capsulert.worker.sampler import GREEDY, SamplingParams, make_generator, sample
 from capsulert.worker.session import Session
 from capsulert.worker.state import StateLayout, StateSet
+
+RANDOM_PREFIX = "random:"  # model="random:<architecture yaml>": deterministic random weights on the device
 
 
 class Engine:
@@ -70,6 +73,8 @@ class Engine:
             config = config.model_copy(update=overrides)
         device = config.torch_device()
         dtype = config.torch_dtype(device)
+        if config.model.startswith(RANDOM_PREFIX):
+            return cls._random(config, device, dtype)
         if config.model == "default":
             path = ensure_default_model(Path(config.cache_dir) if config.cache_dir else None)
         else:
@@ -77,6 +82,19 @@ class Engine:
         model_cfg, weights = load_checkpoint(path, dtype=dtype, device=device)
         fingerprint = f"{weights_fingerprint(model_cfg, weights)}:{dtype}".replace("torch.", "")
         return cls(config, model_cfg, weights, load_tokenizer(path), fingerprint)
+
+    @classmethod
+    def _random(cls, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> "Engine":
+        """Deterministic random weights for an architecture YAML, generated on the device (benchmarks)."""
+        import hashlib
+
+        from capsulert.worker.default_model import SEED, init_weights
+
+        model_cfg = ModelConfig.from_file(config.model[len(RANDOM_PREFIX):])
+        weights = init_weights(model_cfg, SEED, device=device, dtype=dtype)
+        digest = hashlib.sha256(json.dumps(model_cfg.to_hf_dict(), sort_keys=True).encode()).hexdigest()
+        fingerprint = f"random-{SEED}-{digest}-{device.type}:{dtype}".replace("torch.", "")
+        return cls(config, model_cfg, weights, None, fingerprint)
 
     # ------------------------------------------------------------------ sessions
     def open(self) -> Session:

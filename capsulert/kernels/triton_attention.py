@@ -1,0 +1,230 @@
+"""Triton attention of a query chunk over the static per-slot KV cache (flash / flash-decoding, GQA-packed).
+
+Same signature and semantics as `capsulert.kernels.ops.attention` (reference:
+`capsulert.kernels.attention.attention_ref`): query t of batch row b sits at position start[b] + t and sees
+keys [0, start[b] + t] of slot slots[b]; query head h reads kv head h // (Hq // Hkv); `kv_len` is only a
+static upper bound on the keys read (the caller passes max_seq when capturing graphs). Softmax in fp32,
+output in q's dtype.
+
+CUDA-graph capturable: slots/start are read on the device and every loop bound over keys comes from the
+device length, so the cost scales with the real length, not with kv_len; the grid, the number of splits and
+all allocations depend only on shapes (B, T, heads, D, kv_len) and the device's SM count.
+
+Design
+------
+* GQA packing: one program serves all G = Hq // Hkv query heads of one kv head for a block of BT tokens,
+  as BM = BT * GP rows (GP = next power of two >= G; row r -> token r // GP, head r % GP), so each K/V tile is
+  loaded once per group. BM >= 16 (tl.dot minimum); in decode (T = 1) that pads G rows up to 16.
+* Split-K (flash-decoding): grid (B * Hkv * n_tblocks, NUM_SPLITS). NUM_SPLITS is chosen on the host from
+  shapes so that the grid fills the GPU (~2 programs per SM) even for one decode row. The key range of a
+  program is computed on the device from the real length: kmax = start[b] + (last token of the block) + 1,
+  chunk = ceil(kmax / NUM_SPLITS) rounded up to BN, split s covers [s * chunk, min((s+1) * chunk, kmax)), so all
+  splits share the real work whatever the length. With NUM_SPLITS > 1 each program writes its normalised
+  partial output and its log2-sum-exp, and a second kernel (grid B * T * Hq) merges them; splits with no
+  visible key carry lse = -inf and are skipped without reading their partials.
+* Online softmax in base 2 (scores scaled by scale * log2(e)), fp32 accumulators; bf16 inputs use bf16
+  tensor-core dots with fp32 accumulation (P is rounded to bf16 for P @ V, as in flash attention); fp32 inputs
+  use IEEE fp32 dots (no TF32).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, o_ptr, lse_ptr, opart_ptr,
+    T, Hq, kv_len, n_tblocks, qk_scale,
+    sq_b, sq_t, sq_h, sq_d,
+    sk_n, sk_s, sk_h, sk_d,
+    sv_n, sv_s, sv_h, sv_d,
+    so_b, so_t, so_h, so_d,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
+    D: tl.constexpr, BN: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    BM: tl.constexpr = BT * GP
+    pid0 = tl.program_id(0)
+    split = tl.program_id(1)
+    tb = pid0 % n_tblocks
+    bh = pid0 // n_tblocks
+    hkv = bh % HKV
+    b = bh // HKV
+
+    offs_m = tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    t = tb * BT + offs_m // GP
+    gq = offs_m % GP
+    row_valid = (t < T) & (gq < G)
+    hq = hkv * G + gq
+
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    st = tl.load(start_ptr + b).to(tl.int32)
+    pos = st + t  # [BM] absolute position of each query row
+    t_last = tl.minimum(tb * BT + BT, T) - 1
+    kmax = tl.minimum(st + t_last + 1, kv_len)  # keys [0, kmax) cover every row of this block
+    chunk = tl.cdiv(tl.cdiv(kmax, NUM_SPLITS), BN) * BN
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kmax)
+
+    q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + hq[:, None] * sq_h + offs_d[None, :] * sq_d,
+                mask=row_valid[:, None], other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
+
+    k_base = k_ptr + slot * sk_n + hkv * sk_h
+    v_base = v_ptr + slot * sv_n + hkv * sv_h
+    m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    for n0 in range(lo, hi, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        nmask = offs_n < hi
+        kt = tl.load(k_base + offs_n[:, None] * sk_s + offs_d[None, :] * sk_d, mask=nmask[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+        elif INTERPRET:  # the CPU interpreter's bf16 tl.dot is wrong: same math on fp32-cast operands
+            s = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kt))
+        s = s * qk_scale
+        visible = nmask[None, :] & (offs_n[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_base + offs_n[:, None] * sv_s + offs_d[None, :] * sv_d, mask=nmask[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+        elif INTERPRET:
+            pv = tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr + b * so_b + t[:, None] * so_t + hq[:, None] * so_h + offs_d[None, :] * so_d,
+                 out.to(o_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        # partials laid out [B, T, Hq, NUM_SPLITS, (D)]
+        row = ((b * T + t) * Hq + hq) * NUM_SPLITS + split
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + row, lse, mask=row_valid)
+        tl.store(opart_ptr + row.to(tl.int64)[:, None] * D + offs_d[None, :], out,
+                 mask=row_valid[:, None] & (l_i > 0.0)[:, None])
+
+
+@triton.jit
+def _attn_merge_kernel(
+    lse_ptr, opart_ptr, o_ptr,
+    T, Hq,
+    so_b, so_t, so_h, so_d,
+    D: tl.constexpr, NUM_SPLITS: tl.constexpr, SP: tl.constexpr,
+):
+    pid = tl.program_id(0)  # over B * T * Hq, same order as the partials
+    hq = pid % Hq
+    bt = pid // Hq
+    t = bt % T
+    b = bt // T
+    offs_s = tl.arange(0, SP)
+    offs_d = tl.arange(0, D)
+    base = pid.to(tl.int64) * NUM_SPLITS
+    lse = tl.load(lse_ptr + base + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp2(lse - m), 0)
+    acc = tl.zeros([D], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(lse_ptr + base + s) - m) + tl.zeros([D], dtype=tl.float32)  # [D], uniform
+        part = tl.load(opart_ptr + (base + s) * D + offs_d, mask=w > 0.0, other=0.0)  # splits w/o keys: no read
+        acc += w * part
+    out = acc / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(o_ptr + b * so_b + t * so_t + hq * so_h + offs_d * so_d, out.to(o_ptr.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 132  # interpreter / CPU: mimic an H100/H200 so the same code paths are exercised
+
+
+_PARTIAL_BYTES_CAP = 64 << 20
+
+
+def _launch_config(B: int, T: int, Hq: int, Hkv: int, D: int, kv_len: int, device: torch.device) -> dict:
+    G = Hq // Hkv
+    GP = triton.next_power_of_2(G)
+    BT = min(triton.next_power_of_2(T), max(1, 64 // GP))
+    BT = max(BT, triton.cdiv(16, GP))
+    BM = BT * GP
+    BN = 32 if (D >= 256 and BM >= 64) else 64
+    n_tblocks = triton.cdiv(T, BT)
+    base = B * Hkv * n_tblocks
+    target = 2 * _num_sms(device)
+    splits = max(1, min(triton.cdiv(target, base), triton.cdiv(kv_len, BN), 64))
+    per_split_bytes = B * T * Hq * (D + 1) * 4
+    splits = max(1, min(splits, _PARTIAL_BYTES_CAP // per_split_bytes))
+    num_warps = 4 if BM * D <= 8192 else 8
+    num_stages = 2 if D >= 256 else 3
+    return dict(G=G, GP=GP, BT=BT, BN=BN, n_tblocks=n_tblocks, splits=splits, num_warps=num_warps,
+                num_stages=num_stages)
+
+
+def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float) -> torch.Tensor:
+    """q [B, T, Hq, D]; kv_k, kv_v [num_slots, max_seq, Hkv, D]; slots, start int [B] on the device;
+    kv_len a static (Python int) bound on the keys read. Returns [B, T, Hq, D] in q's dtype."""
+    B, T, Hq, D = q.shape
+    Hkv = kv_k.shape[2]
+    assert kv_k.dim() == 4 and kv_v.shape == kv_k.shape and kv_k.shape[3] == D
+    assert Hq % Hkv == 0 and D == triton.next_power_of_2(D) and D >= 16
+    assert slots.shape == (B,) and start.shape == (B,)
+    kv_len = int(min(kv_len, kv_k.shape[1]))
+    o = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
+    if B == 0 or T == 0:
+        return o
+    assert kv_len >= 1
+    cfg = _launch_config(B, T, Hq, Hkv, D, kv_len, q.device)
+    S = cfg["splits"]
+    if S > 1:
+        lse = torch.empty(B * T * Hq * S, dtype=torch.float32, device=q.device)
+        opart = torch.empty(B * T * Hq * S * D, dtype=torch.float32, device=q.device)
+    else:
+        lse = opart = o  # unused
+    ieee = q.dtype == torch.float32 or kv_k.dtype == torch.float32
+    grid = (B * Hkv * cfg["n_tblocks"], S)
+    _attn_fwd_kernel[grid](
+        q, kv_k, kv_v, slots, start, o, lse, opart,
+        T, Hq, kv_len, cfg["n_tblocks"], float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+        kv_k.stride(0), kv_k.stride(1), kv_k.stride(2), kv_k.stride(3),
+        kv_v.stride(0), kv_v.stride(1), kv_v.stride(2), kv_v.stride(3),
+        o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+        HKV=Hkv, G=cfg["G"], GP=cfg["GP"], BT=cfg["BT"], D=D, BN=cfg["BN"], NUM_SPLITS=S, IEEE=ieee,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if S > 1:
+        _attn_merge_kernel[(B * T * Hq,)](
+            lse, opart, o,
+            T, Hq,
+            o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+            D=D, NUM_SPLITS=S, SP=triton.next_power_of_2(S),
+            num_warps=4 if D >= 128 else 2,
+        )
+    return o

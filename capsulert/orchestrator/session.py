@@ -1,0 +1,166 @@
+"""RemoteSession: the caller's handle on one session living in a WorkerActor.
+
+Calls on one session are serialised by an asyncio lock (their order is their submission order). A
+generate can be stopped at the next token boundary by `interrupt()` (it then returns the tokens made so
+far) or by cancelling the awaiting task: the interrupt is sent through the actor's "control" group, the
+session stays at a committed boundary holding the produced tokens, and the next call on the session
+waits for the interrupted one to finish first (`wait()` returns its result).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from capsulert.errors import SessionClosedError, WorkerLost
+from capsulert.orchestrator.config import int_arg, name_arg, sampling_arg, tier_arg, tokens_arg
+
+if TYPE_CHECKING:
+    from capsulert.orchestrator.orchestrator import Orchestrator
+
+_call_ids = itertools.count(random.getrandbits(32) << 16)
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[int]
+    stop_reason: str | None
+    length: int  # session length after the call
+
+
+class RemoteSession:
+    def __init__(self, orch: "Orchestrator", worker: int, sid: int, length: int):
+        self._orch, self.worker, self.sid, self.length = orch, worker, sid, length
+        self.closed = False
+        self.stop_reason: str | None = None
+        self._lock = asyncio.Lock()
+        self._running: tuple[Any, int] | None = None
+        self._inflight: Any = None
+
+    def __repr__(self) -> str:
+        return f"RemoteSession(worker={self.worker}, sid={self.sid}, len={self.length}{', closed' if self.closed else ''})"
+
+    # ------------------------------------------------------------------ plumbing
+    def _check(self) -> None:
+        if self.closed:
+            raise SessionClosedError(f"session {self.sid} is closed; open or restore a new one")
+
+    async def _settle(self) -> GenerateResult | None:
+        ref, self._inflight = self._inflight, None
+        if ref is None:
+            return None
+        try:
+            res = await self._orch._await(self.worker, ref, "generate", None)
+        except Exception:
+            return None
+        return self._take(res)
+
+    def _take(self, res: dict) -> GenerateResult:
+        self.length, self.stop_reason = res["len"], res["stop_reason"]
+        return GenerateResult(res["tokens"], res["stop_reason"], res["len"])
+
+    async def _run(self, method: str, *args, timeout: float | None = None, **kwargs):
+        self._check()
+        async with self._lock:
+            await self._settle()
+            return await self._orch._call(self.worker, method, self.sid, *args, timeout=timeout, **kwargs)
+
+    async def _gen(self, method: str, *args, timeout: float | None = None, **kwargs) -> GenerateResult:
+        self._check()
+        async with self._lock:
+            await self._settle()
+            await self._orch._check_worker(self.worker)
+            call_id = next(_call_ids)
+            handle = self._orch.workers[self.worker].handle
+            ref = getattr(handle, method).remote(self.sid, *args, call_id=call_id, **kwargs)
+            self._running = (ref, call_id)
+            try:
+                res = await self._orch._await(self.worker, ref, method, timeout)
+            except (asyncio.CancelledError, WorkerLost):
+                handle.interrupt.remote(self.sid, call_id)  # control group: lands at the next token
+                self._inflight = ref
+                raise
+            finally:
+                self._running = None
+            return self._take(res)
+
+    # ------------------------------------------------------------------ verbs
+    async def append(self, tokens_or_text, *, logits: bool = False, timeout: float | None = None):
+        """Prefill more tokens; returns the next-token logits (numpy float32) when logits=True, else None."""
+        tokens = tokens_arg(tokens_or_text)
+        res = await self._run("append", tokens, bool(logits), timeout=timeout)
+        self.length = res["len"]
+        return res["logits"]
+
+    async def generate(self, max_new_tokens: int, sampling=None, *, timeout: float | None = None) -> list[int]:
+        """Sample up to max_new_tokens (greedy when sampling is None); sets self.stop_reason."""
+        n = int_arg(max_new_tokens, "max_new_tokens", 0)
+        return (await self._gen("generate", n, sampling_arg(sampling), timeout=timeout)).tokens
+
+    async def append_generate(self, tokens_or_text, max_new_tokens: int, sampling=None, *,
+                              timeout: float | None = None) -> list[int]:
+        """append + generate in one actor call (an agent turn, an RL step)."""
+        tokens = tokens_arg(tokens_or_text)
+        n = int_arg(max_new_tokens, "max_new_tokens", 0)
+        return (await self._gen("append_generate", tokens, n, sampling_arg(sampling), timeout=timeout)).tokens
+
+    async def restore_append_generate(self, name: str, suffix, max_new_tokens: int, sampling=None, *,
+                                      timeout: float | None = None) -> list[int]:
+        """Roll this session back to capsule `name`, append `suffix` (None: nothing), generate: one call."""
+        name = name_arg(name)
+        suffix = None if suffix is None else tokens_arg(suffix, "suffix")
+        n = int_arg(max_new_tokens, "max_new_tokens", 0)
+        self._check()
+        await self._orch._ensure_on(name, self.worker)
+        res = await self._gen("restore_append_generate_into", name, suffix, n, sampling_arg(sampling), timeout=timeout)
+        return res.tokens
+
+    async def snapshot(self, name: str, tier: str = "gpu", pin: bool = False) -> dict:
+        """A named capsule of this session's complete state; pin=True also persists it (with disk_dir)."""
+        name, tier = name_arg(name), tier_arg(tier)
+        if not isinstance(pin, bool):
+            from capsulert.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"pin must be a bool, got {pin!r}")
+        self._orch._check_new_name(name)
+        ref = await self._run("snapshot", name, tier, pin)
+        self._orch._where.setdefault(name, set()).add(self.worker)
+        return ref
+
+    async def restore(self, name: str) -> None:
+        """Replace this session's state with capsule `name` in place (rollback, episode reset)."""
+        name = name_arg(name)
+        self._check()
+        await self._orch._ensure_on(name, self.worker)
+        self.length = (await self._run("restore_into", name))["len"]
+
+    async def interrupt(self) -> bool:
+        """Stop a running generate at the next token boundary; False when none is running."""
+        run = self._running
+        if run is None or self.closed:
+            return False
+        return await self._orch._call(self.worker, "interrupt", self.sid, run[1])
+
+    async def wait(self) -> GenerateResult | None:
+        """Wait for a generate whose awaiting task was cancelled; its result (partial tokens) or None."""
+        async with self._lock:
+            return await self._settle()
+
+    async def tokens(self) -> list[int]:
+        """All token ids committed so far (read through the control group: answers during a generate)."""
+        self._check()
+        return await self._orch._call(self.worker, "tokens", self.sid)
+
+    async def text(self) -> str:
+        return await self._orch.detokenize(await self.tokens())
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        async with self._lock:
+            await self._settle()
+            self.closed = True
+            self._orch._forget(self)
+            await self._orch._call(self.worker, "close", self.sid)
