@@ -11,15 +11,25 @@ PROMPT = (
 )
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", choices=["cpu", "cuda"],
+                     help="device of the engines the engine/capsule suites build (cuda: run them on the GPU)")
+
+
+@pytest.fixture(scope="session")
+def device(request):
+    return request.config.getoption("--device")
+
+
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory):
     return ensure_default_model(tmp_path_factory.mktemp("model-cache"))
 
 
 @pytest.fixture
-def make_engine(default_model_dir):
+def make_engine(default_model_dir, device):
     def make(**overrides):
-        cfg = dict(model=str(default_model_dir), device="cpu", slots=4, max_seq=2048, prefill_chunk=128)
+        cfg = dict(model=str(default_model_dir), device=device, slots=4, max_seq=2048, prefill_chunk=128)
         cfg.update(overrides)
         return Engine.from_config(cfg)
 

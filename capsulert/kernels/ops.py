@@ -1,6 +1,14 @@
-"""The kernel entry points the model calls: state-buffer plumbing (gather by slot, update in place)
-around the reference kernels. Fast GPU versions register here with the same signatures."""
+"""Kernel sets: the entry points the model calls, as one frozen bundle chosen by the engine.
+
+`reference_kernels()` is plain torch (the CPU path and the oracle). `cuda_kernels()` swaps in the fast
+versions: our Triton kernels for the in-place recurrent step, the conv update and attention over the
+static KV, and flash-linear-attention's chunked gated delta rule for prefill when it is installed. Every
+entry keeps the state-buffer contract: read a slot's state by `slots`, update it in place.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -9,15 +17,18 @@ from capsulert.kernels.conv import causal_conv1d_ref, causal_conv1d_step_ref
 from capsulert.kernels.gated_delta import chunk_gated_delta_rule_ref, gated_delta_step_ref
 
 
-def write_kv(kv_k, kv_v, slots, start, k, v) -> None:
-    write_kv_ref(kv_k, kv_v, slots, start, k, v)
+@dataclass(frozen=True)
+class KernelSet:
+    name: str
+    write_kv: Callable
+    attention: Callable
+    conv_prefill: Callable
+    conv_step: Callable
+    gated_delta_prefill: Callable
+    gated_delta_step: Callable
 
 
-def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float) -> torch.Tensor:
-    return attention_ref(q, kv_k, kv_v, slots, start, kv_len, scale)
-
-
-def conv_prefill(x, conv_buf, slots, weight, valid=None) -> torch.Tensor:
+def conv_prefill_ref(x, conv_buf, slots, weight, valid=None) -> torch.Tensor:
     """x [B, T, C]; conv_buf [slots, C, K-1] updated in place for `slots`. With `valid` [B], only the
     first valid[b] tokens of a row are real: the new state is the history ending at the last real one."""
     history = conv_buf[slots]
@@ -31,20 +42,67 @@ def conv_prefill(x, conv_buf, slots, weight, valid=None) -> torch.Tensor:
     return out
 
 
-def conv_step(x, conv_buf, slots, weight) -> torch.Tensor:
+def conv_step_ref(x, conv_buf, slots, weight) -> torch.Tensor:
     out, new_state = causal_conv1d_step_ref(x, conv_buf[slots], weight)
     conv_buf.index_copy_(0, slots, new_state)
     return out
 
 
-def gated_delta_prefill(q, k, v, g, beta, ssm_buf, slots) -> torch.Tensor:
+def gated_delta_prefill_ref(q, k, v, g, beta, ssm_buf, slots) -> torch.Tensor:
     """ssm_buf [slots, H, K, V] fp32, updated in place for `slots`; returns o [B, T, H, V] fp32."""
     o, new_state = chunk_gated_delta_rule_ref(q, k, v, g, beta, ssm_buf[slots])
     ssm_buf.index_copy_(0, slots, new_state)
     return o
 
 
-def gated_delta_step(q, k, v, g, beta, ssm_buf, slots) -> torch.Tensor:
+def gated_delta_step_ref_inplace(q, k, v, g, beta, ssm_buf, slots) -> torch.Tensor:
     o, new_state = gated_delta_step_ref(q, k, v, g, beta, ssm_buf[slots])
     ssm_buf.index_copy_(0, slots, new_state)
     return o
+
+
+def reference_kernels() -> KernelSet:
+    return KernelSet(
+        name="reference",
+        write_kv=write_kv_ref,
+        attention=attention_ref,
+        conv_prefill=conv_prefill_ref,
+        conv_step=conv_step_ref,
+        gated_delta_prefill=gated_delta_prefill_ref,
+        gated_delta_step=gated_delta_step_ref_inplace,
+    )
+
+
+def _fla_prefill():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+
+    def gated_delta_prefill_fla(q, k, v, g, beta, ssm_buf, slots) -> torch.Tensor:
+        # q is already normalised and scaled, hence scale=1 and no in-kernel L2 norm
+        o, new_state = chunk_gated_delta_rule(
+            q, k, v, g, beta, scale=1.0, initial_state=ssm_buf[slots], output_final_state=True
+        )
+        ssm_buf.index_copy_(0, slots, new_state.float())
+        return o.float()
+
+    return gated_delta_prefill_fla
+
+
+def cuda_kernels(use_fla: bool = True) -> KernelSet:
+    """Triton kernels of ours (+ fla's chunked prefill when installed and asked for)."""
+    from capsulert.kernels.triton_attention import attention
+    from capsulert.kernels.triton_conv import conv_step
+    from capsulert.kernels.triton_gated_delta import gated_delta_step
+
+    fla = _fla_prefill() if use_fla else None
+    return KernelSet(
+        name="triton+fla" if fla else "triton",
+        write_kv=write_kv_ref,
+        attention=attention,
+        conv_prefill=conv_prefill_ref,
+        conv_step=conv_step,
+        gated_delta_prefill=fla or gated_delta_prefill_ref,
+        gated_delta_step=gated_delta_step,
+    )

@@ -16,9 +16,10 @@ import torch
 from pydantic import ValidationError
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
 
-from capsulert.errors import CapsuleRTError, ConfigError, DuplicateCapsuleError, UnknownCapsuleError, WorkerLost
+from capsulert.errors import CapsuleRTError, ConfigError, WorkerLost
 from capsulert.orchestrator.config import (OrchestratorConfig, int_arg, name_arg, sampling_arg, samplings_arg,
-                                           tier_arg, tokens_arg)
+                                           tokens_arg)
+from capsulert.orchestrator.router import CapsuleRouter
 from capsulert.orchestrator.session import GenerateResult, RemoteSession
 from capsulert.orchestrator.worker_actor import WorkerActor
 
@@ -33,7 +34,7 @@ class _Worker:
     stale: bool = False
 
 
-class Orchestrator:
+class Orchestrator(CapsuleRouter):
     def __init__(self, config: OrchestratorConfig, workers: list[_Worker], owns_ray: bool):
         self.config, self.workers, self._owns_ray = config, workers, owns_ray
         self._where: dict[str, set[int]] = {}  # capsule name -> workers holding a copy
@@ -150,21 +151,7 @@ class Orchestrator:
             del self._where[name]
         worker.sessions, worker.stale = stats["sessions"], False
 
-    # ------------------------------------------------------------------ routing
-    def _least_loaded(self, among) -> int:
-        return min(among, key=lambda i: (self.workers[i].sessions, i))
-
-    def _holders(self, name: str) -> set[int]:
-        holders = self._where.get(name)
-        if not holders:
-            raise UnknownCapsuleError(f"no capsule {name!r} on any worker")
-        return holders
-
-    def _check_new_name(self, name: str) -> None:
-        if name in self._where:
-            raise DuplicateCapsuleError(f"capsule {name!r} already exists (on worker(s) {sorted(self._where[name])}); "
-                                        "capsules are immutable: delete it first")
-
+    # ------------------------------------------------------------------ sessions
     def _session(self, w: int, res: dict) -> RemoteSession:
         s = RemoteSession(self, w, res["sid"], res["len"])
         self.workers[w].sessions += 1
@@ -174,34 +161,6 @@ class Orchestrator:
     def _forget(self, s: RemoteSession) -> None:
         self._open.discard(s)
         self.workers[s.worker].sessions = max(0, self.workers[s.worker].sessions - 1)
-
-    async def _ensure_on(self, name: str, w: int) -> None:
-        if w not in self._holders(name):
-            await self.migrate(name, w)
-
-    async def migrate(self, name: str, worker: int, *, via: str = "object_store", directory: str | None = None,
-                      tier: str = "gpu") -> None:
-        """Copy capsule `name` to `worker`, byte-exact: as safetensors bytes through the Ray object store
-        (default), or as a verified capsule file written to and read from `directory` (via="disk")."""
-        name, tier = name_arg(name), tier_arg(tier)
-        holders = self._holders(name)
-        if not isinstance(worker, int) or not 0 <= worker < len(self.workers):
-            raise ConfigError(f"no worker {worker!r}; there are {len(self.workers)}")
-        if worker in holders:
-            return
-        src = min(holders)
-        if via == "object_store":
-            payload = self.workers[src].handle.export_capsule.remote(name)  # stays in the object store
-            await self._call(worker, "import_capsule", payload, tier)
-        elif via == "disk":
-            if directory is None:
-                raise ConfigError("via='disk' needs a directory both workers can read")
-            path = await self._call(src, "export_to_dir", name, directory)
-            await self._call(worker, "import_from_file", path, tier)
-            Path(path).unlink(missing_ok=True)
-        else:
-            raise ConfigError(f"via must be 'object_store' or 'disk', got {via!r}")
-        self._where[name].add(worker)
 
     # ------------------------------------------------------------------ verbs
     async def open(self, prompt=None, *, worker: int | None = None) -> RemoteSession:
@@ -283,29 +242,7 @@ class Orchestrator:
             self._where.setdefault(nm, set()).add(w)
         return res
 
-    # ------------------------------------------------------------------ capsules and stats
-    async def capsules(self) -> list[dict]:
-        """Every capsule on every worker: name, tier, pinned, nbytes, boundary, workers."""
-        merged: dict[str, dict] = {}
-        for rows in await asyncio.gather(*(self._call(w.index, "list_capsules") for w in self.workers)):
-            for r in rows:
-                m = merged.setdefault(r["name"], {**r, "workers": []})
-                m["workers"].append(r.pop("worker"))
-        for m in merged.values():
-            m.pop("worker", None)
-        return [merged[k] for k in sorted(merged)]
-
-    async def promote(self, name: str, tier: str) -> None:
-        name, tier = name_arg(name), tier_arg(tier)
-        await asyncio.gather(*(self._call(w, "promote", name, tier) for w in sorted(self._holders(name))))
-
-    async def delete(self, name: str) -> None:
-        """Delete capsule `name` on every worker holding it (and its persisted file)."""
-        name = name_arg(name)
-        holders = sorted(self._holders(name))
-        await asyncio.gather(*(self._call(w, "delete", name) for w in holders))
-        self._where.pop(name, None)
-
+    # ------------------------------------------------------------------ stats
     async def stats(self) -> list[dict]:
         return list(await asyncio.gather(*(self._call(w.index, "stats") for w in self.workers)))
 

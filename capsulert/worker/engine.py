@@ -38,7 +38,8 @@ class Engine:
         self.model_cfg = model_cfg
         self.device = next(iter(weights.values())).device
         self.dtype = weights["model.embed_tokens.weight"].dtype
-        self.model = HybridModel(model_cfg, weights)
+        self.model_weights = weights
+        self.model = HybridModel(model_cfg, weights, self._kernels(config))
         self.tokenizer = tokenizer
         self.fingerprint = fingerprint
         self.chunk = config.prefill_chunk
@@ -61,6 +62,13 @@ class Engine:
             self.graphs = GraphPlans(self.model, self.state, self.scratch_slot, config.max_seq, self.chunk,
                                      tuple(b for b in config.decode_batches if b <= config.slots) or (1,))
             self.graphs.capture()
+
+    def _kernels(self, config: EngineConfig):
+        from capsulert.kernels import ops
+
+        if self.device.type != "cuda" or config.kernels == "reference":
+            return ops.reference_kernels()
+        return ops.cuda_kernels(use_fla=config.kernels != "triton")
 
     @classmethod
     def from_config(cls, config: EngineConfig | dict | None = None, **overrides) -> "Engine":

@@ -34,6 +34,8 @@ class EngineConfig(BaseModel):
     capsule_budgets: TierBudgets = TierBudgets()
     disk_dir: str | None = None
     policy: str = "pinned_lru"
+    kernels: Literal["auto", "reference", "triton"] = Field(
+        "auto", description="CUDA kernels: auto = Triton + fla chunked prefill when installed")
     cuda_graphs: bool = Field(True, description="capture CUDA graphs at start (CUDA only)")
     decode_batches: tuple[int, ...] = Field((1, 2, 4, 8), description="batch sizes of the decode graphs")
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from capsulert.config import FULL, ModelConfig
-from capsulert.kernels import ops
+from capsulert.kernels.ops import KernelSet, reference_kernels
 from capsulert.worker.state import StateSet
 
 
@@ -49,8 +49,9 @@ class Layer:
 
 
 class HybridModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelSet | None = None):
         self.cfg = cfg
+        self.kernels = kernels or reference_kernels()
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
@@ -126,8 +127,8 @@ class HybridModel:
         q = torch.cat((q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]), dim=-1)
         k = torch.cat((k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]), dim=-1)
         kv_k, kv_v = state.kv_k[layer.state_index], state.kv_v[layer.state_index]
-        ops.write_kv(kv_k, kv_v, slots, start, k, v)
-        o = ops.attention(q, kv_k, kv_v, slots, start, kv_len, D**-0.5)
+        self.kernels.write_kv(kv_k, kv_v, slots, start, k, v)
+        o = self.kernels.attention(q, kv_k, kv_v, slots, start, kv_len, D**-0.5)
         o = o.reshape(B, T, -1) * torch.sigmoid(gate)
         return F.linear(o, w["self_attn.o_proj.weight"])
 
@@ -142,9 +143,9 @@ class HybridModel:
         li = layer.state_index
         conv_buf, ssm_buf = state.conv[li], state.ssm[li]
         if decode:
-            mixed = ops.conv_step(mixed[:, 0], conv_buf, slots, w["conv"])[:, None]
+            mixed = self.kernels.conv_step(mixed[:, 0], conv_buf, slots, w["conv"])[:, None]
         else:
-            mixed = ops.conv_prefill(mixed, conv_buf, slots, w["conv"], valid)
+            mixed = self.kernels.conv_prefill(mixed, conv_buf, slots, w["conv"], valid)
         q, k, v = torch.split(mixed, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
         q = q.reshape(B, T, Hk, Dk)
         k = k.reshape(B, T, Hk, Dk)
@@ -162,8 +163,8 @@ class HybridModel:
         k = l2_normalize(k.float())
         v = v.float()
         if decode:
-            o = ops.gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm_buf, slots)[:, None]
+            o = self.kernels.gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm_buf, slots)[:, None]
         else:
-            o = ops.gated_delta_prefill(q, k, v, g, beta, ssm_buf, slots)
+            o = self.kernels.gated_delta_prefill(q, k, v, g, beta, ssm_buf, slots)
         o = gated_rms_norm(o.to(x.dtype), z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
         return F.linear(o.reshape(B, T, -1), w["linear_attn.out_proj.weight"])

@@ -52,17 +52,17 @@ def test_gpu_host_disk_then_new_process_restores_bitwise(tiered, text, tmp_path,
         import torch
         from safetensors.torch import save_file
         from capsulert.worker.engine import Engine
-        eng = Engine.from_config(model={str(default_model_dir)!r}, device="cpu", slots=4, max_seq=2048, prefill_chunk=128)
+        eng = Engine.from_config(model={str(default_model_dir)!r}, device={eng.device.type!r}, slots=4, max_seq=2048, prefill_chunk=128)
         assert eng.store.load({str(saved)!r}) == 1
         s = eng.restore("c")
         logits = s.append({suffix!r})
         toks = s.generate(16)
-        save_file({{"logits": logits, "tokens": torch.tensor(toks)}}, {str(out)!r})
+        save_file({{"logits": logits.cpu(), "tokens": torch.tensor(toks)}}, {str(out)!r})
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     got = load_file(str(out))
-    assert torch.equal(got["logits"], cold_logits)
+    assert torch.equal(got["logits"], cold_logits.cpu())
     assert got["tokens"].tolist() == cold.generate(16)
 
 

@@ -1,0 +1,215 @@
+"""GPU benchmark (H200): TTFT cold vs capsule vs HF transformers (+fla), snapshot/restore bandwidth,
+decode ms/token at batch 1 and 8, and best-of-8 fan-out, on the Qwen3.5-9B shape with deterministic
+random bf16 weights generated on the GPU. Prints a table, writes bench/out/gpu.json and gpu_ttft.png.
+
+    python bench/gpu.py [--lengths 2048 4096 8192 16384] [--no-hf] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import OUT_DIR, log, machine_info, median, plot_lines, print_table, write_json  # noqa: E402
+
+from capsulert.worker.default_model import REPO_ROOT  # noqa: E402
+from capsulert.worker.engine import Engine  # noqa: E402
+from capsulert.worker.sampler import SamplingParams  # noqa: E402
+
+SHAPE = REPO_ROOT / "configs" / "models" / "qwen3_5-9b-shape.yaml"
+SUFFIX = 32
+
+
+def sync():
+    torch.cuda.synchronize()
+
+
+def timed(fn, iters=3, warmup=1):
+    out, times = None, []
+    for i in range(warmup + iters):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return median(times), out
+
+
+def hf_model(engine):
+    import transformers
+
+    cfg = engine.model_cfg.to_hf_dict()
+    hf_cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    with torch.device("cuda"):
+        model = transformers.Qwen3_5ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    missing, unexpected = model.load_state_dict(engine.model_weights, strict=False, assign=True)
+    assert not unexpected and not missing, (missing, unexpected)
+    return model
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--iters", type=int, default=3)
+    args = ap.parse_args()
+    if args.quick:
+        args.lengths, args.iters = [2048, 4096], 2
+    torch.manual_seed(0)
+    max_seq = (max(args.lengths) + 2 * SUFFIX + 64 + 255) // 256 * 256
+    t0 = time.perf_counter()
+    torch.cuda.reset_peak_memory_stats()
+    eng = Engine.from_config(model=f"random:{SHAPE}", device="cuda", dtype="bfloat16", slots=10,
+                             max_seq=max_seq, prefill_chunk=256)
+    start_s = time.perf_counter() - t0
+    weights_gb = sum(t.numel() * t.element_size() for t in eng.model_weights.values()) / 1e9
+    state_gb = eng.state.nbytes / 1e9
+    mem_gb = torch.cuda.max_memory_allocated() / 1e9
+    log(f"engine up in {start_s:.1f} s: kernels={eng.model.kernels.name}, graphs={len(eng.graphs.graphs)} "
+        f"captured in {eng.graphs.capture_s:.1f} s; weights {weights_gb:.1f} GB, state set {state_gb:.1f} GB, "
+        f"peak {mem_gb:.1f} GB (beyond weights+state: {mem_gb - weights_gb - state_gb:.1f} GB)")
+    g = torch.Generator().manual_seed(1)
+    vocab = eng.model_cfg.vocab_size
+    base = torch.randint(0, vocab, (max(args.lengths) + SUFFIX,), generator=g).tolist()
+    hf = None if args.no_hf else hf_model(eng)
+
+    rows, curves = [], {k: [] for k in ("ours cold", "ours capsule", "HF cold", "HF prefix-kept")}
+    for P in args.lengths:
+        prefix, suffix = base[:P], base[P:P + SUFFIX]
+        log(f"P={P}: ours cold")
+
+        def cold():
+            s = eng.open()
+            lg = s.append(prefix + suffix)
+            s.close()
+            return lg
+        cold_ms, cold_logits = timed(cold, args.iters)
+        s = eng.open()
+        s.append(prefix)
+        name = f"p{P}"
+        snap_ms, ref = timed(lambda: eng.snapshot(s, name) if not eng.store.contains(name) else None, 1, 0)
+        s.close()
+
+        def restore_only():
+            r = eng.restore(name)
+            r.close()
+        restore_ms, _ = timed(restore_only, args.iters)
+
+        def capsule():
+            r = eng.restore(name)
+            lg = r.append(suffix)
+            r.close()
+            return lg
+        cap_ms, cap_logits = timed(capsule, args.iters)
+        assert torch.equal(cap_logits, cold_logits), "capsule logits differ from cold logits"
+        mb = ref.nbytes / 1e6
+        row = dict(prefix=P, cold_ms=cold_ms, capsule_ms=cap_ms, speedup=cold_ms / cap_ms, snapshot_ms=snap_ms,
+                   restore_ms=restore_ms, capsule_mb=mb, restore_gbps=2 * ref.nbytes / restore_ms / 1e6)
+        if hf is not None:
+            ids = torch.tensor([prefix + suffix], device="cuda")
+            log(f"P={P}: HF cold / prefix-kept")
+            with torch.inference_mode():
+                hf_cold_ms, out = timed(lambda: hf(ids, use_cache=True).logits[0, -1], args.iters)
+                pre = hf(ids[:, :P], use_cache=True).past_key_values
+                sids = ids[:, P:]
+
+                def kept():
+                    cache = copy.deepcopy(pre)
+                    return hf(sids, past_key_values=cache, use_cache=True).logits[0, -1]
+                hf_kept_ms, _ = timed(kept, args.iters)
+                del pre
+            row.update(hf_cold_ms=hf_cold_ms, hf_kept_ms=hf_kept_ms, hf_cold_over_ours=hf_cold_ms / cold_ms,
+                       hf_kept_over_capsule=hf_kept_ms / cap_ms,
+                       top1_agree=int(out.argmax()) == int(cold_logits.argmax()))
+            curves["HF cold"].append(hf_cold_ms)
+            curves["HF prefix-kept"].append(hf_kept_ms)
+        curves["ours cold"].append(cold_ms)
+        curves["ours capsule"].append(cap_ms)
+        rows.append(row)
+        eng.store.delete(name)
+        torch.cuda.empty_cache()
+
+    # decode at a 4k context, batch 1 and 8
+    ctx = min(4096, max(args.lengths))
+    s = eng.open()
+    s.append(base[:ctx])
+    s.snapshot("ctx")
+    s.close()
+    decode = {}
+    for B in (1, 8):
+        sess = eng.fork("ctx", B)
+        n = 32
+        ms, _ = timed(lambda: eng.generate(sess, n), 1, 0)
+        decode[f"ours_b{B}_ms_per_token"] = ms / n
+        for x in sess:
+            x.close()
+    if hf is not None:
+        ids = torch.tensor([base[:ctx]], device="cuda")
+        with torch.inference_mode():
+            out = hf(ids, use_cache=True)
+            cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+            def hf_steps():
+                nonlocal cache, tok
+                for _ in range(16):
+                    o = hf(tok, past_key_values=cache, use_cache=True)
+                    cache, tok = o.past_key_values, o.logits[:, -1:].argmax(-1)
+            ms, _ = timed(hf_steps, 1, 0)
+        decode["hf_b1_ms_per_token"] = ms / 16
+    decode["weight_floor_ms"] = weights_gb / 4.3
+    log(f"decode: {decode}")
+
+    # best-of-8 from an 8k capsule, 64 new tokens each
+    P8 = min(8192, max(args.lengths))
+    s = eng.open()
+    s.append(base[:P8])
+    s.snapshot("bo8")
+    s.close()
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i) for i in range(8)]
+
+    def batched():
+        br = eng.fork("bo8", 8)
+        out = eng.generate(br, 64, params)
+        for b in br:
+            b.close()
+        return out
+
+    def one_by_one():
+        out = []
+        for p in params:
+            r = eng.restore("bo8")
+            out.append(r.generate(64, p))
+            r.close()
+        return out
+    fan = {"ours_batched_ms": timed(batched, 1, 1)[0], "ours_one_by_one_ms": timed(one_by_one, 1, 0)[0]}
+    if hf is not None:
+        ids = torch.tensor([base[:P8]], device="cuda")
+        with torch.inference_mode():
+            fan["hf_ms"] = timed(lambda: hf.generate(ids, do_sample=True, temperature=0.8, top_p=0.95, max_new_tokens=64,
+                                                     min_new_tokens=64, num_return_sequences=8), 1, 0)[0]
+    log(f"fan-out: {fan}")
+
+    cols = ["prefix", "cold_ms", "capsule_ms", "speedup", "snapshot_ms", "restore_ms", "capsule_mb", "restore_gbps"]
+    if hf is not None:
+        cols += ["hf_cold_ms", "hf_kept_ms", "hf_cold_over_ours", "hf_kept_over_capsule", "top1_agree"]
+    print_table(rows, cols)
+    print("decode:", decode)
+    print("fan-out best-of-8 from 8k, 64 tokens:", fan)
+    result = dict(machine=machine_info("cuda"), engine_start_s=start_s, kernels=eng.model.kernels.name,
+                  graphs=len(eng.graphs.graphs), capture_s=eng.graphs.capture_s, weights_gb=weights_gb,
+                  state_gb=state_gb, peak_gb=mem_gb, ttft=rows, decode=decode, fanout=fan)
+    write_json(OUT_DIR / "gpu.json", result)
+    plot_lines(OUT_DIR / "gpu_ttft.png", args.lengths, {k: v for k, v in curves.items() if v}, "prefix tokens",
+               "TTFT ms (32-token suffix)", logy=True, logx=True, title="Qwen3.5-9B shape, H200, bf16")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

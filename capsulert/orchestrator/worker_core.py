@@ -1,0 +1,308 @@
+"""WorkerCore: the body of a WorkerActor, owning one Engine (model, state set, capsule store).
+
+Sessions are named by integer ids that stay unique across actor restarts. Verbs a caller would chain
+are one call (restore_append_generate, fork_append_generate, ...). Everything returned is plain Python
+data (token lists, numpy logits); capsules cross actors as safetensors bytes, never pickle. Pinned
+capsules are also written to `persist_dir` and reloaded (pinned) when the worker starts again.
+"""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from capsulert.capsule_store import capsule_file_name, read_capsule, tensors_checksum, write_capsule_with_meta
+from capsulert.capsule_store.capsule import CapsuleMeta
+from capsulert.capsule_store.disk import FILE_SUFFIX
+from capsulert.errors import CorruptCapsuleError, WorkerLost
+from capsulert.worker.engine import Engine
+from capsulert.worker.sampler import SamplingParams
+from capsulert.worker.session import Session
+from capsulert.worker.state import LAYOUT_VERSION
+
+
+class _ActorSession(Session):
+    """A Session whose interrupt flag is keyed by the generate call it targets.
+
+    Engine.generate clears `_interrupt` when it starts, so an interrupt that reaches the actor before
+    the generate it aims at has begun would be lost. Here the flag is "an interrupt was asked for call
+    `_irq_call`", true only while that call runs, and the engine's reset to False is ignored.
+    """
+
+    _irq_call: Any = None
+    _cur_call: Any = None
+
+    @property  # type: ignore[override]
+    def _interrupt(self) -> bool:
+        return self._cur_call is not None and self._irq_call == self._cur_call
+
+    @_interrupt.setter
+    def _interrupt(self, value: bool) -> None:
+        if value and self._cur_call is not None:
+            self._irq_call = self._cur_call
+
+
+def _sp(d: dict | None) -> SamplingParams | None:
+    return None if d is None else SamplingParams(**d)
+
+
+class WorkerCore:
+    """The actor's body (a plain class so it is usable and testable in-process too)."""
+
+    def __init__(self, engine_config: dict, persist_dir: str | None = None, torch_threads: int | None = None,
+                 worker_index: int = 0):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.index = worker_index
+        self.engine = Engine.from_config(dict(engine_config))
+        self.sessions: dict[int, Session] = {}
+        self._next = random.getrandbits(40) << 20  # ids never reused by a restarted actor
+        self.persist_dir = Path(persist_dir) if persist_dir else None
+        self.reloaded: list[str] = []
+        if self.persist_dir is not None and self.persist_dir.is_dir():
+            names = [read_capsule_meta_name(p) for p in sorted(self.persist_dir.glob("*" + FILE_SUFFIX))]
+            if names:
+                self.engine.store.load(self.persist_dir)
+                for ns, name in names:
+                    self.engine.store.pin(name, ns)
+                self.reloaded = [n for _, n in names]
+
+    # ------------------------------------------------------------------ helpers
+    def _adopt(self, s: Session) -> int:
+        s.__class__ = _ActorSession
+        sid, self._next = self._next, self._next + 1
+        self.sessions[sid] = s
+        return sid
+
+    def _get(self, sid: int) -> Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise WorkerLost(f"session {sid} is not on worker {self.index} (the worker restarted, or it was closed)")
+        return s
+
+    def _logits(self, s: Session, want: bool):
+        return s.logits().numpy().copy() if want else None
+
+    def _generate(self, sessions: list[Session], max_new: int, sampling: list, call_id) -> list[dict]:
+        for s in sessions:
+            s._cur_call = call_id
+        try:
+            if call_id is not None and all(s._irq_call == call_id for s in sessions):
+                outs = [[] for _ in sessions]  # interrupted before it started: stop at once
+                for s in sessions:
+                    s.stop_reason = "interrupted"
+            else:
+                outs = self.engine.generate(sessions, max_new, [_sp(p) for p in sampling])
+        finally:
+            for s in sessions:
+                s._cur_call = None
+        return [{"tokens": o, "stop_reason": s.stop_reason, "len": len(s.tokens)} for o, s in zip(outs, sessions)]
+
+    def _persist(self, name: str, namespace: str = "default") -> None:
+        if self.persist_dir is None:
+            return
+        with self.engine.store.reading(name, namespace) as (meta, tensors):
+            write_capsule_with_meta(self.persist_dir, meta, tensors)
+
+    def _unpersist(self, name: str, namespace: str = "default") -> None:
+        if self.persist_dir is not None:
+            (self.persist_dir / capsule_file_name(namespace, name)).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ engine verbs ("gpu")
+    def open(self, prompt=None, return_logits: bool = False) -> dict:
+        s = self.engine.open()
+        try:
+            if prompt is not None:
+                s.append(prompt)
+        except BaseException:
+            s.close()
+            raise
+        return {"sid": self._adopt(s), "len": len(s.tokens), "logits": self._logits(s, return_logits and prompt is not None)}
+
+    def append(self, sid: int, tokens, return_logits: bool = False) -> dict:
+        s = self._get(sid)
+        s.append(tokens)
+        return {"len": len(s.tokens), "logits": self._logits(s, return_logits)}
+
+    def generate(self, sid: int, max_new: int, sampling: dict | None = None, call_id=None) -> dict:
+        return self._generate([self._get(sid)], max_new, [sampling], call_id)[0]
+
+    def generate_many(self, sids: list[int], max_new: int, sampling: list, call_id=None) -> list[dict]:
+        return self._generate([self._get(i) for i in sids], max_new, sampling, call_id)
+
+    def append_generate(self, sid: int, tokens, max_new: int, sampling: dict | None = None, call_id=None) -> dict:
+        s = self._get(sid)
+        s.append(tokens)
+        return self._generate([s], max_new, [sampling], call_id)[0]
+
+    def restore(self, name: str) -> dict:
+        s = self.engine.restore(name)
+        return {"sid": self._adopt(s), "len": len(s.tokens)}
+
+    def restore_into(self, sid: int, name: str) -> dict:
+        s = self._get(sid)
+        s.restore(name)
+        return {"len": len(s.tokens)}
+
+    def restore_append_generate(self, name: str, suffix, max_new: int, sampling: dict | None = None,
+                                sid: int | None = None, call_id=None, close: bool = False) -> dict:
+        """Restore `name` (into session `sid` in place, or a new session), append, generate: one call."""
+        if sid is None:
+            s = self.engine.restore(name)
+            sid = self._adopt(s)
+        else:
+            s = self._get(sid)
+            s.restore(name)
+        try:
+            if suffix is not None:
+                s.append(suffix)
+            out = self._generate([s], max_new, [sampling], call_id)[0]
+        except BaseException:
+            if close:
+                self.close(sid)
+            raise
+        if close:
+            self.close(sid)
+        return {**out, "sid": None if close else sid}
+
+    def restore_append_generate_into(self, sid: int, name: str, suffix, max_new: int, sampling: dict | None = None,
+                                     call_id=None) -> dict:
+        return self.restore_append_generate(name, suffix, max_new, sampling, sid=sid, call_id=call_id)
+
+    def fork(self, name: str, n: int) -> list[dict]:
+        return [{"sid": self._adopt(s), "len": len(s.tokens)} for s in self.engine.fork(name, n)]
+
+    def fork_append_generate(self, name: str, suffixes: list, max_new: int, sampling: list,
+                             snapshot_names: list[str] | None = None, close: bool = True, text: bool = False) -> list[dict]:
+        """Fork len(suffixes) branches of `name`, append suffix i to branch i, decode them together (one
+        batched step per token), optionally snapshot each branch, then close them (best-of-N, tree nodes)."""
+        sessions = self.engine.fork(name, len(suffixes))
+        sids = [self._adopt(s) for s in sessions]
+        made: list[str] = []
+        try:
+            for s, suf in zip(sessions, suffixes):
+                if suf is not None:
+                    s.append(suf)
+            outs = self._generate(sessions, max_new, sampling, None)
+            for s, nm in zip(sessions, snapshot_names or []):
+                s.snapshot(nm)
+                made.append(nm)
+        except BaseException:
+            for nm in made:
+                self.engine.store.delete(nm)
+            close = True
+            raise
+        finally:
+            if close:
+                self.close_many(sids)
+        for o, sid in zip(outs, sids):
+            o["sid"] = None if close else sid
+            if text:
+                o["text"] = self.engine.detokenize(o["tokens"]) if self.engine.tokenizer else None
+        return outs
+
+    def snapshot(self, sid: int, name: str, tier: str = "gpu", pin: bool = False) -> dict:
+        ref = self._get(sid).snapshot(name, tier=tier, pin=pin)
+        if pin:
+            try:
+                self._persist(name)
+            except BaseException:
+                self.engine.store.delete(name)
+                raise
+        return {"name": ref.name, "tier": ref.tier, "nbytes": ref.nbytes, "boundary": ref.boundary}
+
+    def close(self, sid: int) -> None:
+        s = self.sessions.pop(sid, None)
+        if s is not None:
+            s.close()
+
+    def close_many(self, sids: list[int]) -> None:
+        for sid in sids:
+            self.close(sid)
+
+    def delete(self, name: str) -> None:
+        self.engine.store.delete(name)
+        self._unpersist(name)
+
+    def promote(self, name: str, tier: str) -> None:
+        self.engine.store.promote(name, tier)
+
+    def demote(self, name: str, tier: str | None = None) -> None:
+        self.engine.store.demote(name, tier)
+
+    # ------------------------------------------------------------------ migration
+    def export_capsule(self, name: str) -> tuple[str, str, bytes]:
+        """(meta JSON, checksum, safetensors bytes) of one capsule: host bytes for the object store."""
+        with self.engine.store.reading(name) as (meta, tensors):
+            cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+        checksum = tensors_checksum(cpu)
+        return meta.replace(checksum=checksum).to_json(), checksum, st_save(cpu)
+
+    def import_capsule(self, payload: tuple[str, str, bytes], tier: str = "gpu", pin: bool = False) -> dict:
+        meta_json, checksum, blob = payload
+        meta = CapsuleMeta.from_json(meta_json)
+        tensors = st_load(blob)
+        if tensors_checksum(tensors) != checksum:
+            raise CorruptCapsuleError(f"capsule {meta.name!r} changed in transit (checksum mismatch)")
+        ref = self.engine.store.put(meta.replace(checksum=checksum), tensors, tier=tier, pin=pin)
+        if pin:
+            self._persist(meta.name, meta.namespace)
+        return {"name": ref.name, "tier": ref.tier, "nbytes": ref.nbytes, "boundary": ref.boundary}
+
+    def export_to_dir(self, name: str, directory: str) -> str:
+        with self.engine.store.reading(name) as (meta, tensors):
+            path, _ = write_capsule_with_meta(directory, meta, tensors)
+        return str(path)
+
+    def import_from_file(self, path: str, tier: str = "gpu", pin: bool = False) -> dict:
+        meta, tensors = read_capsule(path, self.engine.fingerprint, LAYOUT_VERSION)
+        ref = self.engine.store.put(meta, tensors, tier=tier, pin=pin)
+        if pin:
+            self._persist(meta.name, meta.namespace)
+        return {"name": ref.name, "tier": ref.tier, "nbytes": ref.nbytes, "boundary": ref.boundary}
+
+    # ------------------------------------------------------------------ control
+    def last_call(self) -> float:
+        """Milliseconds the last engine-group call spent inside the actor."""
+        return getattr(self, "last_call_ms", float("nan"))
+
+    def ping(self) -> dict:
+        return {"worker": self.index, "pid": os.getpid(), "reloaded": list(self.reloaded)}
+
+    def interrupt(self, sid: int, call_id=None) -> bool:
+        s = self.sessions.get(sid)
+        if s is None:
+            return False
+        s._irq_call = call_id if call_id is not None else s._cur_call
+        return True
+
+    def tokens(self, sid: int) -> list[int]:
+        return list(self._get(sid).tokens)
+
+    def list_capsules(self) -> list[dict]:
+        return [{"name": i.name, "namespace": i.namespace, "tier": i.tier, "pinned": i.pinned,
+                 "nbytes": i.nbytes, "boundary": i.meta.boundary, "worker": self.index}
+                for i in self.engine.store.list()]
+
+    def stats(self) -> dict:
+        return {"worker": self.index, "free_slots": self.engine.free_slots, "slots": self.engine.config.slots,
+                "sessions": len(self.sessions), "capsules": len(self.engine.store.list()),
+                "store": self.engine.store.stats()}
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.engine.tokenize(text)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.engine.detokenize(tokens)
+
+
+def read_capsule_meta_name(path: Path) -> tuple[str, str]:
+    from capsulert.capsule_store import read_header
+
+    meta, _ = read_header(path)
+    return meta.namespace, meta.name

@@ -1,0 +1,375 @@
+"""Triton kernels against the plain-torch references, over small labelled shapes.
+
+Runs on a CUDA device, or on CPU under Triton's interpreter (TRITON_INTERPRET=1, slow: keep shapes small).
+The whole module is gpu-marked; the CPU CI (`-m "not gpu"`, no triton) never runs it.
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.gpu
+
+if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    pytest.skip("needs a CUDA device or TRITON_INTERPRET=1", allow_module_level=True)
+
+from capsulert.kernels import triton_attention  # noqa: E402
+from capsulert.kernels.attention import attention_ref  # noqa: E402
+from capsulert.kernels.conv import causal_conv1d_ref, causal_conv1d_step_ref  # noqa: E402
+from capsulert.kernels.gated_delta import gated_delta_step_ref  # noqa: E402
+from capsulert.kernels.triton_attention import attention  # noqa: E402
+from capsulert.kernels.triton_conv import conv_prefill, conv_step  # noqa: E402
+from capsulert.kernels.triton_gated_delta import gated_delta_step  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _dev(*xs):
+    return [x.to(DEVICE) for x in xs]
+
+
+def _slots(ids):
+    return torch.tensor(ids, dtype=torch.int64, device=DEVICE)
+
+
+def _assert_untouched(after, before, slots):
+    """Rows of the slot dimension not in `slots` are bitwise unchanged."""
+    others = sorted(set(range(before.shape[0])) - set(slots.tolist()))
+    assert torch.equal(after[others], before[others])
+
+
+# ---------------------------------------------------------------- gated delta step
+
+DELTA_SHAPES = {  # B, H, K, V, num_slots, slot ids
+    "k16-v16-h2": (3, 2, 16, 16, 5, [3, 0, 2]),
+    "k32-v32-h4": (3, 4, 32, 32, 6, [5, 1, 3]),
+    "k16-v32-h4": (2, 4, 16, 32, 4, [2, 1]),
+    "k32-v16-h2-b1": (1, 2, 32, 16, 3, [2]),
+    "ragged-k24-v80": (2, 2, 24, 80, 4, [3, 0]),  # K padded to 32, V split into 2 blocks, last partial
+}
+
+
+def _delta_inputs(B, H, K, V, num_slots, seed=0):
+    g = _gen(seed)
+    # q, k as the model produces them: strided views of a [B, T, H, K] tensor
+    q = F.normalize(torch.randn(B, 1, H, K, generator=g), dim=-1)[:, 0] * K**-0.5
+    k = F.normalize(torch.randn(B, 1, H, K, generator=g), dim=-1)[:, 0]
+    v = torch.randn(B, H, V, generator=g)
+    gate = -torch.rand(B, H, generator=g) * 0.5
+    beta = torch.rand(B, H, generator=g)
+    ssm = torch.randn(num_slots, H, K, V, generator=g) * 0.3
+    return _dev(q, k, v, gate, beta, ssm)
+
+
+@pytest.mark.parametrize("shape", DELTA_SHAPES.values(), ids=DELTA_SHAPES.keys())
+def test_gated_delta_step(shape):
+    B, H, K, V, num_slots, ids = shape
+    q, k, v, gate, beta, ssm = _delta_inputs(B, H, K, V, num_slots)
+    slots = _slots(ids)
+    before = ssm.clone()
+    o_ref, s_ref = gated_delta_step_ref(q, k, v, gate, beta, before[slots])
+
+    o = gated_delta_step(q, k, v, gate, beta, ssm, slots)
+    assert o.shape == (B, H, V) and o.dtype == torch.float32
+    torch.testing.assert_close(o, o_ref, **TOL[torch.float32])
+    torch.testing.assert_close(ssm[slots], s_ref, **TOL[torch.float32])
+    _assert_untouched(ssm, before, slots)
+
+
+def test_gated_delta_step_repeated_matches_reference_recurrence():
+    """Several steps in a row on the same slots: the in-place state carries correctly."""
+    B, H, K, V, num_slots = 2, 2, 16, 16, 4
+    slots = _slots([3, 1])
+    _, _, _, _, _, ssm = _delta_inputs(B, H, K, V, num_slots, seed=1)
+    state = ssm[slots].clone()
+    for step in range(3):
+        q, k, v, gate, beta, _ = _delta_inputs(B, H, K, V, 1, seed=10 + step)
+        o_ref, state = gated_delta_step_ref(q, k, v, gate, beta, state)
+        o = gated_delta_step(q, k, v, gate, beta, ssm, slots)
+        torch.testing.assert_close(o, o_ref, **TOL[torch.float32])
+    torch.testing.assert_close(ssm[slots], state, **TOL[torch.float32])
+
+
+# ---------------------------------------------------------------- conv
+
+CONV_SHAPES = {  # B, C, K (taps), num_slots, slot ids
+    "c24-k4": (3, 24, 4, 5, [4, 0, 2]),
+    "c300-k4": (2, 300, 4, 3, [2, 0]),  # several channel blocks, last partial
+    "c16-k2": (2, 16, 2, 3, [1, 2]),
+    "c40-k3": (1, 40, 3, 2, [1]),
+}
+
+
+def _conv_inputs(B, T, C, K, num_slots, dtype, seed=0):
+    g = _gen(seed)
+    x = torch.randn(B, T, C, generator=g).to(dtype)
+    buf = torch.randn(num_slots, C, K - 1, generator=g).to(dtype)
+    w = (torch.randn(C, K, generator=g) * 0.5).to(dtype)
+    return _dev(x, buf, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", CONV_SHAPES.values(), ids=CONV_SHAPES.keys())
+def test_conv_step(shape, dtype):
+    B, C, K, num_slots, ids = shape
+    x, buf, w = _conv_inputs(B, 1, C, K, num_slots, dtype)
+    x = x[:, 0]
+    slots = _slots(ids)
+    before = buf.clone()
+    out_ref, state_ref = causal_conv1d_step_ref(x.float(), before[slots].float(), w.float())
+
+    out = conv_step(x, buf, slots, w)
+    assert out.shape == (B, C) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), out_ref, **TOL[dtype])
+    assert torch.equal(buf[slots], state_ref.to(dtype))  # the new state is a pure shift: exact
+    _assert_untouched(buf, before, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", [1, 2, 5, 37], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("shape", CONV_SHAPES.values(), ids=CONV_SHAPES.keys())
+def test_conv_prefill(shape, T, dtype):
+    B, C, K, num_slots, ids = shape
+    x, buf, w = _conv_inputs(B, T, C, K, num_slots, dtype, seed=T)
+    slots = _slots(ids)
+    before = buf.clone()
+    out_ref, state_ref = causal_conv1d_ref(x.float(), before[slots].float(), w.float())
+
+    out = conv_prefill(x, buf, slots, w)
+    assert out.shape == (B, T, C) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), out_ref, **TOL[dtype])
+    assert torch.equal(buf[slots], state_ref.to(dtype))
+    _assert_untouched(buf, before, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_conv_prefill_equals_steps_bitwise(dtype):
+    """The step and prefill kernels sum the taps in the same order: token-by-token == one prefill."""
+    B, T, C, K = 2, 6, 48, 4
+    x, buf, w = _conv_inputs(B, T, C, K, 3, dtype, seed=7)
+    slots = _slots([2, 0])
+    buf_p, buf_s = buf.clone(), buf.clone()
+    out_p = conv_prefill(x, buf_p, slots, w)
+    out_s = torch.stack([conv_step(x[:, t].contiguous(), buf_s, slots, w) for t in range(T)], dim=1)
+    assert torch.equal(out_p, out_s)
+    assert torch.equal(buf_p, buf_s)
+
+
+def test_conv_prefill_strided_input():
+    """x as the model passes it: a slice of a wider projection output."""
+    B, T, C, K = 2, 5, 24, 4
+    wide, buf, w = _conv_inputs(B, T, 2 * C, K, 3, torch.float32)
+    x = wide[..., :C]
+    buf = buf[:, :C].contiguous()
+    w = w[:C].contiguous()
+    slots = _slots([1, 2])
+    before = buf.clone()
+    out_ref, state_ref = causal_conv1d_ref(x, before[slots], w)
+    out = conv_prefill(x, buf, slots, w)
+    torch.testing.assert_close(out, out_ref, **TOL[torch.float32])
+    assert torch.equal(buf[slots], state_ref)
+
+
+# ---------------------------------------------------------------- attention
+
+ATTN_SHAPES = {  # B, T, Hq, Hkv, D, max_seq, kv_len, starts, slot ids
+    "decode-gqa1-d16": (3, 1, 2, 2, 16, 160, 160, [5, 70, 130], [2, 0, 3]),
+    "decode-gqa2-d64": (3, 1, 4, 2, 64, 160, 150, [0, 77, 149], [1, 3, 0]),
+    "decode-gqa4-d64": (3, 1, 8, 2, 64, 200, 200, [63, 64, 190], [3, 2, 1]),
+    "decode-gqa3-d16": (2, 1, 6, 2, 16, 96, 96, [33, 94], [1, 0]),
+    "prefill-37-gqa2-d16": (1, 37, 4, 2, 16, 128, 128, [19], [2]),
+    "prefill-37-gqa4-d64-start0": (1, 37, 4, 1, 64, 128, 100, [0], [1]),
+    "prefill-64-gqa1-d64": (1, 64, 2, 2, 64, 192, 192, [45], [3]),
+    "prefill-64-gqa4-d16-b2": (2, 64, 8, 2, 16, 160, 160, [0, 93], [0, 2]),
+}
+
+
+def _attn_inputs(B, T, Hq, Hkv, D, max_seq, starts, ids, dtype, num_slots=4, seed=0):
+    g = _gen(seed)
+    # q as the model passes it: one half of a [B, T, Hq, 2D] projection (non-contiguous heads)
+    q = torch.randn(B, T, Hq, 2 * D, generator=g).to(dtype)[..., :D]
+    kv_k = torch.randn(num_slots, max_seq, Hkv, D, generator=g).to(dtype)
+    kv_v = torch.randn(num_slots, max_seq, Hkv, D, generator=g).to(dtype)
+    # rows past each row's own length hold large junk: it must be masked, never mixed in
+    for b, (s, slot) in enumerate(zip(starts, ids)):
+        kv_k[slot, s + T:] = 100.0
+        kv_v[slot, s + T:] = 100.0
+    slots = torch.tensor(ids, dtype=torch.int64)
+    start = torch.tensor(starts, dtype=torch.int64)
+    return _dev(q, kv_k, kv_v, slots, start)
+
+
+@pytest.fixture(params=["split", "single-pass"])
+def split_mode(request, monkeypatch):
+    if request.param == "single-pass":
+        monkeypatch.setattr(triton_attention, "_PARTIAL_BYTES_CAP", 0)  # forces NUM_SPLITS = 1
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", ATTN_SHAPES.values(), ids=ATTN_SHAPES.keys())
+def test_attention(shape, dtype, split_mode):
+    B, T, Hq, Hkv, D, max_seq, kv_len, starts, ids = shape
+    q, kv_k, kv_v, slots, start = _attn_inputs(B, T, Hq, Hkv, D, max_seq, starts, ids, dtype)
+    scale = D**-0.5
+    ref = attention_ref(q, kv_k, kv_v, slots, start, kv_len, scale)
+    out = attention(q, kv_k, kv_v, slots, start, kv_len, scale)
+    assert out.shape == (B, T, Hq, D) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+def test_attention_int32_start():
+    """The model's `pos` buffer is int32; start/slots of either int width work."""
+    B, T, Hq, Hkv, D, max_seq = 2, 1, 4, 2, 16, 64
+    q, kv_k, kv_v, slots, start = _attn_inputs(B, T, Hq, Hkv, D, max_seq, [3, 40], [1, 0], torch.float32)
+    ref = attention_ref(q, kv_k, kv_v, slots, start, max_seq, 0.25)
+    out = attention(q, kv_k, kv_v, slots.int(), start.int(), max_seq, 0.25)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+def _capture(fn):
+    """Warm up (compile) on a side stream, then capture fn() in a CUDA graph; returns (graph, output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a real CUDA device")
+def test_cuda_graph_capture_replay_matches_eager():
+    torch.manual_seed(0)
+    dev = "cuda"
+
+    # gated delta step
+    B, H, K, V, N = 3, 4, 32, 64, 6
+    q, k, v, gate, beta, ssm0 = _delta_inputs(B, H, K, V, N)
+    ssm = ssm0.clone()
+    slots = _slots([0, 1, 2])
+    graph, o_g = _capture(lambda: gated_delta_step(q, k, v, gate, beta, ssm, slots))
+    slots.copy_(_slots([5, 2, 3]))
+    ssm.copy_(ssm0)
+    graph.replay()
+    ssm_e = ssm0.clone()
+    o_e = gated_delta_step(q, k, v, gate, beta, ssm_e, slots.clone())
+    torch.cuda.synchronize()
+    assert torch.equal(o_g, o_e) and torch.equal(ssm, ssm_e)
+
+    # conv step / prefill
+    for T in (1, 37):
+        x, buf0, w = _conv_inputs(2, T, 64, 4, 4, torch.bfloat16)
+        buf = buf0.clone()
+        slots = _slots([0, 1])
+        if T == 1:
+            x1 = x[:, 0].contiguous()
+            fn = lambda: conv_step(x1, buf, slots, w)  # noqa: E731
+            eager = lambda b, s: conv_step(x1, b, s, w)  # noqa: E731
+        else:
+            fn = lambda: conv_prefill(x, buf, slots, w)  # noqa: E731
+            eager = lambda b, s: conv_prefill(x, b, s, w)  # noqa: E731
+        graph, out_g = _capture(fn)
+        slots.copy_(_slots([3, 1]))
+        buf.copy_(buf0)
+        graph.replay()
+        buf_e = buf0.clone()
+        out_e = eager(buf_e, slots.clone())
+        torch.cuda.synchronize()
+        assert torch.equal(out_g, out_e) and torch.equal(buf, buf_e)
+
+    # attention: captured with kv_len = max_seq; start and slots change between replays
+    for T, starts0, starts1 in ((1, [0, 10, 20], [700, 3, 1500]), (64, [0], [900])):
+        B = len(starts0)
+        max_seq = 2048
+        q, kv_k, kv_v, slots, start = _attn_inputs(B, T, 16, 4, 256, max_seq, starts0, list(range(B)),
+                                                   torch.bfloat16, num_slots=4)
+        graph, o_g = _capture(lambda: attention(q, kv_k, kv_v, slots, start, max_seq, 256**-0.5))
+        for starts in (starts0, starts1):
+            start.copy_(torch.tensor(starts, device=dev))
+            slots.copy_(torch.tensor(list(range(B))[::-1], device=dev))
+            graph.replay()
+            o_e = attention(q, kv_k, kv_v, slots.clone(), start.clone(), max_seq, 256**-0.5)
+            ref = attention_ref(q, kv_k, kv_v, slots, start, max_seq, 256**-0.5)
+            torch.cuda.synchronize()
+            assert torch.equal(o_g, o_e)
+            torch.testing.assert_close(o_g.float(), ref.float(), **TOL[torch.bfloat16])
+
+
+# ---------------------------------------------------------------- timings (opt-in, prints only)
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("CAPSULERT_KERNEL_BENCH") != "1",
+                    reason="opt-in timings: CAPSULERT_KERNEL_BENCH=1 on a CUDA device")
+def test_print_timings(monkeypatch):
+    """Kernel times replayed from a CUDA graph (no launch overhead), as the engine runs them."""
+    from triton.testing import do_bench_cudagraph
+
+    def bench(name, fn, nbytes=None, flops=None):
+        fn()  # compile outside the capture
+        ms = do_bench_cudagraph(fn, rep=50)
+        rate = f"{nbytes / ms / 1e6:8.1f} GB/s" if nbytes else f"{flops / ms / 1e9:8.1f} TFLOP/s"
+        print(f"{name:56s} {ms * 1e3:9.1f} us  {rate}")
+
+    dev, bf = "cuda", torch.bfloat16
+    for B in (1, 8):
+        H, K, V = 32, 128, 128
+        q, k = (F.normalize(torch.randn(B, H, K, device=dev), dim=-1) for _ in range(2))
+        v = torch.randn(B, H, V, device=dev)
+        gate, beta = -torch.rand(B, H, device=dev), torch.rand(B, H, device=dev)
+        ssm = torch.zeros(16, H, K, V, device=dev)
+        slots = torch.arange(B, device=dev)
+        bench(f"gated_delta_step B={B} H={H} K=V={K}", lambda: gated_delta_step(q, k, v, gate, beta, ssm, slots),
+              2 * B * H * K * V * 4)
+        C = 8192
+        x, buf, w = torch.randn(B, C, device=dev, dtype=bf), torch.randn(16, C, 3, device=dev, dtype=bf), \
+            torch.randn(C, 4, device=dev, dtype=bf)
+        bench(f"conv_step B={B} C={C}", lambda: conv_step(x, buf, slots, w), B * C * 2 * 8)
+    x, buf, w = torch.randn(1, 256, 8192, device=dev, dtype=bf), torch.randn(4, 8192, 3, device=dev, dtype=bf), \
+        torch.randn(8192, 4, device=dev, dtype=bf)
+    one = torch.tensor([1], device=dev)
+    bench("conv_prefill B=1 T=256 C=8192", lambda: conv_prefill(x, buf, one, w),
+          2 * 256 * 8192 * 2)
+
+    max_seq, Hq, Hkv, D = 16384, 16, 4, 256
+    kv_k = torch.randn(8, max_seq, Hkv, D, device=dev, dtype=bf)
+    kv_v = torch.randn(8, max_seq, Hkv, D, device=dev, dtype=bf)
+    for B in (1, 8):
+        for L in (1024, 16384):
+            q = torch.randn(B, 1, Hq, D, device=dev, dtype=bf)
+            slots, start = torch.arange(B, device=dev), torch.full((B,), L - 1, device=dev)
+            bench(f"attention decode B={B} len={L} (kv_len={max_seq})",
+                  lambda: attention(q, kv_k, kv_v, slots, start, max_seq, D**-0.5), B * L * Hkv * D * 2 * 2)
+    base_cfg = triton_attention._launch_config
+    variants = os.environ.get("CAPSULERT_ATTN_VARIANTS", "").split(";")
+    for variant in variants:  # e.g. "BT=32,BN=64,num_warps=8,num_stages=2"
+        over = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in variant.split(",") if kv}
+
+        def cfg(B, T, Hq, Hkv, D, kv_len, device, over=over):
+            c = base_cfg(B, T, Hq, Hkv, D, kv_len, device)
+            if T > 1:
+                c.update(over)
+                c["n_tblocks"] = triton.cdiv(T, c["BT"])
+            return c
+        monkeypatch.setattr(triton_attention, "_launch_config", cfg)
+        for L in (256, 4096, 16384):
+            T = 256
+            q = torch.randn(1, T, Hq, D, device=dev, dtype=bf)
+            slots, start = torch.tensor([0], device=dev), torch.tensor([L - T], device=dev)
+            try:
+                bench(f"attention prefill T={T} len={L} {variant}",
+                      lambda: attention(q, kv_k, kv_v, slots, start, max_seq, D**-0.5),
+                      flops=4 * T * (L - T / 2) * Hq * D)
+            except Exception as e:  # a variant may not fit (shared memory): report and go on
+                print(f"attention prefill {variant}: {type(e).__name__}")
+                break

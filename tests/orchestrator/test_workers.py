@@ -1,0 +1,86 @@
+"""Two workers: routing, byte-exact capsule migration (object store and disk), and faults: a worker
+killed mid-request fails the call with WorkerLost within the timeout, the other worker keeps serving,
+and after the restart the pinned, persisted capsule restores and continues identically."""
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import ray
+
+from capsulert.errors import WorkerLost
+from capsulert.orchestrator import Orchestrator
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+PROMPT = "Two workers share the load; a capsule made on one continues on the other. "
+TIMEOUT = 20.0
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def orch2(ray_session, engine_cfg, tmp_path_factory):
+    cfg = dict(engine={**engine_cfg, "slots": 8, "disk_dir": str(tmp_path_factory.mktemp("disk"))},
+               num_workers=2, call_timeout_s=TIMEOUT, max_restarts=2, torch_threads=1)
+    o = await Orchestrator.start(cfg)
+    yield o
+    await o.close()
+
+
+async def test_capsule_made_on_a_continues_bitwise_on_b(orch2, tmp_path):
+    a = await orch2.open(PROMPT, worker=0)
+    await a.snapshot("mig-c0")
+    b = await orch2.open(" unrelated", worker=1)
+    await b.restore("mig-c0")  # router migrates the capsule to worker 1 through the object store
+    assert orch2._where["mig-c0"] == {0, 1}
+    la, lb = await a.append(" Next", logits=True), await b.append(" Next", logits=True)
+    assert np.array_equal(la, lb)
+    assert await a.generate(8) == await b.generate(8)
+    pa, pb = await orch2._call(0, "export_capsule", "mig-c0"), await orch2._call(1, "export_capsule", "mig-c0")
+    assert pa == pb  # same meta, checksum and bytes
+    await a.snapshot("mig-c1")
+    await orch2.migrate("mig-c1", 1, via="disk", directory=str(tmp_path))
+    assert await orch2._call(1, "export_capsule", "mig-c1") == await orch2._call(0, "export_capsule", "mig-c1")
+    r = await orch2.restore("mig-c1")
+    assert await r.generate(4) == await a.generate(4)
+    await asyncio.gather(a.close(), b.close(), r.close(), orch2.delete("mig-c0"), orch2.delete("mig-c1"))
+    assert await orch2.capsules() == []
+
+
+async def test_silent_worker_call_times_out_with_worker_lost(orch2):
+    s = await orch2.open(PROMPT, worker=1)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerLost):
+        await s.generate(900, timeout=0.3)  # a worker that does not answer in time is lost to the caller
+    assert time.monotonic() - t0 < 2.0
+    done = await s.wait()  # the timed-out generate was interrupted; the session is still usable
+    assert done.stop_reason == "interrupted"
+    assert len(await s.generate(2)) == 2
+    await s.close()
+
+
+async def test_killed_worker_fails_fast_restarts_and_reloads_pinned(orch2):
+    pinned = await orch2.open(PROMPT, worker=0)
+    await pinned.snapshot("sys-prefix", pin=True)
+    await pinned.close()
+    ref = await orch2.restore_append_generate("sys-prefix", " Turn one", 6)
+    other = await orch2.open(PROMPT, worker=1)
+
+    victim = await orch2.open(PROMPT, worker=0)
+    task = asyncio.create_task(victim.generate(900))
+    while len(await victim.tokens()) <= victim.length:
+        await asyncio.sleep(0.005)
+    t0 = time.monotonic()
+    ray.kill(orch2.workers[0].handle, no_restart=False)
+    with pytest.raises(WorkerLost):
+        await task
+    assert time.monotonic() - t0 < TIMEOUT
+    assert len(await other.generate(3)) == 3  # the other worker keeps serving meanwhile
+
+    # worker 0 comes back (Ray restarts it), reloads the pinned capsule from disk: same continuation
+    assert await orch2.restore_append_generate("sys-prefix", " Turn one", 6) == ref
+    caps = await orch2.capsules()
+    assert [(c["name"], c["pinned"], c["workers"]) for c in caps] == [("sys-prefix", True, [0])]
+    with pytest.raises(WorkerLost):
+        await victim.generate(1)  # its session died with the old process
+    await other.close()
+    await orch2.delete("sys-prefix")
