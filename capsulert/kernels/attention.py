@@ -7,6 +7,7 @@ bucketed by the caller); keys beyond a row's own length are masked.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv_ref(kv_k, kv_v, slots, start, k, v):
@@ -20,14 +21,10 @@ def write_kv_ref(kv_k, kv_v, slots, start, k, v):
 def attention_ref(q, kv_k, kv_v, slots, start, kv_len: int, scale: float):
     """q [B, T, Hq, D]; returns [B, T, Hq, D] in q's dtype. GQA: query head h reads kv head h // (Hq/Hkv)."""
     B, T, Hq, D = q.shape
-    k = kv_k[slots, :kv_len].float()
-    v = kv_v[slots, :kv_len].float()
-    rep = Hq // k.shape[2]
-    k = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [B, Hq, L, D]
-    v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
-    scores = (q.float().transpose(1, 2) @ k.transpose(-1, -2)) * scale  # [B, Hq, T, L]
+    k = kv_k[slots, :kv_len].transpose(1, 2)  # [B, Hkv, L, D]
+    v = kv_v[slots, :kv_len].transpose(1, 2)
     qpos = start[:, None] + torch.arange(T, device=q.device)  # [B, T]
     visible = torch.arange(kv_len, device=q.device)[None, None, :] <= qpos[:, :, None]  # [B, T, L]
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    probs = scores.softmax(-1)
-    return (probs @ v).transpose(1, 2).to(q.dtype)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None], scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(1, 2)
