@@ -168,20 +168,22 @@ def _num_sms(device: torch.device) -> int:
 _PARTIAL_BYTES_CAP = 64 << 20
 
 
-def _launch_config(B: int, T: int, Hq: int, Hkv: int, D: int, kv_len: int, device: torch.device) -> dict:
+def _launch_config(B: int, T: int, Hq: int, Hkv: int, D: int, kv_len: int, device: torch.device,
+                   fp32: bool = False) -> dict:
     """Block sizes and split count from shapes only (never from device values), so a captured graph holds one
     fixed launch. Measured on one H200 (bf16, Hq=16, Hkv=4, D=256): decode keeps BM = 16 rows; prefill chunks
     use BM = 128 rows, BN = 64, 8 warps, 2 stages, and about one program per SM (heavier tiles run one per SM:
-    T=256 over 16k keys went 263 -> 391 TFLOP/s going from 9 splits to 4)."""
+    T=256 over 16k keys went 263 -> 391 TFLOP/s going from 9 splits to 4). fp32 inputs (IEEE dots, twice the
+    bytes per tile) use half the rows and keys per tile so the tiles still fit in shared memory."""
     G = Hq // Hkv
     GP = triton.next_power_of_2(G)
-    BT = min(triton.next_power_of_2(T), max(1, 128 // GP))
+    BT = min(triton.next_power_of_2(T), max(1, (64 if fp32 else 128) // GP))
     BT = max(BT, triton.cdiv(16, GP))
     BM = BT * GP
-    BN = 64
+    BN = 32 if (fp32 and D >= 128) else 64
     heavy = BM * D >= 16384
     num_warps = 8 if heavy else 4
-    num_stages = 2 if D >= 256 else 3
+    num_stages = 2 if (D >= 256 or (fp32 and D >= 128)) else 3
     n_tblocks = triton.cdiv(T, BT)
     base = B * Hkv * n_tblocks
     target = (1 if heavy else 2) * _num_sms(device)
@@ -205,14 +207,14 @@ def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float) -> torch.T
     if B == 0 or T == 0:
         return o
     assert kv_len >= 1
-    cfg = _launch_config(B, T, Hq, Hkv, D, kv_len, q.device)
+    ieee = q.dtype == torch.float32 or kv_k.dtype == torch.float32
+    cfg = _launch_config(B, T, Hq, Hkv, D, kv_len, q.device, fp32=ieee)
     S = cfg["splits"]
     if S > 1:
         lse = torch.empty(B * T * Hq * S, dtype=torch.float32, device=q.device)
         opart = torch.empty(B * T * Hq * S * D, dtype=torch.float32, device=q.device)
     else:
         lse = opart = o  # unused
-    ieee = q.dtype == torch.float32 or kv_k.dtype == torch.float32
     grid = (B * Hkv * cfg["n_tblocks"], S)
     _attn_fwd_kernel[grid](
         q, kv_k, kv_v, slots, start, o, lse, opart,

@@ -225,6 +225,18 @@ def test_attention(shape, dtype, split_mode):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="model-size shapes: too slow for the interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,starts", [(1, [0, 517, 4000]), (256, [3000])], ids=["decode-b3", "prefill-256"])
+def test_attention_model_size(T, starts, dtype):
+    """Hq=16, Hkv=4, D=256 (the model's head layout), lengths not multiples of any block."""
+    B = len(starts)
+    q, kv_k, kv_v, slots, start = _attn_inputs(B, T, 16, 4, 256, 4352, starts, list(range(B))[::-1], dtype)
+    ref = attention_ref(q, kv_k, kv_v, slots, start, 4352, 256**-0.5)
+    out = attention(q, kv_k, kv_v, slots, start, 4352, 256**-0.5)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
 def test_attention_int32_start():
     """The model's `pos` buffer is int32; start/slots of either int width work."""
     B, T, Hq, Hkv, D, max_seq = 2, 1, 4, 2, 16, 64
@@ -355,8 +367,8 @@ def test_print_timings(monkeypatch):
     for variant in variants:  # e.g. "BT=32,BN=64,num_warps=8,num_stages=2"
         over = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in variant.split(",") if kv}
 
-        def cfg(B, T, Hq, Hkv, D, kv_len, device, over=over):
-            c = base_cfg(B, T, Hq, Hkv, D, kv_len, device)
+        def cfg(B, T, Hq, Hkv, D, kv_len, device, fp32=False, over=over):
+            c = base_cfg(B, T, Hq, Hkv, D, kv_len, device, fp32)
             if T > 1:
                 c.update(over)
                 c["n_tblocks"] = triton.cdiv(T, c["BT"])
