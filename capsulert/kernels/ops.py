@@ -80,9 +80,11 @@ def _fla_prefill():
         return None
 
     def gated_delta_prefill_fla(q, k, v, g, beta, ssm_buf, slots) -> torch.Tensor:
-        # q is already normalised and scaled, hence scale=1 and no in-kernel L2 norm
+        # q is already normalised and scaled, hence scale=1 and no in-kernel L2 norm; fla takes q/k/v in
+        # bf16 (as transformers passes them) and keeps its state and accumulators in fp32
         o, new_state = chunk_gated_delta_rule(
-            q, k, v, g, beta, scale=1.0, initial_state=ssm_buf[slots], output_final_state=True
+            q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, scale=1.0, initial_state=ssm_buf[slots],
+            output_final_state=True,
         )
         ssm_buf.index_copy_(0, slots, new_state.float())
         return o.float()
