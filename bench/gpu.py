@@ -59,15 +59,17 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--prefill-chunk", type=int, default=1024, help="the global prefill grid (multiple of 64)")
     args = ap.parse_args()
     if args.quick:
         args.lengths, args.iters = [2048, 4096], 2
     torch.manual_seed(0)
-    max_seq = (max(args.lengths) + 2 * SUFFIX + 64 + 255) // 256 * 256
+    c = args.prefill_chunk
+    max_seq = (max(args.lengths) + 2 * SUFFIX + 64 + c - 1) // c * c
     t0 = time.perf_counter()
     torch.cuda.reset_peak_memory_stats()
     eng = Engine.from_config(model=f"random:{SHAPE}", device="cuda", dtype="bfloat16", slots=10,
-                             max_seq=max_seq, prefill_chunk=256)
+                             max_seq=max_seq, prefill_chunk=c)
     start_s = time.perf_counter() - t0
     weights_gb = sum(t.numel() * t.element_size() for t in eng.model_weights.values()) / 1e9
     state_gb = eng.state.nbytes / 1e9
@@ -202,7 +204,7 @@ def main() -> int:
     print_table(rows, cols)
     print("decode:", decode)
     print("fan-out best-of-8 from 8k, 64 tokens:", fan)
-    result = dict(machine=machine_info("cuda"), engine_start_s=start_s, kernels=eng.model.kernels.name,
+    result = dict(machine=machine_info("cuda"), prefill_chunk=c, engine_start_s=start_s, kernels=eng.model.kernels.name,
                   graphs=len(eng.graphs.graphs), capture_s=eng.graphs.capture_s, weights_gb=weights_gb,
                   state_gb=state_gb, peak_gb=mem_gb, ttft=rows, decode=decode, fanout=fan)
     write_json(OUT_DIR / "gpu.json", result)
