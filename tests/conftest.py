@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from capsulert.worker.default_model import ensure_default_model
 from capsulert.worker.engine import Engine
@@ -9,6 +10,12 @@ PROMPT = (
     "recurrent state; the attention layers keep keys and values for every position. Restoring only the "
     "keys and values would lose the fold, and the continuation would drift away from the original one. "
 )
+
+
+def pytest_configure(config):
+    # one intra-op thread: the suite runs on 2-core machines next to Ray workers, where spinning
+    # worker threads slow every kernel by an order of magnitude
+    torch.set_num_threads(1)
 
 
 def pytest_addoption(parser):

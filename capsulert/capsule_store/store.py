@@ -264,22 +264,32 @@ class CapsuleStore:
         else:
             self._counters["misses"] += 1
             if self._usable("gpu"):
-                self._promote(key, "gpu")
+                self._try_promote(key, "gpu")
         pk = _pkey(key)
         self._policy.on_access(pk)
         e.last_used = time.time()
         want = self._policy.should_promote(pk)
         if want in TIERS and _RANK[want] < _RANK[e.tier] and self._usable(want):
-            self._promote(key, want)
+            self._try_promote(key, want)
         if e.tier == "gpu":
             tensors = e.tensors
-        else:  # gpu tier disabled: hand out a transient device copy, not counted in any budget
+        else:
+            # the gpu tier is disabled, or pinned capsules leave it no room: the read is served from a
+            # transient device copy (not counted in any budget) and the capsule stays where it is
             src = self._read(e) if e.tensors is None else e.tensors
             tensors, ev = self._copy(src, "gpu", wait=e.event, copy_stream=False)
         ev = e.event if e.tier == "gpu" else ev
         if ev is not None and self._cuda:
             torch.cuda.current_stream(self.device).wait_event(ev)
         return tensors  # type: ignore[return-value]
+
+    def _try_promote(self, key: Key, tier: str) -> bool:
+        """Promote if room can be made; a refusal (pins fill the tier) moves nothing and returns False."""
+        try:
+            self._promote(key, tier)
+        except BudgetExceededError:
+            return False
+        return True
 
     def _promote(self, key: Key, tier: str) -> None:
         e = self._entries[key]

@@ -2,8 +2,9 @@
 
 n_envs sessions are forked from C0 once and reused: reset(i) restores C0 into env i's session in place
 (no slot is taken or given back, no capsule is made), step(i, observation) appends the observation and
-generates the action in one actor call. In run(), an episode's reset and its first step are a single
-chained call (restore + append + generate). Thousands of resets leave slot and capsule counts unchanged.
+generates the action in one actor call. In run(), the envs' steps are gathered into batches: one actor
+call restores (for an episode's first step), appends each env's observation and decodes all the envs
+together, one batched decode step per token. Thousands of resets leave slot and capsule counts unchanged.
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ class EpisodeDriver:
         Returns trajectories in episode order."""
         episodes, max_steps = int_arg(episodes, "episodes", 0), int_arg(max_steps, "max_steps", 1)
         await self.start()
+        batch = _StepBatcher(self.orch, self.sessions[0].worker, self.max_new_tokens)
         queue: asyncio.Queue[int] = asyncio.Queue()
         for e in range(episodes):
             queue.put_nowait(e)
@@ -98,8 +100,7 @@ class EpisodeDriver:
                 if obs is None:
                     await self.reset(i)
                     continue
-                action = await sess.restore_append_generate(
-                    self.capsule, tokens_arg(obs, "observation"), self.max_new_tokens, self._sampling(None, ep, 0))
+                action = await batch.submit(sess, self.capsule, tokens_arg(obs, "observation"), self._sampling(None, ep, 0))
                 self.resets += 1
                 for t in range(1, max_steps + 1):
                     traj.steps.append((obs, action))
@@ -108,8 +109,46 @@ class EpisodeDriver:
                     obs = await _maybe_await(policy_fn(ep, t, action))
                     if obs is None:
                         break
-                    action = await sess.append_generate(tokens_arg(obs, "observation"), self.max_new_tokens,
-                                                        self._sampling(None, ep, t))
+                    action = await batch.submit(sess, None, tokens_arg(obs, "observation"), self._sampling(None, ep, t))
 
         await asyncio.gather(*(env_loop(i) for i in range(self.n_envs)))
         return [out[e] for e in range(episodes)]
+
+
+class _StepBatcher:
+    """Gathers the steps the env loops submit while a batch is in flight into the next batch (one
+    step_many actor call). The driver owns its sessions, so it bypasses their per-session locks."""
+
+    def __init__(self, orch, worker: int, max_new_tokens: int):
+        self.orch, self.worker, self.max_new = orch, worker, max_new_tokens
+        self.pending: list = []
+        self.draining = False
+
+    async def submit(self, sess, restore: str | None, tokens, sampling: dict | None) -> list[int]:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((sess, restore, tokens, sampling, fut))
+        if not self.draining:
+            self.draining = True
+            asyncio.ensure_future(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        try:
+            await asyncio.sleep(0)  # let every env that is ready enqueue its step
+            while self.pending:
+                batch, self.pending = self.pending, []
+                try:
+                    res = await self.orch._call(self.worker, "step_many", [(b[0].sid, b[1], b[2]) for b in batch],
+                                                self.max_new, [b[3] for b in batch])
+                except BaseException as e:  # noqa: BLE001 - handed to every waiter
+                    for b in batch:
+                        if not b[4].done():
+                            b[4].set_exception(e)
+                    continue
+                for b, r in zip(batch, res):
+                    b[0]._take(r)
+                    if not b[4].done():
+                        b[4].set_result(r["tokens"])
+                await asyncio.sleep(0)
+        finally:
+            self.draining = False

@@ -32,12 +32,14 @@ class _Worker:
     handle: Any
     sessions: int = 0
     stale: bool = False
+    resync: Any = None  # the task bringing the router's view of this worker up to date
 
 
 class Orchestrator(CapsuleRouter):
     def __init__(self, config: OrchestratorConfig, workers: list[_Worker], owns_ray: bool):
         self.config, self.workers, self._owns_ray = config, workers, owns_ray
         self._where: dict[str, set[int]] = {}  # capsule name -> workers holding a copy
+        self._reserved: set[str] = set()  # names of snapshots in flight
         self._open: weakref.WeakSet[RemoteSession] = weakref.WeakSet()
         self._closed = False
 
@@ -70,7 +72,7 @@ class Orchestrator(CapsuleRouter):
             workers.append(_Worker(i, handle))
         orch = cls(cfg, workers, owns)
         try:
-            await asyncio.gather(*(orch._resync(w.index, cfg.start_timeout_s, starting=True) for w in workers))
+            await asyncio.gather(*(orch._resync(w.index, cfg.start_timeout_s) for w in workers))
         except BaseException:
             await orch.close()
             raise
@@ -118,10 +120,13 @@ class Orchestrator(CapsuleRouter):
     async def _check_worker(self, w: int) -> None:
         if self._closed:
             raise WorkerLost("the orchestrator is closed")
-        if self.workers[w].stale:
-            await self._resync(w, self.config.call_timeout_s)
+        worker = self.workers[w]
+        if worker.stale:  # one resync per worker at a time; every waiting call shares it
+            if worker.resync is None or worker.resync.done():
+                worker.resync = asyncio.ensure_future(self._resync(w, self.config.call_timeout_s))
+            await asyncio.shield(worker.resync)
 
-    async def _resync(self, w: int, timeout: float, starting: bool = False) -> None:
+    async def _resync(self, w: int, timeout: float) -> None:
         """Wait until worker w answers (a restarted actor rebuilds its engine and reloads pinned
         capsules), then rebuild the router's view of its capsules."""
         worker, loop = self.workers[w], asyncio.get_running_loop()
@@ -138,7 +143,7 @@ class Orchestrator(CapsuleRouter):
             except RayTaskError as e:
                 raise WorkerLost(f"worker {w} failed: {e}") from None
             except _LOST as e:
-                if starting and isinstance(e, RayActorError) and "__init__" in str(e):
+                if getattr(e, "actor_init_failed", False):  # the engine refused to start: do not wait
                     raise WorkerLost(f"worker {w} could not start: {e}") from None
                 if loop.time() >= deadline:
                     raise WorkerLost(f"worker {w} did not come back within {timeout:g}s") from None
@@ -166,7 +171,7 @@ class Orchestrator(CapsuleRouter):
     async def open(self, prompt=None, *, worker: int | None = None) -> RemoteSession:
         """A new session (on the least loaded worker), prefilled with `prompt` when given."""
         prompt = None if prompt is None else tokens_arg(prompt, "prompt")
-        w = self._least_loaded(range(len(self.workers))) if worker is None else worker
+        w = self._least_loaded(range(len(self.workers))) if worker is None else self._worker_arg(worker)
         return self._session(w, await self._call(w, "open", prompt))
 
     async def restore(self, name: str) -> RemoteSession:

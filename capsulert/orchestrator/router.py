@@ -27,7 +27,14 @@ class CapsuleRouter:
             raise UnknownCapsuleError(f"no capsule {name!r} on any worker")
         return holders
 
+    def _worker_arg(self, worker) -> int:
+        if not isinstance(worker, int) or isinstance(worker, bool) or not 0 <= worker < len(self.workers):
+            raise ConfigError(f"no worker {worker!r}; there are {len(self.workers)}")
+        return worker
+
     def _check_new_name(self, name: str) -> None:
+        if name in self._reserved:
+            raise DuplicateCapsuleError(f"capsule {name!r} is being made right now; capsules are immutable")
         if name in self._where:
             raise DuplicateCapsuleError(f"capsule {name!r} already exists (on worker(s) {sorted(self._where[name])}); "
                                         "capsules are immutable: delete it first")
@@ -42,8 +49,7 @@ class CapsuleRouter:
         (default), or as a verified capsule file written to and read from `directory` (via="disk")."""
         name, tier = name_arg(name), tier_arg(tier)
         holders = self._holders(name)
-        if not isinstance(worker, int) or not 0 <= worker < len(self.workers):
-            raise ConfigError(f"no worker {worker!r}; there are {len(self.workers)}")
+        worker = self._worker_arg(worker)
         if worker in holders:
             return
         src = min(holders)

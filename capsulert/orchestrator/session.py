@@ -125,8 +125,12 @@ class RemoteSession:
 
             raise InvalidRequestError(f"pin must be a bool, got {pin!r}")
         self._orch._check_new_name(name)
-        ref = await self._run("snapshot", name, tier, pin)
-        self._orch._where.setdefault(name, set()).add(self.worker)
+        self._orch._reserved.add(name)
+        try:
+            ref = await self._run("snapshot", name, tier, pin)
+            self._orch._where.setdefault(name, set()).add(self.worker)
+        finally:
+            self._orch._reserved.discard(name)
         return ref
 
     async def restore(self, name: str) -> None:

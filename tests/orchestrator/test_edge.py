@@ -49,6 +49,7 @@ async def test_bad_input_is_refused_with_typed_errors_and_changes_nothing(orch):
         (DuplicateCapsuleError, s.snapshot("edge-c0")),
         (ConfigError, orch.promote("edge-c0", "tape")),
         (ConfigError, orch.migrate("edge-c0", 7)),
+        (ConfigError, orch.open(PROMPT, worker=5)),
         (ConfigError, Orchestrator.start(dict(num_workers=0))),
         (ConfigError, Orchestrator.start(dict(engine=dict(slots=-1)))),
     ]

@@ -52,6 +52,7 @@ def test_gpu_host_disk_then_new_process_restores_bitwise(tiered, text, tmp_path,
         import torch
         from safetensors.torch import save_file
         from capsulert.worker.engine import Engine
+        torch.set_num_threads({torch.get_num_threads()})  # same reduction order as this process
         eng = Engine.from_config(model={str(default_model_dir)!r}, device={eng.device.type!r}, slots=4, max_seq=2048, prefill_chunk=128)
         assert eng.store.load({str(saved)!r}) == 1
         s = eng.restore("c")
@@ -150,9 +151,10 @@ def test_corrupt_or_foreign_files_are_refused_on_load(make_engine, tiered, text,
     with pytest.raises(IncompatibleCapsuleError):
         other_layout.restore("c")
     assert other_layout.free_slots == other_layout.config.slots
-    bf16 = make_engine(dtype="bfloat16")  # another dtype is another model fingerprint
+    other_dtype = "float32" if eng.dtype == torch.bfloat16 else "bfloat16"
+    foreign = make_engine(dtype=other_dtype)  # another dtype is another model fingerprint
     with pytest.raises(IncompatibleCapsuleError):
-        bf16.store.load(saved)
-    assert bf16.store.list() == []
+        foreign.store.load(saved)
+    assert foreign.store.list() == []
     assert fresh.store.load(saved) == 1
     assert torch.equal(fresh.restore("c").logits(), s.logits())
