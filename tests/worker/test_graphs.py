@@ -1,0 +1,41 @@
+"""CUDA graph plans (GPU only): bounded count, slot- and position-agnostic replay, never invalidated."""
+import pytest
+import torch
+
+from capsulert.worker.graphs import ShapeKey, prefill_buckets
+
+pytestmark = pytest.mark.gpu
+
+
+def test_prefill_buckets_cover_the_chunk():
+    assert prefill_buckets(256) == [16, 32, 64, 128, 256]
+    assert prefill_buckets(64) == [16, 32, 64]
+
+
+@pytest.fixture
+def cuda_engine(make_engine):
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device: run with -m gpu --device cuda on the GPU machine")
+    return make_engine(device="cuda", slots=4)
+
+
+def test_graph_count_is_bounded(cuda_engine):
+    g = cuda_engine.graphs
+    assert set(g.graphs) == {ShapeKey("decode", b, 1) for b in (1, 2, 4)} | {ShapeKey("prefill", 1, t) for t in (16, 32, 64, 128)}
+
+
+def test_snapshot_restore_never_invalidate_graphs(cuda_engine, text):
+    eng = cuda_engine
+    graphs = dict(eng.graphs.graphs)
+    ptrs = eng.state.data_ptrs()
+    s = eng.open()
+    s.append(text)
+    s.snapshot("c")
+    first = s.generate(16)
+    for slot_user in range(3):  # the same graphs serve other slots and other positions
+        r = eng.restore("c")
+        assert r.generate(16) == first
+        r.close()
+    s.restore("c")
+    assert s.generate(16) == first
+    assert eng.graphs.graphs == graphs and eng.state.data_ptrs() == ptrs
