@@ -2,14 +2,9 @@
 import pytest
 import torch
 
-from capsulert.worker.graphs import ShapeKey, prefill_buckets
+from capsulert.worker.graphs import ShapeKey
 
 pytestmark = pytest.mark.gpu
-
-
-def test_prefill_buckets_cover_the_chunk():
-    assert prefill_buckets(256) == [16, 32, 64, 128, 256]
-    assert prefill_buckets(64) == [16, 32, 64]
 
 
 @pytest.fixture

@@ -46,3 +46,10 @@ def test_padded_decode_rows_touch_only_the_scratch_slot(engine, text):
     after = slot_state(engine, bystander)
     for k in before:
         assert torch.equal(before[k], after[k]), k
+
+
+def test_prefill_buckets_cover_the_chunk():
+    from capsulert.worker.graphs import prefill_buckets
+
+    assert prefill_buckets(256) == [16, 32, 64, 128, 256]
+    assert prefill_buckets(64) == [16, 32, 64]
