@@ -19,6 +19,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/capsules.py --device cpu
+	$(PY) bench/working_set.py --quick
+	$(PY) bench/orchestrator.py --quick
 
 clean:
 	rm -rf $(VENV)

@@ -11,3 +11,4 @@ def test_demo_quick(default_model_dir):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all checks passed" in proc.stdout
     assert proc.stdout.count("bitwise") == 3
+    assert proc.stdout.count("same tokens as in-process") == 3
