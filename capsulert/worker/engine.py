@@ -51,6 +51,7 @@ class Engine:
         self._free = list(range(config.slots))
         self._sessions: dict[int, Session] = {}
         self._lock = threading.RLock()
+        self._slot_freed = threading.Condition(self._lock)
         self._prefill_s_per_token = 0.0
         from capsulert.worker.capsules import CapsuleVerbs
 
@@ -105,15 +106,25 @@ class Engine:
         return cls(config, model_cfg, weights, None, fingerprint)
 
     # ------------------------------------------------------------------ sessions
-    def open(self) -> Session:
+    def open(self, wait_s: float | None = None) -> Session:
+        """A new empty session. With every slot taken, waits up to wait_s (default: the config's
+        slot_wait_s) for one to be released, then raises NoFreeSlotError."""
         with self._lock:
-            return self._take_slots(1)[0]
+            return self._take_slots(1, wait_s)[0]
 
-    def _take_slots(self, n: int) -> list[Session]:
-        if n > len(self._free):
-            raise NoFreeSlotError(
-                f"{n} slot(s) needed, {len(self._free)} free of {self.config.slots}; close sessions or raise `slots`"
-            )
+    def _take_slots(self, n: int, wait_s: float | None = None) -> list[Session]:
+        wait_s = self.config.slot_wait_s if wait_s is None else wait_s
+        if n > self.config.slots:
+            raise NoFreeSlotError(f"{n} slot(s) needed but the engine has {self.config.slots}; raise `slots`")
+        deadline = time.monotonic() + wait_s
+        while n > len(self._free):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise NoFreeSlotError(
+                    f"{n} slot(s) needed, {len(self._free)} free of {self.config.slots}"
+                    + (f" after waiting {wait_s:g} s" if wait_s else "") + "; close sessions or raise `slots`"
+                )
+            self._slot_freed.wait(remaining)  # releases the engine lock while it waits
         sessions = []
         for _ in range(n):
             slot = self._free.pop(0)
@@ -136,6 +147,7 @@ class Engine:
             del self._sessions[session.slot]
             self._free.append(session.slot)
             self._free.sort()
+            self._slot_freed.notify_all()
 
     @property
     def free_slots(self) -> int:
@@ -318,9 +330,10 @@ class Engine:
             self._own(session)
             return self.capsules.snapshot(session, name, tier=tier, pin=pin, mode=mode, namespace=namespace)
 
-    def restore(self, name: str, namespace: str = "default") -> Session:
+    def restore(self, name: str, namespace: str = "default", wait_s: float | None = None) -> Session:
         with self._lock:
-            session = self._take_slots(1)[0]
+            self.capsules.check_exists(name, namespace)
+            session = self._take_slots(1, wait_s)[0]
             try:
                 self.capsules.restore_into(session, name, namespace)
             except BaseException:
@@ -333,12 +346,12 @@ class Engine:
             self._own(session)
             self.capsules.restore_into(session, name, namespace)
 
-    def fork(self, name: str, n: int, namespace: str = "default") -> list[Session]:
+    def fork(self, name: str, n: int, namespace: str = "default", wait_s: float | None = None) -> list[Session]:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise InvalidRequestError(f"fork needs n >= 1 branches, got {n!r}")
         with self._lock:
             self.capsules.check_exists(name, namespace)
-            sessions = self._take_slots(n)
+            sessions = self._take_slots(n, wait_s)
             try:
                 for s in sessions:
                     self.capsules.restore_into(s, name, namespace)

@@ -36,6 +36,8 @@ class EngineConfig(BaseModel):
     policy: str = "pinned_lru"
     kernels: Literal["auto", "reference", "triton"] = Field(
         "auto", description="CUDA kernels: auto = Triton + fla chunked prefill when installed")
+    slot_wait_s: float = Field(0.0, ge=0.0, le=3600.0,
+                               description="how long open/restore/fork wait for a free slot before NoFreeSlotError")
     cuda_graphs: bool = Field(True, description="capture CUDA graphs at start (CUDA only)")
     decode_batches: tuple[int, ...] = Field((1, 2, 4, 8), description="batch sizes of the decode graphs")
 
