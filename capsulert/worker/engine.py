@@ -18,15 +18,14 @@ from capsulert.config import ModelConfig
 from capsulert.errors import (
     ForeignSessionError,
     InvalidRequestError,
-    InvalidTokenError,
     NoFreeSlotError,
-    SequenceTooLongError,
 )
 from capsulert.worker.engine_config import EngineConfig
 from capsulert.worker.model import HybridModel
 from capsulert.worker.sampler import GREEDY, SamplingParams, make_generator, sample
 from capsulert.worker.session import Session
 from capsulert.worker.state import StateLayout, StateSet
+from capsulert.worker.tokens import TokenCodec
 
 RANDOM_PREFIX = "random:"  # model="random:<architecture yaml>": deterministic random weights on the device
 
@@ -41,6 +40,7 @@ class Engine:
         self.model_weights = weights
         self.model = HybridModel(model_cfg, weights, self._kernels(config))
         self.tokenizer = tokenizer
+        self.codec = TokenCodec(tokenizer, model_cfg.vocab_size, config.max_seq)
         self.fingerprint = fingerprint
         self.chunk = config.prefill_chunk
         # one extra scratch slot absorbs the padding rows of captured graphs; KV keeps a chunk of slack
@@ -160,38 +160,10 @@ class Engine:
 
     # ------------------------------------------------------------------ tokens
     def tokenize(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise InvalidTokenError("this model has no tokenizer.json; pass token ids instead of text")
-        return self.tokenizer.encode(text).ids
+        return self.codec.encode(text)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            raise InvalidTokenError("this model has no tokenizer.json")
-        return self.tokenizer.decode(list(tokens))
-
-    def _as_tokens(self, tokens_or_text, room: int) -> list[int]:
-        if isinstance(tokens_or_text, str):
-            # refuse before tokenising a huge string: a token is at least one byte of text here
-            if len(tokens_or_text) > 64 * self.config.max_seq:
-                raise SequenceTooLongError(f"text of {len(tokens_or_text)} characters cannot fit max_seq={self.config.max_seq}")
-            tokens = self.tokenize(tokens_or_text)
-        elif isinstance(tokens_or_text, torch.Tensor):
-            if tokens_or_text.dim() != 1 or tokens_or_text.dtype.is_floating_point:
-                raise InvalidTokenError("token tensor must be 1-D of an integer dtype")
-            tokens = tokens_or_text.tolist()
-        else:
-            tokens = list(tokens_or_text)
-        if not tokens:
-            raise InvalidTokenError("nothing to append: empty token list")
-        vocab = self.model_cfg.vocab_size
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidTokenError(f"token id {t!r} is not an int in [0, {vocab})")
-        if len(tokens) > room:
-            raise SequenceTooLongError(
-                f"{len(tokens)} tokens do not fit: the session holds {self.config.max_seq - room} of max_seq={self.config.max_seq}"
-            )
-        return tokens
+        return self.codec.decode(tokens)
 
     # ------------------------------------------------------------------ prefill
     def _kv_len(self, end: int) -> int:
@@ -221,7 +193,7 @@ class Engine:
     def append(self, session: Session, tokens_or_text) -> torch.Tensor:
         with self._lock:
             self._own(session)
-            new = self._as_tokens(tokens_or_text, self.config.max_seq - len(session.tokens))
+            new = self.codec.validate(tokens_or_text, self.config.max_seq - len(session.tokens))
             P = len(session.tokens)
             G = P // self.chunk * self.chunk
             if session.live_len != G:
