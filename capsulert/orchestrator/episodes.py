@@ -139,7 +139,7 @@ class _StepBatcher:
                 batch, self.pending = self.pending, []
                 try:
                     res = await self.orch._call(self.worker, "step_many", [(b[0].sid, b[1], b[2]) for b in batch],
-                                                self.max_new, [b[3] for b in batch])
+                                                self.max_new, [b[3] for b in batch], namespace=self.orch.ns)
                 except BaseException as e:  # noqa: BLE001 - handed to every waiter
                     for b in batch:
                         if not b[4].done():

@@ -2,6 +2,9 @@
 routes each session to the worker holding its capsule, migrates capsules between workers through host
 bytes in the Ray object store (or a disk directory), and turns every failure into a typed error:
 engine refusals keep their capsulert class, a dead or silent worker is WorkerLost within the timeout.
+
+Capsules live in namespaces: `orch.namespace("acme")` is a handle with the same verbs, bound to the
+capsules of "acme" (see namespace.py); the Orchestrator's own verbs serve namespace "default".
 """
 from __future__ import annotations
 
@@ -16,10 +19,11 @@ import torch
 from pydantic import ValidationError
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError, WorkerCrashedError
 
+from capsulert.capsule_store import validate_name
 from capsulert.errors import CapsuleRTError, ConfigError, WorkerLost
-from capsulert.orchestrator.config import (OrchestratorConfig, int_arg, name_arg, sampling_arg, samplings_arg,
-                                           tokens_arg)
-from capsulert.orchestrator.router import CapsuleRouter
+from capsulert.orchestrator.config import OrchestratorConfig
+from capsulert.orchestrator.namespace import Namespace
+from capsulert.orchestrator.router import _Space
 from capsulert.orchestrator.session import GenerateResult, RemoteSession
 from capsulert.orchestrator.worker_actor import WorkerActor
 
@@ -31,17 +35,22 @@ class _Worker:
     index: int
     handle: Any
     sessions: int = 0
+    pending: int = 0  # calls in flight (so concurrent opens spread out before any reply counts a session)
     stale: bool = False
     resync: Any = None  # the task bringing the router's view of this worker up to date
 
 
-class Orchestrator(CapsuleRouter):
+class Orchestrator(Namespace):
+    """The operator's object: lifecycle, workers, stats, and namespace handles. As a handle itself it
+    serves namespace "default" (orch.open / restore / capsules / ... act on "default" capsules only)."""
+
     def __init__(self, config: OrchestratorConfig, workers: list[_Worker], owns_ray: bool):
         self.config, self.workers, self._owns_ray = config, workers, owns_ray
-        self._where: dict[str, set[int]] = {}  # capsule name -> workers holding a copy
-        self._reserved: set[str] = set()  # names of snapshots in flight
+        self._spaces: dict[str, _Space] = {}  # namespace -> router state (capsule name -> holders, locks)
+        self._handles: dict[str, Namespace] = {}
         self._open: weakref.WeakSet[RemoteSession] = weakref.WeakSet()
         self._closed = False
+        super().__init__(self, "default")
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -113,9 +122,14 @@ class Orchestrator(CapsuleRouter):
             raise WorkerLost(f"worker {w} was lost during {what}: {type(e).__name__}") from None
 
     async def _call(self, w: int, method: str, *args, timeout: float | None = None, **kwargs):
-        await self._check_worker(w)
-        ref = getattr(self.workers[w].handle, method).remote(*args, **kwargs)
-        return await self._await(w, ref, method, timeout)
+        worker = self.workers[w]
+        worker.pending += 1
+        try:
+            await self._check_worker(w)
+            ref = getattr(worker.handle, method).remote(*args, **kwargs)
+            return await self._await(w, ref, method, timeout)
+        finally:
+            worker.pending -= 1
 
     async def _check_worker(self, w: int) -> None:
         if self._closed:
@@ -148,104 +162,33 @@ class Orchestrator(CapsuleRouter):
                 if loop.time() >= deadline:
                     raise WorkerLost(f"worker {w} did not come back within {timeout:g}s") from None
                 await asyncio.sleep(0.1)
-        for holders in self._where.values():
-            holders.discard(w)
+        for space in self._spaces.values():
+            for holders in space.where.values():
+                holders.discard(w)
         for c in listing:
-            self._where.setdefault(c["name"], set()).add(w)
-        for name in [n for n, h in self._where.items() if not h]:
-            del self._where[name]
+            self._spaces.setdefault(c["namespace"], _Space()).where.setdefault(c["name"], set()).add(w)
+        for space in self._spaces.values():
+            for name in [n for n, h in space.where.items() if not h]:
+                del space.where[name]
         worker.sessions, worker.stale = stats["sessions"], False
 
-    # ------------------------------------------------------------------ sessions
-    def _session(self, w: int, res: dict) -> RemoteSession:
-        s = RemoteSession(self, w, res["sid"], res["len"])
-        self.workers[w].sessions += 1
+    # ------------------------------------------------------------------ namespaces and sessions
+    def namespace(self, name: str) -> Namespace:
+        """A handle bound to namespace `name` (a tenant, an application): the same verbs as the
+        orchestrator, on that namespace's capsules only. The orchestrator's own verbs use "default"."""
+        name = validate_name(name, "namespace")
+        h = self._handles.get(name)
+        if h is None:
+            h = self._handles[name] = Namespace(self, name)
+        return h
+
+    def _register(self, s: RemoteSession) -> None:
+        self.workers[s.worker].sessions += 1
         self._open.add(s)
-        return s
 
     def _forget(self, s: RemoteSession) -> None:
         self._open.discard(s)
         self.workers[s.worker].sessions = max(0, self.workers[s.worker].sessions - 1)
-
-    # ------------------------------------------------------------------ verbs
-    async def open(self, prompt=None, *, worker: int | None = None) -> RemoteSession:
-        """A new session (on the least loaded worker), prefilled with `prompt` when given."""
-        prompt = None if prompt is None else tokens_arg(prompt, "prompt")
-        w = self._least_loaded(range(len(self.workers))) if worker is None else self._worker_arg(worker)
-        return self._session(w, await self._call(w, "open", prompt))
-
-    async def restore(self, name: str) -> RemoteSession:
-        """A new session holding capsule `name`, on a worker that has it."""
-        name = name_arg(name)
-        w = self._least_loaded(self._holders(name))
-        return self._session(w, await self._call(w, "restore", name))
-
-    async def fork(self, name: str, n: int) -> list[RemoteSession]:
-        """n independent sessions from capsule `name` (on one worker, so they can decode batched)."""
-        name, n = name_arg(name), int_arg(n, "n", 1)
-        w = self._least_loaded(self._holders(name))
-        return [self._session(w, r) for r in await self._call(w, "fork", name, n)]
-
-    async def restore_append_generate(self, name: str, suffix, max_new_tokens: int, sampling=None, *,
-                                      keep: bool = False, timeout: float | None = None):
-        """restore + append + generate in one actor call. Returns the tokens, or (session, tokens) with keep=True."""
-        name, n = name_arg(name), int_arg(max_new_tokens, "max_new_tokens", 0)
-        suffix = None if suffix is None else tokens_arg(suffix, "suffix")
-        sp = sampling_arg(sampling)
-        w = self._least_loaded(self._holders(name))
-        res = await self._call(w, "restore_append_generate", name, suffix, n, sp, close=not keep, timeout=timeout)
-        if not keep:
-            return res["tokens"]
-        s = self._session(w, res)
-        s.stop_reason = res["stop_reason"]
-        return s, res["tokens"]
-
-    async def generate(self, sessions: list[RemoteSession], max_new_tokens: int, sampling=None) -> list[list[int]]:
-        """Generate for several sessions, one batched decode per worker (workers run concurrently)."""
-        n = int_arg(max_new_tokens, "max_new_tokens", 0)
-        sessions = list(sessions)
-        sps = samplings_arg(sampling, len(sessions))
-        if len({id(s) for s in sessions}) != len(sessions):
-            from capsulert.errors import InvalidRequestError
-
-            raise InvalidRequestError("a session appears twice in one generate call")
-        for s in sessions:
-            s._check()
-        groups: dict[int, list[int]] = {}
-        for i, s in enumerate(sessions):
-            groups.setdefault(s.worker, []).append(i)
-
-        async def run(w: int, idx: list[int]):
-            locks = sorted((sessions[i] for i in idx), key=lambda s: s.sid)
-            for s in locks:
-                await s._lock.acquire()
-            try:
-                res = await self._call(w, "generate_many", [sessions[i].sid for i in idx], n, [sps[i] for i in idx])
-            finally:
-                for s in locks:
-                    s._lock.release()
-            for i, r in zip(idx, res):
-                sessions[i]._take(r)
-            return idx, [r["tokens"] for r in res]
-
-        out: list[list[int]] = [[] for _ in sessions]
-        for idx, toks in await asyncio.gather(*(run(w, idx) for w, idx in groups.items())):
-            for i, t in zip(idx, toks):
-                out[i] = t
-        return out
-
-    async def _branch(self, name: str, suffixes: list, max_new_tokens: int, samplings: list,
-                      snapshot_names: list[str] | None = None) -> list[dict]:
-        """fork len(suffixes) + append + batched generate (+ snapshot each) + close: one actor call."""
-        w = self._least_loaded(self._holders(name))
-        if snapshot_names:
-            for nm in snapshot_names:
-                self._check_new_name(name_arg(nm))
-        res = await self._call(w, "fork_append_generate", name, suffixes, max_new_tokens, samplings,
-                               snapshot_names, True, True)
-        for nm in snapshot_names or []:
-            self._where.setdefault(nm, set()).add(w)
-        return res
 
     # ------------------------------------------------------------------ stats
     async def stats(self) -> list[dict]:
@@ -254,11 +197,5 @@ class Orchestrator(CapsuleRouter):
     async def health(self) -> list[dict]:
         return list(await asyncio.gather(*(self._call(w.index, "ping") for w in self.workers)))
 
-    async def tokenize(self, text: str) -> list[int]:
-        return await self._call(0, "tokenize", tokens_arg(text, "text"))
 
-    async def detokenize(self, tokens: list[int]) -> str:
-        return await self._call(0, "detokenize", list(tokens))
-
-
-__all__ = ["Orchestrator", "OrchestratorConfig", "RemoteSession", "GenerateResult"]
+__all__ = ["GenerateResult", "Namespace", "Orchestrator", "OrchestratorConfig", "RemoteSession"]

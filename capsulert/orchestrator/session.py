@@ -5,6 +5,9 @@ generate can be stopped at the next token boundary by `interrupt()` (it then ret
 far) or by cancelling the awaiting task: the interrupt is sent through the actor's "control" group, the
 session stays at a committed boundary holding the produced tokens, and the next call on the session
 waits for the interrupted one to finish first (`wait()` returns its result).
+
+A session belongs to the namespace handle that opened (or restored) it: its snapshots go into that
+namespace and its restores read that namespace's capsules only.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from capsulert.errors import SessionClosedError, WorkerLost
 from capsulert.orchestrator.config import int_arg, name_arg, sampling_arg, tier_arg, tokens_arg
 
 if TYPE_CHECKING:
-    from capsulert.orchestrator.orchestrator import Orchestrator
+    from capsulert.orchestrator.namespace import Namespace
 
 _call_ids = itertools.count(random.getrandbits(32) << 16)
 
@@ -31,16 +34,22 @@ class GenerateResult:
 
 
 class RemoteSession:
-    def __init__(self, orch: "Orchestrator", worker: int, sid: int, length: int):
-        self._orch, self.worker, self.sid, self.length = orch, worker, sid, length
+    def __init__(self, space: "Namespace", worker: int, sid: int, length: int):
+        self._scope, self._orch = space, space._orch
+        self.worker, self.sid, self.length = worker, sid, length
         self.closed = False
         self.stop_reason: str | None = None
         self._lock = asyncio.Lock()
         self._running: tuple[Any, int] | None = None
         self._inflight: Any = None
 
+    @property
+    def namespace(self) -> str:
+        return self._scope.ns
+
     def __repr__(self) -> str:
-        return f"RemoteSession(worker={self.worker}, sid={self.sid}, len={self.length}{', closed' if self.closed else ''})"
+        return (f"RemoteSession(namespace={self._scope.ns!r}, worker={self.worker}, sid={self.sid}, "
+                f"len={self.length}{', closed' if self.closed else ''})")
 
     # ------------------------------------------------------------------ plumbing
     def _check(self) -> None:
@@ -113,8 +122,9 @@ class RemoteSession:
         suffix = None if suffix is None else tokens_arg(suffix, "suffix")
         n = int_arg(max_new_tokens, "max_new_tokens", 0)
         self._check()
-        await self._orch._ensure_on(name, self.worker)
-        res = await self._gen("restore_append_generate_into", name, suffix, n, sampling_arg(sampling), timeout=timeout)
+        await self._scope._ensure_on(name, self.worker)
+        res = await self._gen("restore_append_generate_into", name, suffix, n, sampling_arg(sampling), timeout=timeout,
+                              namespace=self._scope.ns)
         return res.tokens
 
     async def snapshot(self, name: str, tier: str = "gpu", pin: bool = False) -> dict:
@@ -124,21 +134,20 @@ class RemoteSession:
             from capsulert.errors import InvalidRequestError
 
             raise InvalidRequestError(f"pin must be a bool, got {pin!r}")
-        self._orch._check_new_name(name)
-        self._orch._reserved.add(name)
-        try:
-            ref = await self._run("snapshot", name, tier, pin)
-            self._orch._where.setdefault(name, set()).add(self.worker)
-        finally:
-            self._orch._reserved.discard(name)
+        self._check()
+        space = self._scope
+        async with space._space.locks.hold(name):  # serialised with delete / migrate of that name
+            space._check_new_name(name)
+            ref = await self._run("snapshot", name, tier, pin, namespace=space.ns)
+            space._add_holder(name, self.worker)
         return ref
 
     async def restore(self, name: str) -> None:
         """Replace this session's state with capsule `name` in place (rollback, episode reset)."""
         name = name_arg(name)
         self._check()
-        await self._orch._ensure_on(name, self.worker)
-        self.length = (await self._run("restore_into", name))["len"]
+        await self._scope._ensure_on(name, self.worker)
+        self.length = (await self._run("restore_into", name, namespace=self._scope.ns))["len"]
 
     async def interrupt(self) -> bool:
         """Stop a running generate at the next token boundary; False when none is running."""

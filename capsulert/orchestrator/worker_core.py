@@ -1,9 +1,11 @@
 """WorkerCore: the body of a WorkerActor, owning one Engine (model, state set, capsule store).
 
-Sessions are named by integer ids that stay unique across actor restarts. Verbs a caller would chain
-are one call (restore_append_generate, fork_append_generate, ...). Everything returned is plain Python
-data (token lists, numpy logits); capsules cross actors as safetensors bytes, never pickle. Pinned
-capsules are also written to `persist_dir` and reloaded (pinned) when the worker starts again.
+Sessions are named by integer ids that stay unique across actor restarts. Every capsule verb takes a
+`namespace` (keyword, "default" when left out): the store keys capsules by (namespace, name), so one
+namespace never sees, restores or deletes another's capsules. Verbs a caller would chain are one call
+(restore_append_generate, fork_append_generate, ...). Everything returned is plain Python data (token
+lists, numpy logits); capsules cross actors as safetensors bytes, never pickle. Pinned capsules are also
+written to `persist_dir` and reloaded (pinned) when the worker starts again.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from safetensors.torch import save as st_save
 from capsulert.capsule_store import capsule_file_name, read_capsule, tensors_checksum, write_capsule_with_meta
 from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.capsule_store.disk import FILE_SUFFIX
-from capsulert.errors import CorruptCapsuleError, WorkerLost
+from capsulert.errors import CapsuleError, CorruptCapsuleError, InvalidRequestError, WorkerLost
 from capsulert.worker.engine import Engine
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.session import Session
@@ -140,24 +142,25 @@ class WorkerCore:
         s.append(tokens)
         return self._generate([s], max_new, [sampling], call_id)[0]
 
-    def restore(self, name: str) -> dict:
-        s = self.engine.restore(name)
+    def restore(self, name: str, namespace: str = "default") -> dict:
+        s = self.engine.restore(name, namespace)
         return {"sid": self._adopt(s), "len": len(s.tokens)}
 
-    def restore_into(self, sid: int, name: str) -> dict:
+    def restore_into(self, sid: int, name: str, namespace: str = "default") -> dict:
         s = self._get(sid)
-        s.restore(name)
+        self.engine.restore_into(s, name, namespace)
         return {"len": len(s.tokens)}
 
     def restore_append_generate(self, name: str, suffix, max_new: int, sampling: dict | None = None,
-                                sid: int | None = None, call_id=None, close: bool = False) -> dict:
+                                sid: int | None = None, call_id=None, close: bool = False,
+                                namespace: str = "default") -> dict:
         """Restore `name` (into session `sid` in place, or a new session), append, generate: one call."""
         if sid is None:
-            s = self.engine.restore(name)
+            s = self.engine.restore(name, namespace)
             sid = self._adopt(s)
         else:
             s = self._get(sid)
-            s.restore(name)
+            self.engine.restore_into(s, name, namespace)
         try:
             if suffix is not None:
                 s.append(suffix)
@@ -171,30 +174,32 @@ class WorkerCore:
         return {**out, "sid": None if close else sid}
 
     def restore_append_generate_into(self, sid: int, name: str, suffix, max_new: int, sampling: dict | None = None,
-                                     call_id=None) -> dict:
-        return self.restore_append_generate(name, suffix, max_new, sampling, sid=sid, call_id=call_id)
+                                     call_id=None, namespace: str = "default") -> dict:
+        return self.restore_append_generate(name, suffix, max_new, sampling, sid=sid, call_id=call_id,
+                                            namespace=namespace)
 
-    def step_many(self, items: list, max_new: int, sampling: list) -> list[dict]:
+    def step_many(self, items: list, max_new: int, sampling: list, namespace: str = "default") -> list[dict]:
         """RL steps of several sessions in one call: for each (sid, capsule to restore or None, tokens
         to append or None), restore and append; then decode all of them together (batched)."""
         sessions = []
         for sid, name, tokens in items:
             s = self._get(sid)
             if name is not None:
-                s.restore(name)
+                self.engine.restore_into(s, name, namespace)
             if tokens is not None:
                 s.append(tokens)
             sessions.append(s)
         return self._generate(sessions, max_new, sampling, None)
 
-    def fork(self, name: str, n: int) -> list[dict]:
-        return [{"sid": self._adopt(s), "len": len(s.tokens)} for s in self.engine.fork(name, n)]
+    def fork(self, name: str, n: int, namespace: str = "default") -> list[dict]:
+        return [{"sid": self._adopt(s), "len": len(s.tokens)} for s in self.engine.fork(name, n, namespace)]
 
     def fork_append_generate(self, name: str, suffixes: list, max_new: int, sampling: list,
-                             snapshot_names: list[str] | None = None, close: bool = True, text: bool = False) -> list[dict]:
+                             snapshot_names: list[str] | None = None, close: bool = True, text: bool = False,
+                             namespace: str = "default") -> list[dict]:
         """Fork len(suffixes) branches of `name`, append suffix i to branch i, decode them together (one
         batched step per token), optionally snapshot each branch, then close them (best-of-N, tree nodes)."""
-        sessions = self.engine.fork(name, len(suffixes))
+        sessions = self.engine.fork(name, len(suffixes), namespace)
         sids = [self._adopt(s) for s in sessions]
         made: list[str] = []
         try:
@@ -203,11 +208,11 @@ class WorkerCore:
                     s.append(suf)
             outs = self._generate(sessions, max_new, sampling, None)
             for s, nm in zip(sessions, snapshot_names or []):
-                s.snapshot(nm)
+                self.engine.snapshot(s, nm, namespace=namespace)
                 made.append(nm)
         except BaseException:
             for nm in made:
-                self.engine.store.delete(nm)
+                self.engine.store.delete(nm, namespace)
             close = True
             raise
         finally:
@@ -219,15 +224,17 @@ class WorkerCore:
                 o["text"] = self.engine.detokenize(o["tokens"]) if self.engine.tokenizer else None
         return outs
 
-    def snapshot(self, sid: int, name: str, tier: str = "gpu", pin: bool = False) -> dict:
-        ref = self._get(sid).snapshot(name, tier=tier, pin=pin)
+    def snapshot(self, sid: int, name: str, tier: str = "gpu", pin: bool = False, namespace: str = "default") -> dict:
+        ref = self.engine.snapshot(self._get(sid), name, tier=tier, pin=pin, namespace=namespace)
         if pin:
             try:
-                self._persist(name)
+                self._persist(name, namespace)
             except BaseException:
-                self.engine.store.delete(name)
+                self.engine.store.delete(name, namespace)
+                self._unpersist(name, namespace)
                 raise
-        return {"name": ref.name, "tier": ref.tier, "nbytes": ref.nbytes, "boundary": ref.boundary}
+        return {"name": ref.name, "namespace": ref.namespace, "tier": ref.tier, "nbytes": ref.nbytes,
+                "boundary": ref.boundary, "pinned": bool(pin), "worker": self.index, "pid": os.getpid()}
 
     def close(self, sid: int) -> None:
         s = self.sessions.pop(sid, None)
@@ -238,27 +245,42 @@ class WorkerCore:
         for sid in sids:
             self.close(sid)
 
-    def delete(self, name: str) -> None:
-        self.engine.store.delete(name)
-        self._unpersist(name)
+    def delete(self, name: str, namespace: str = "default") -> None:
+        self.engine.store.delete(name, namespace)
+        self._unpersist(name, namespace)
 
-    def promote(self, name: str, tier: str) -> None:
-        self.engine.store.promote(name, tier)
+    def promote(self, name: str, tier: str, namespace: str = "default") -> None:
+        try:
+            self.engine.store.promote(name, tier, namespace)
+        except ValueError as e:  # the store's "wrong direction": a typed refusal for the caller
+            raise InvalidRequestError(str(e)) from None
 
-    def demote(self, name: str, tier: str | None = None) -> None:
-        self.engine.store.demote(name, tier)
+    def demote(self, name: str, tier: str | None = None, namespace: str = "default") -> None:
+        try:
+            self.engine.store.demote(name, tier, namespace)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
 
     # ------------------------------------------------------------------ migration
-    def export_capsule(self, name: str) -> tuple[str, str, bytes]:
+    @staticmethod
+    def _check_namespace(meta: CapsuleMeta, namespace: str | None) -> None:
+        if namespace is not None and meta.namespace != namespace:
+            raise CapsuleError(f"capsule {meta.name!r} belongs to namespace {meta.namespace!r}, not {namespace!r}; "
+                               "a namespace imports only its own capsules")
+
+    def export_capsule(self, name: str, namespace: str = "default") -> tuple[str, str, bytes]:
         """(meta JSON, checksum, safetensors bytes) of one capsule: host bytes for the object store."""
-        with self.engine.store.reading(name) as (meta, tensors):
+        with self.engine.store.reading(name, namespace) as (meta, tensors):
             cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
         checksum = tensors_checksum(cpu)
         return meta.replace(checksum=checksum).to_json(), checksum, st_save(cpu)
 
-    def import_capsule(self, payload: tuple[str, str, bytes], tier: str = "gpu", pin: bool = False) -> dict:
+    def import_capsule(self, payload: tuple[str, str, bytes], tier: str = "gpu", pin: bool = False,
+                       namespace: str | None = None) -> dict:
+        """Store a capsule exported by export_capsule; with `namespace`, refuse one of another namespace."""
         meta_json, checksum, blob = payload
         meta = CapsuleMeta.from_json(meta_json)
+        self._check_namespace(meta, namespace)
         tensors = st_load(blob)
         if tensors_checksum(tensors) != checksum:
             raise CorruptCapsuleError(f"capsule {meta.name!r} changed in transit (checksum mismatch)")
@@ -267,13 +289,14 @@ class WorkerCore:
             self._persist(meta.name, meta.namespace)
         return {"name": ref.name, "tier": ref.tier, "nbytes": ref.nbytes, "boundary": ref.boundary}
 
-    def export_to_dir(self, name: str, directory: str) -> str:
-        with self.engine.store.reading(name) as (meta, tensors):
+    def export_to_dir(self, name: str, directory: str, namespace: str = "default") -> str:
+        with self.engine.store.reading(name, namespace) as (meta, tensors):
             path, _ = write_capsule_with_meta(directory, meta, tensors)
         return str(path)
 
-    def import_from_file(self, path: str, tier: str = "gpu", pin: bool = False) -> dict:
+    def import_from_file(self, path: str, tier: str = "gpu", pin: bool = False, namespace: str | None = None) -> dict:
         meta, tensors = read_capsule(path, self.engine.fingerprint, LAYOUT_VERSION)
+        self._check_namespace(meta, namespace)
         ref = self.engine.store.put(meta, tensors, tier=tier, pin=pin)
         if pin:
             self._persist(meta.name, meta.namespace)
@@ -297,10 +320,11 @@ class WorkerCore:
     def tokens(self, sid: int) -> list[int]:
         return list(self._get(sid).tokens)
 
-    def list_capsules(self) -> list[dict]:
+    def list_capsules(self, namespace: str | None = None) -> list[dict]:
+        """The capsules of `namespace` (None: of every namespace; the orchestrator's resync only)."""
         return [{"name": i.name, "namespace": i.namespace, "tier": i.tier, "pinned": i.pinned,
                  "nbytes": i.nbytes, "boundary": i.meta.boundary, "worker": self.index}
-                for i in self.engine.store.list()]
+                for i in self.engine.store.list(namespace)]
 
     def stats(self) -> dict:
         return {"worker": self.index, "free_slots": self.engine.free_slots, "slots": self.engine.config.slots,
