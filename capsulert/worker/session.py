@@ -59,12 +59,13 @@ class Session:
         """Stop a running generate at the next token boundary (thread-safe flag)."""
         self._interrupt = True
 
-    def snapshot(self, name: str, tier: str = "gpu", pin: bool = False, mode: str = "full") -> "CapsuleRef":
-        return self.engine.snapshot(self, name, tier=tier, pin=pin, mode=mode)
+    def snapshot(self, name: str, tier: str = "gpu", pin: bool = False, mode: str = "full",
+                 namespace: str = "default") -> "CapsuleRef":
+        return self.engine.snapshot(self, name, tier=tier, pin=pin, mode=mode, namespace=namespace)
 
-    def restore(self, name: str) -> None:
+    def restore(self, name: str, namespace: str = "default") -> None:
         """Replace this session's state with the capsule's, in place (rollback, episode reset)."""
-        self.engine.restore_into(self, name)
+        self.engine.restore_into(self, name, namespace)
 
     def close(self) -> None:
         if not self.closed:

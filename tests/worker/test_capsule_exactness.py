@@ -151,3 +151,20 @@ def test_kv_only_restore_diverges(engine, corpus):
         r.close()
         if stale:
             other.close()
+
+
+def test_namespaces_keep_same_names_apart(engine, corpus):
+    a, b = engine.open(), engine.open()
+    la = a.append(corpus[:150])
+    lb = b.append(corpus[150:330])
+    a.snapshot("turn", namespace="tenant-a")
+    b.snapshot("turn", namespace="tenant-b")
+    a.restore("turn", namespace="tenant-b")
+    assert torch.equal(a.logits(), lb)
+    r = engine.restore("turn", namespace="tenant-a")
+    assert torch.equal(r.logits(), la)
+    from capsulert.errors import UnknownCapsuleError
+
+    with pytest.raises(UnknownCapsuleError):
+        engine.restore("turn")  # the default namespace has no such capsule
+    assert [c.meta.namespace for c in engine.store.list()] == ["tenant-a", "tenant-b"]
