@@ -90,7 +90,12 @@ def _is_int(v: object) -> bool:
 
 
 def _is_num(v: object) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float (e.g. 10**400 from hostile JSON)
+        return False
 
 
 @dataclass(frozen=True)
@@ -188,7 +193,7 @@ class CapsuleMeta:
             raise CorruptCapsuleError("capsule metadata field 'tokens' must be a list")
         try:
             return cls(**{**d, "tokens": tuple(d["tokens"])})
-        except (ValueError, TypeError, InvalidCapsuleNameError) as e:
+        except (ValueError, TypeError, OverflowError, InvalidCapsuleNameError) as e:
             raise CorruptCapsuleError(f"capsule metadata is invalid: {e}") from None
 
 

@@ -9,6 +9,7 @@ everything before trusting anything, and every refusal is a typed error, never a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import uuid
@@ -26,6 +27,8 @@ from capsulert.capsule_store.capsule import (
     tensors_checksum,
 )
 from capsulert.errors import CorruptCapsuleError, IncompatibleCapsuleError
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = "1"
 FILE_SUFFIX = ".capsule.safetensors"
@@ -136,7 +139,7 @@ def read_header(path: str | Path, max_bytes: int | None = None) -> tuple[Capsule
     spans = []
     for name, e in header.items():
         if not (isinstance(e, dict) and set(e) == {"dtype", "shape", "data_offsets"}
-                and e["dtype"] in _DTYPE_SIZES and isinstance(e["shape"], list)
+                and isinstance(e["dtype"], str) and e["dtype"] in _DTYPE_SIZES and isinstance(e["shape"], list)
                 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in e["shape"])
                 and isinstance(e["data_offsets"], list) and len(e["data_offsets"]) == 2
                 and all(isinstance(o, int) and not isinstance(o, bool) for o in e["data_offsets"])):
@@ -199,8 +202,18 @@ def read_capsule(path: str | Path, expected_fingerprint: str, expected_layout: i
     return meta, tensors
 
 
-def list_capsule_files(directory: str | Path) -> list[Path]:
-    """Every capsule file in `directory` (not recursive), sorted; temp files are ignored."""
+def list_capsule_files(directory: str | Path, *, warn_partial: bool = False) -> list[Path]:
+    """Every capsule file in `directory` (not recursive), sorted. Temp files (`.<name>.tmp-<hex>`, left
+    by a writer killed before its rename) and other hidden or misnamed capsule files are never listed;
+    with `warn_partial` each of them is logged as a warning, naming the file."""
     directory = Path(directory)
-    return sorted(p for p in directory.iterdir()
-                  if p.name.endswith(FILE_SUFFIX) and not p.name.startswith(".") and p.is_file())
+    out = []
+    for p in sorted(directory.iterdir()):
+        if FILE_SUFFIX not in p.name or not p.is_file():
+            continue
+        if p.name.endswith(FILE_SUFFIX) and not p.name.startswith("."):
+            out.append(p)
+        elif warn_partial:
+            log.warning("ignoring partial capsule file %s (a write was interrupted before its rename; "
+                        "it is never loaded and may be deleted)", p)
+    return out

@@ -461,8 +461,11 @@ class CapsuleStore:
 
     def load(self, directory: str | Path) -> int:
         """Read every capsule file in `directory` into the host tier (gpu if host is disabled). All files
-        are verified first; any bad file raises its typed error and nothing is inserted."""
-        loaded = [read_capsule(p, self.fingerprint, self.layout_version) for p in list_capsule_files(directory)]
+        are verified first; any bad file raises its typed error and nothing is inserted. Partial temp
+        files left by an interrupted write are skipped with a logged warning (the index is rebuilt from
+        the complete files alone)."""
+        files = list_capsule_files(directory, warn_partial=True)
+        loaded = [read_capsule(p, self.fingerprint, self.layout_version) for p in files]
         tier = next((t for t in ("host", "gpu") if self._usable(t)), None)
         if tier is None:
             raise ConfigError("load needs the host or the gpu tier; both have budget 0")
