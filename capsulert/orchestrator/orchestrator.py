@@ -116,6 +116,9 @@ class Orchestrator(Namespace):
         except RayTaskError as e:
             if isinstance(e.cause, CapsuleRTError):
                 raise e.cause from None
+            if isinstance(e.cause, _LOST):  # an argument came from a worker that died (capsule migration)
+                self.workers[w].stale = True
+                raise WorkerLost(f"a worker was lost while {what} ran on worker {w}: {type(e.cause).__name__}") from None
             raise
         except _LOST as e:
             self.workers[w].stale = True

@@ -28,27 +28,6 @@ from capsulert.worker.session import Session
 from capsulert.worker.state import LAYOUT_VERSION
 
 
-class _ActorSession(Session):
-    """A Session whose interrupt flag is keyed by the generate call it targets.
-
-    Engine.generate clears `_interrupt` when it starts, so an interrupt that reaches the actor before
-    the generate it aims at has begun would be lost. Here the flag is "an interrupt was asked for call
-    `_irq_call`", true only while that call runs, and the engine's reset to False is ignored.
-    """
-
-    _irq_call: Any = None
-    _cur_call: Any = None
-
-    @property  # type: ignore[override]
-    def _interrupt(self) -> bool:
-        return self._cur_call is not None and self._irq_call == self._cur_call
-
-    @_interrupt.setter
-    def _interrupt(self, value: bool) -> None:
-        if value and self._cur_call is not None:
-            self._irq_call = self._cur_call
-
-
 def _sp(d: dict | None) -> SamplingParams | None:
     return None if d is None else SamplingParams(**d)
 
@@ -63,6 +42,10 @@ class WorkerCore:
         self.index = worker_index
         self.engine = Engine.from_config(dict(engine_config))
         self.sessions: dict[int, Session] = {}
+        # interrupt bookkeeping by id(session): the generate call running on it, and the call an
+        # interrupt targets (written from the control group's thread; plain dict ops under the GIL)
+        self._running: dict[int, Any] = {}
+        self._interrupts: dict[int, Any] = {}
         self._next = random.getrandbits(40) << 20  # ids never reused by a restarted actor
         self.persist_dir = Path(persist_dir) if persist_dir else None
         self.reloaded: list[str] = []
@@ -76,7 +59,6 @@ class WorkerCore:
 
     # ------------------------------------------------------------------ helpers
     def _adopt(self, s: Session) -> int:
-        s.__class__ = _ActorSession
         sid, self._next = self._next, self._next + 1
         self.sessions[sid] = s
         return sid
@@ -91,19 +73,28 @@ class WorkerCore:
         return s.logits().numpy().copy() if want else None
 
     def _generate(self, sessions: list[Session], max_new: int, sampling: list, call_id) -> list[dict]:
-        for s in sessions:
-            s._cur_call = call_id
+        """An interrupt names the generate call it targets (it may arrive, through the control group,
+        before that call has started here): a session stops once its interrupt names the running call."""
+        keys = [id(s) for s in sessions]
+        for k in keys:
+            self._running[k] = call_id
         try:
-            if call_id is not None and all(s._irq_call == call_id for s in sessions):
+            if call_id is not None and all(self._interrupts.get(k) == call_id for k in keys):
                 outs = [[] for _ in sessions]  # interrupted before it started: stop at once
                 for s in sessions:
                     s.stop_reason = "interrupted"
             else:
-                outs = self.engine.generate(sessions, max_new, [_sp(p) for p in sampling])
+                outs = self.engine.generate(sessions, max_new, [_sp(p) for p in sampling], should_stop=self._interrupted)
         finally:
-            for s in sessions:
-                s._cur_call = None
+            for k in keys:
+                self._running.pop(k, None)
+                if call_id is not None and self._interrupts.get(k) == call_id:
+                    del self._interrupts[k]
         return [{"tokens": o, "stop_reason": s.stop_reason, "len": len(s.tokens)} for o, s in zip(outs, sessions)]
+
+    def _interrupted(self, s: Session) -> bool:
+        running = self._running.get(id(s))
+        return running is not None and self._interrupts.get(id(s)) == running
 
     def _persist(self, name: str, namespace: str = "default") -> None:
         if self.persist_dir is None:
@@ -239,6 +230,7 @@ class WorkerCore:
     def close(self, sid: int) -> None:
         s = self.sessions.pop(sid, None)
         if s is not None:
+            self._interrupts.pop(id(s), None)
             s.close()
 
     def close_many(self, sids: list[int]) -> None:
@@ -314,7 +306,9 @@ class WorkerCore:
         s = self.sessions.get(sid)
         if s is None:
             return False
-        s._irq_call = call_id if call_id is not None else s._cur_call
+        target = call_id if call_id is not None else self._running.get(id(s))
+        if target is not None:
+            self._interrupts[id(s)] = target
         return True
 
     def tokens(self, sid: int) -> list[int]:

@@ -10,7 +10,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -218,8 +218,11 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
     def generate(self, sessions: Sequence[Session], max_new_tokens: int,
-                 sampling: Sequence[SamplingParams | None] | None = None) -> list[list[int]]:
-        """Sample for several sessions together, one batched decode step per token."""
+                 sampling: Sequence[SamplingParams | None] | None = None,
+                 should_stop: Callable[[Session], bool] | None = None) -> list[list[int]]:
+        """Sample for several sessions together, one batched decode step per token. A session stops at
+        the next token boundary once `session.interrupt()` was called during this generate, or once
+        `should_stop(session)` (asked after every token, from any thread's point of view) is true."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InvalidRequestError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         sampling = list(sampling) if sampling is not None else [None] * len(sessions)
@@ -265,7 +268,7 @@ class Engine:
                     outs[i].append(t)
                     if t in params[i].stop_tokens:
                         s.stop_reason = "stop_token"
-                    elif s._interrupt:
+                    elif s._interrupt or (should_stop is not None and should_stop(s)):
                         s.stop_reason = "interrupted"
                     elif len(outs[i]) >= max_new_tokens:
                         s.stop_reason = "length"

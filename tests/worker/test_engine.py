@@ -155,3 +155,25 @@ def test_random_weights_engine_is_deterministic():
     assert a.fingerprint == b.fingerprint and a.fingerprint.startswith("random-")
     sa, sb = a.open(), b.open()
     assert torch.equal(sa.append(list(range(1, 90))), sb.append(list(range(1, 90))))
+
+
+def test_interrupt_stops_at_a_token_boundary_with_tokens_committed(engine, text):
+    s = engine.open()
+    s.append(text)
+    n = len(s)
+    seen = []
+    out = engine.generate([s], 50, should_stop=lambda sess: seen.append(1) or len(seen) >= 3)[0]
+    assert len(out) == 3 and s.stop_reason == "interrupted" and s.tokens[n:] == out
+    ref = engine.open()
+    ref.append(text)
+    full = ref.generate(10)
+    assert out == full[:3] and s.generate(7) == full[3:]  # continuing equals never stopping
+    t = engine.open()
+    t.append(text)
+    import threading
+
+    timer = threading.Timer(0.05, t.interrupt)
+    timer.start()
+    got = t.generate(2000 if len(t) + 2000 <= engine.config.max_seq else engine.config.max_seq - len(t))
+    timer.join()
+    assert t.stop_reason == "interrupted" and got == t.tokens[len(t) - len(got):]
