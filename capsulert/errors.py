@@ -81,5 +81,6 @@ class WorkerLost(CapsuleRTError):
     """A worker actor died or did not answer in time; the call did not complete."""
 
 
-class InvalidRequestError(CapsuleRTError):
-    """An argument of a verb is out of range (n < 1 branches, negative max_new_tokens, ...)."""
+class InvalidRequestError(CapsuleRTError, ValueError):
+    """An argument of a verb is out of range (n < 1 branches, negative max_new_tokens, a promotion to a
+    slower tier, ...). Also a ValueError, so generic callers can catch it as one."""

@@ -23,7 +23,7 @@ import torch
 from capsulert.capsule_store.capsule import CapsuleInfo, CapsuleMeta, CapsuleRef, tensor_nbytes, validate_name
 from capsulert.capsule_store.disk import list_capsule_files, read_capsule, write_capsule_with_meta
 from capsulert.errors import (BudgetExceededError, CapsuleInUseError, ConfigError, DuplicateCapsuleError,
-                              IncompatibleCapsuleError, UnknownCapsuleError)
+                              IncompatibleCapsuleError, InvalidRequestError, UnknownCapsuleError)
 from capsulert.policies.base import TIERS, CapsulePolicy, make_policy, registered_policies
 
 _RANK = {t: i for i, t in enumerate(TIERS)}  # gpu 0 (fastest) .. disk 2
@@ -369,7 +369,7 @@ class CapsuleStore:
             key, e = self._lookup(name, namespace)
             self._require_usable(tier)
             if _RANK[tier] > _RANK[e.tier]:
-                raise ValueError(f"cannot promote {name!r} from {e.tier!r} to slower tier {tier!r}; use demote")
+                raise InvalidRequestError(f"cannot promote {name!r} from {e.tier!r} to slower tier {tier!r}; use demote")
             if tier != e.tier:
                 self._promote(key, tier)
 
@@ -389,10 +389,10 @@ class CapsuleStore:
             if tier is None:
                 tier = next((t for t in TIERS[_RANK[e.tier] + 1:] if self._usable(t)), None)
                 if tier is None:
-                    raise ValueError(f"capsule {name!r} is in {e.tier!r}; no usable slower tier (delete it instead)")
+                    raise InvalidRequestError(f"capsule {name!r} is in {e.tier!r}; no usable slower tier (delete it instead)")
             self._require_usable(tier)
             if _RANK[tier] < _RANK[e.tier]:
-                raise ValueError(f"cannot demote {name!r} from {e.tier!r} to faster tier {tier!r}; use promote")
+                raise InvalidRequestError(f"cannot demote {name!r} from {e.tier!r} to faster tier {tier!r}; use promote")
             if tier == e.tier:
                 return
             if e.readers:

@@ -21,7 +21,7 @@ from safetensors.torch import save as st_save
 from capsulert.capsule_store import capsule_file_name, read_capsule, tensors_checksum, write_capsule_with_meta
 from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.capsule_store.disk import FILE_SUFFIX
-from capsulert.errors import CapsuleError, CorruptCapsuleError, InvalidRequestError, WorkerLost
+from capsulert.errors import CapsuleError, CorruptCapsuleError, WorkerLost
 from capsulert.worker.engine import Engine
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.session import Session
@@ -242,16 +242,10 @@ class WorkerCore:
         self._unpersist(name, namespace)
 
     def promote(self, name: str, tier: str, namespace: str = "default") -> None:
-        try:
-            self.engine.store.promote(name, tier, namespace)
-        except ValueError as e:  # the store's "wrong direction": a typed refusal for the caller
-            raise InvalidRequestError(str(e)) from None
+        self.engine.store.promote(name, tier, namespace)
 
     def demote(self, name: str, tier: str | None = None, namespace: str = "default") -> None:
-        try:
-            self.engine.store.demote(name, tier, namespace)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
+        self.engine.store.demote(name, tier, namespace)
 
     # ------------------------------------------------------------------ migration
     @staticmethod
