@@ -222,7 +222,7 @@ class Engine:
                  should_stop: Callable[[Session], bool] | None = None) -> list[list[int]]:
         """Sample for several sessions together, one batched decode step per token. A session stops at
         the next token boundary once `session.interrupt()` was called during this generate, or once
-        `should_stop(session)` (asked after every token, from any thread's point of view) is true."""
+        `should_stop(session)`, asked after every token, returns True."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InvalidRequestError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         sampling = list(sampling) if sampling is not None else [None] * len(sessions)
