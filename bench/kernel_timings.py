@@ -1,7 +1,8 @@
-"""Kernel timings on a CUDA device: our Triton kernels replayed from CUDA graphs (no launch overhead), as
+"""Kernel timings on a CUDA device (not named kernels.py: bench/ lands on sys.path, and transformers
+imports any top-level `kernels` module it finds): our Triton kernels replayed from CUDA graphs (no launch overhead), as
 the engine runs them, with achieved bandwidth or FLOP rate. Prints a table; writes bench/out/kernels.json.
 
-    python bench/kernels.py
+    python bench/kernel_timings.py
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from capsulert.kernels.triton_gated_delta import gated_delta_step  # noqa: E402
 
 def main() -> int:
     if not torch.cuda.is_available():
-        raise SystemExit("bench/kernels.py needs a CUDA device")
+        raise SystemExit("bench/kernel_timings.py needs a CUDA device")
     from triton.testing import do_bench_cudagraph
 
     rows = []
