@@ -34,6 +34,7 @@ def conv_prefill_ref(x, conv_buf, slots, weight, valid=None) -> torch.Tensor:
     history = conv_buf[slots]
     out, new_state = causal_conv1d_ref(x, history, weight)
     if valid is not None:
+        # the history ending at the last real token: inputs [valid, valid + width) of cat(history, x)
         width = history.shape[-1]
         full = torch.cat([history, x.transpose(1, 2)], dim=-1)
         idx = (valid[:, None] + torch.arange(width, device=x.device))[:, None, :].expand(-1, full.shape[1], -1)

@@ -112,7 +112,8 @@ class Engine:
         with self._lock:
             return self._take_slots(1, wait_s)[0]
 
-    def _take_slots(self, n: int, wait_s: float | None = None) -> list[Session]:
+    def _take_slots(self, n: int, wait_s: float | None = None, reset: bool = True) -> list[Session]:
+        """Claim n slots. reset=False when a restore overwrites every state buffer of the slot next."""
         wait_s = self.config.slot_wait_s if wait_s is None else wait_s
         if n > self.config.slots:
             raise NoFreeSlotError(f"{n} slot(s) needed but the engine has {self.config.slots}; raise `slots`")
@@ -128,7 +129,8 @@ class Engine:
         sessions = []
         for _ in range(n):
             slot = self._free.pop(0)
-            self._reset_slot(slot)
+            if reset:
+                self._reset_slot(slot)
             s = Session(self, slot)
             self._sessions[slot] = s
             sessions.append(s)
@@ -308,7 +310,7 @@ class Engine:
     def restore(self, name: str, namespace: str = "default", wait_s: float | None = None) -> Session:
         with self._lock:
             self.capsules.check_exists(name, namespace)
-            session = self._take_slots(1, wait_s)[0]
+            session = self._take_slots(1, wait_s, reset=False)[0]
             try:
                 self.capsules.restore_into(session, name, namespace)
             except BaseException:
@@ -326,7 +328,7 @@ class Engine:
             raise InvalidRequestError(f"fork needs n >= 1 branches, got {n!r}")
         with self._lock:
             self.capsules.check_exists(name, namespace)
-            sessions = self._take_slots(n, wait_s)
+            sessions = self._take_slots(n, wait_s, reset=False)
             try:
                 for s in sessions:
                     self.capsules.restore_into(s, name, namespace)
