@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m capsulert.demo
+	$(VENV)/bin/capsulert demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu" tests

@@ -1,5 +1,6 @@
 """GPU benchmark (H200): TTFT cold vs capsule vs HF transformers (+fla), snapshot/restore bandwidth,
-decode ms/token at batch 1 and 8, and best-of-8 fan-out, on the Qwen3.5-9B shape with deterministic
+decode ms/token at batch 1, 8, 32, 64 (batch-invariant, and its overhead over the batch-dependent path),
+the cost of re-deriving grid checkpoints during decode, and best-of-8 fan-out, on the Qwen3.5-9B shape with deterministic
 random bf16 weights generated on the GPU. Prints a table, writes bench/out/gpu.json and gpu_ttft.png.
 
     python bench/gpu.py [--lengths 2048 4096 8192 16384] [--no-hf] [--quick]
@@ -19,10 +20,13 @@ from common import OUT_DIR, log, machine_info, median, plot_lines, print_table, 
 
 from capsulert.worker.default_model import REPO_ROOT  # noqa: E402
 from capsulert.worker.engine import Engine  # noqa: E402
+from capsulert.worker.graphs import GraphPlans  # noqa: E402
+from capsulert.worker.model import HybridModel  # noqa: E402
 from capsulert.worker.sampler import SamplingParams  # noqa: E402
 
-SHAPE = REPO_ROOT / "configs" / "models" / "qwen3_5-9b-shape.yaml"
+SHAPE = REPO_ROOT / "capsulert" / "configs" / "models" / "qwen3_5-9b-shape.yaml"
 SUFFIX = 32
+DECODE_BATCHES = (1, 8, 32, 64)
 
 
 def sync():
@@ -68,7 +72,7 @@ def main() -> int:
     max_seq = (max(args.lengths) + 2 * SUFFIX + 64 + c - 1) // c * c
     t0 = time.perf_counter()
     torch.cuda.reset_peak_memory_stats()
-    eng = Engine.from_config(model=f"random:{SHAPE}", device="cuda", dtype="bfloat16", slots=10,
+    eng = Engine.from_config(model=f"random:{SHAPE}", device="cuda", dtype="bfloat16", slots=max(DECODE_BATCHES) + 2,
                              max_seq=max_seq, prefill_chunk=c)
     start_s = time.perf_counter() - t0
     weights_gb = sum(t.numel() * t.element_size() for t in eng.model_weights.values()) / 1e9
@@ -138,20 +142,38 @@ def main() -> int:
         eng.store.delete(name)
         torch.cuda.empty_cache()
 
-    # decode at a 4k context, batch 1 and 8
+    # decode at a 4k context: batch-invariant engine (generate: sampling + grid re-derivation included) and
+    # the graph replay alone, against the plain batch-dependent path (same weights, state and kernels)
     ctx = min(4096, max(args.lengths))
     s = eng.open()
     s.append(base[:ctx])
     s.snapshot("ctx")
     s.close()
     decode = {}
-    for B in (1, 8):
+    fast_model = HybridModel(eng.model_cfg, eng.model_weights, eng.model.kernels)
+    fast = GraphPlans(fast_model, eng.state, eng.scratch_slot, eng.config.max_seq, c, eng.graphs.decode_batches)
+    fast.capture(prefill=False)
+    for B in DECODE_BATCHES:
         sess = eng.fork("ctx", B)
         n = 32
         ms, _ = timed(lambda: eng.generate(sess, n), 1, 0)
         decode[f"ours_b{B}_ms_per_token"] = ms / n
+        slots, toks = [x.slot for x in sess], [1] * B
+        # replay alone; both paths advance the same slots, which is fine for timing (values are not used)
+        inv_ms, _ = timed(lambda: [eng.graphs.decode(slots, toks) for _ in range(16)], 3, 1)
+        fast_ms, _ = timed(lambda: [fast.decode(slots, toks) for _ in range(16)], 3, 1)
+        decode[f"step_b{B}_invariant_ms"] = inv_ms / 16
+        decode[f"step_b{B}_batch_dependent_ms"] = fast_ms / 16
+        decode[f"step_b{B}_invariance_overhead"] = inv_ms / fast_ms - 1
         for x in sess:
             x.close()
+    del fast
+    # canonical grid state: re-deriving a crossed chunk costs one chunk prefill per prefill_chunk tokens decoded
+    s = eng.restore("ctx")
+    chunk_ms, _ = timed(lambda: s.append(base[ctx:ctx + c]) if len(s) == ctx else None, 1, 0)
+    s.close()
+    decode["rederive_chunk_ms"] = chunk_ms
+    decode["rederive_share_of_decode_b1"] = chunk_ms / (chunk_ms + c * decode["ours_b1_ms_per_token"])
     if hf is not None:
         ids = torch.tensor([base[:ctx]], device="cuda")
         with torch.inference_mode():

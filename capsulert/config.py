@@ -154,7 +154,7 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        """Read a config.json (HF) or a YAML file of the same fields (configs/models/)."""
+        """Read a config.json (HF) or a YAML file of the same fields (capsulert/configs/models/)."""
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"no config file at {path}")

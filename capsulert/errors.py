@@ -76,6 +76,16 @@ class CapsuleInUseError(CapsuleError):
     """The capsule is being read by a restore or a move and cannot be deleted now."""
 
 
+class CapsuleIOError(CapsuleError):
+    """A capsule directory or file cannot be used: missing, not a directory, not writable, disk full.
+    The store is unchanged (a failed write leaves no capsule file behind, only a temp file at worst)."""
+
+
+class DiskDirInUseError(CapsuleIOError):
+    """Another live store or orchestrator owns this directory. Capsule file names hash only (namespace,
+    name), so two owners would overwrite and unlink each other's capsules: give each its own disk_dir."""
+
+
 # orchestrator
 class WorkerLost(CapsuleRTError):
     """A worker actor died or did not answer in time; the call did not complete."""

@@ -1,3 +1,5 @@
+import inspect
+
 import pytest
 import torch
 
@@ -59,3 +61,17 @@ def engine(make_engine):
 @pytest.fixture
 def text():
     return PROMPT * 6
+
+
+@pytest.fixture
+def hf_on_cpu(monkeypatch):
+    """HF transformers picks flash-linear-attention's kernels at import time whenever `fla` is importable and
+    then calls them on CPU tensors too (they are Triton, GPU-only). Parity tests run HF in fp32 on the CPU,
+    so they put HF's own torch implementations (the functions its decorator wraps) back in place."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):
+        fn = getattr(hf, name, None)
+        if fn is not None and hasattr(fn, "__wrapped__"):
+            monkeypatch.setattr(hf, name, inspect.unwrap(fn))

@@ -14,6 +14,7 @@ import re
 import sys
 from array import array
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
@@ -81,8 +82,11 @@ def capsule_key_hash(namespace: str, name: str) -> str:
     return hashlib.sha256(f"{namespace}\x00{name}".encode("utf-8")).hexdigest()
 
 
+FILE_SUFFIX = ".capsule.safetensors"
+
+
 def capsule_file_name(namespace: str, name: str) -> str:
-    return f"{capsule_key_hash(namespace, name)[:40]}.capsule.safetensors"
+    return f"{capsule_key_hash(namespace, name)[:40]}{FILE_SUFFIX}"
 
 
 def _is_int(v: object) -> bool:
@@ -199,6 +203,19 @@ class CapsuleMeta:
 
 def _refuse_constant(c: str) -> Any:
     raise ValueError(f"non-finite number {c} in capsule metadata")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one capsule tensor: enough to check a capsule fits a state layout without
+    touching (or moving) its bytes."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, TensorSpec]:
+    return MappingProxyType({k: TensorSpec(tuple(t.shape), t.dtype) for k, t in tensors.items()})
 
 
 @dataclass(frozen=True)

@@ -12,26 +12,28 @@ import json
 import logging
 import os
 import struct
-import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from capsulert.capsule_store import tempfiles
 from capsulert.capsule_store.capsule import (
+    FILE_SUFFIX,
     CapsuleMeta,
     capsule_file_name,
     tensor_nbytes,
     tensors_checksum,
 )
-from capsulert.errors import CorruptCapsuleError, IncompatibleCapsuleError
+from capsulert.capsule_store.tempfiles import temp_path
+from capsulert.errors import CapsuleIOError, CorruptCapsuleError, IncompatibleCapsuleError
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = "1"
-FILE_SUFFIX = ".capsule.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; token lists make headers large
 _DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -39,7 +41,8 @@ _DTYPE_SIZES = {
 }
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make renames and unlinks in `directory` durable."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds
@@ -60,30 +63,72 @@ def _to_cpu_owned(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu").contiguous()
 
 
-def write_capsule_with_meta(directory: str | Path, meta: CapsuleMeta,
-                            tensors: Mapping[str, torch.Tensor]) -> tuple[Path, CapsuleMeta]:
-    """Write one capsule file crash-safely; return its path and the meta with `checksum` filled."""
+def _write_failed(path: Path, e: BaseException) -> CapsuleIOError:
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return CapsuleIOError(f"cannot write capsule file {path}: {why}")
+
+
+@dataclass(frozen=True)
+class StagedWrite:
+    """A capsule file written and fsynced under its temp name, not yet renamed onto its final name.
+    Until commit() the capsule does not exist on disk: a crash leaves only the temp file."""
+
+    tmp: Path
+    final: Path
+    meta: CapsuleMeta  # with `checksum` filled
+
+    def commit(self) -> None:
+        """Rename onto the final name (atomic). The directory fsync that makes it durable is separate
+        (fsync_dir) so a caller can run it outside its lock."""
+        try:
+            os.replace(self.tmp, self.final)
+        except OSError as e:
+            self.discard()
+            raise _write_failed(self.final, e) from None
+
+    def discard(self) -> None:
+        try:
+            self.tmp.unlink(missing_ok=True)
+        except OSError:  # pragma: no cover - the sweep at the next load removes it
+            pass
+
+
+def stage_capsule(directory: str | Path, meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor]) -> StagedWrite:
+    """Write one capsule file under a temp name and fsync it; CapsuleIOError (nothing left) on failure."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _write_failed(directory, e) from None
     cpu = {k: _to_cpu_owned(v) for k, v in tensors.items()}
     nbytes = tensor_nbytes(cpu)
     if nbytes != meta.nbytes:
         raise ValueError(f"capsule {meta.name!r}: meta.nbytes={meta.nbytes} but tensors hold {nbytes} bytes")
     meta = meta.replace(checksum=tensors_checksum(cpu))
     final = directory / capsule_file_name(meta.namespace, meta.name)
-    tmp = directory / f".{final.name}.tmp-{uuid.uuid4().hex}"
+    staged = StagedWrite(temp_path(final), final, meta)
     try:
-        save_file(cpu, str(tmp), metadata={"capsulert.format": FORMAT_VERSION,
-                                           "capsulert.meta": meta.to_json()})
-        with open(tmp, "rb+") as f:
+        save_file(cpu, str(staged.tmp), metadata={"capsulert.format": FORMAT_VERSION, "capsulert.meta": meta.to_json()})
+        with open(staged.tmp, "rb+") as f:
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, final)
+    except (OSError, SafetensorError) as e:
+        staged.discard()
+        raise _write_failed(final, e) from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        staged.discard()
         raise
-    _fsync_dir(directory)
-    return final, meta
+    return staged
+
+
+def write_capsule_with_meta(directory: str | Path, meta: CapsuleMeta,
+                            tensors: Mapping[str, torch.Tensor]) -> tuple[Path, CapsuleMeta]:
+    """Write one capsule file crash-safely (temp file, fsync, rename, fsync dir); return its path and
+    the meta with `checksum` filled."""
+    staged = stage_capsule(directory, meta, tensors)
+    staged.commit()
+    fsync_dir(staged.final.parent)
+    return staged.final, staged.meta
 
 
 def write_capsule(directory: str | Path, meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor]) -> Path:
@@ -202,18 +247,37 @@ def read_capsule(path: str | Path, expected_fingerprint: str, expected_layout: i
     return meta, tensors
 
 
-def list_capsule_files(directory: str | Path, *, warn_partial: bool = False) -> list[Path]:
-    """Every capsule file in `directory` (not recursive), sorted. Temp files (`.<name>.tmp-<hex>`, left
-    by a writer killed before its rename) and other hidden or misnamed capsule files are never listed;
-    with `warn_partial` each of them is logged as a warning, naming the file."""
+def _entries(directory: Path) -> list[Path]:
+    try:
+        return sorted(directory.iterdir())
+    except FileNotFoundError:
+        raise CapsuleIOError(f"capsule directory {directory} does not exist") from None
+    except NotADirectoryError:
+        raise CapsuleIOError(f"capsule directory {directory} is not a directory") from None
+    except OSError as e:
+        raise CapsuleIOError(f"capsule directory {directory}: cannot list it: {e.strerror or e}") from None
+
+
+def scan_capsule_files(directory: str | Path, *, clean: bool,
+                       stale_after_s: float = tempfiles.STALE_TEMP_S) -> list[Path]:
+    """Every complete capsule file in `directory` (not recursive), sorted. Temp files and hidden or
+    misnamed capsule files are never listed: each is logged, and with `clean` the temp files of
+    interrupted writes are removed (see tempfiles.py for how they are told from writes in progress)."""
     directory = Path(directory)
-    out = []
-    for p in sorted(directory.iterdir()):
+    out, other = [], []
+    for p in _entries(directory):
         if FILE_SUFFIX not in p.name or not p.is_file():
             continue
-        if p.name.endswith(FILE_SUFFIX) and not p.name.startswith("."):
-            out.append(p)
-        elif warn_partial:
-            log.warning("ignoring partial capsule file %s (a write was interrupted before its rename; "
-                        "it is never loaded and may be deleted)", p)
+        (out if p.name.endswith(FILE_SUFFIX) and not p.name.startswith(".") else other).append(p)
+    tempfiles.sweep(other, clean=clean, stale_after_s=stale_after_s)
     return out
+
+
+def list_capsule_files(directory: str | Path, *, warn_partial: bool = False) -> list[Path]:
+    """Every complete capsule file in `directory`, sorted; changes nothing. With `warn_partial` the
+    temp and misnamed capsule files (never listed) are logged, naming each."""
+    if warn_partial:
+        return scan_capsule_files(directory, clean=False)
+    directory = Path(directory)
+    return [p for p in _entries(directory)
+            if p.name.endswith(FILE_SUFFIX) and not p.name.startswith(".") and p.is_file()]

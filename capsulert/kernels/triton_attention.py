@@ -185,10 +185,13 @@ def _launch_config(B: int, T: int, Hq: int, Hkv: int, D: int, kv_len: int, devic
     num_warps = 8 if heavy else 4
     num_stages = 2 if (D >= 256 or (fp32 and D >= 128)) else 3
     n_tblocks = triton.cdiv(T, BT)
-    base = B * Hkv * n_tblocks
+    # the split count (and so each row's reduction order) must not depend on the batch size B: a row's
+    # attention output is then bitwise the same alone or among 63 others (batch-invariant decode). Sized for
+    # one row, it fills the GPU for one decode row; larger batches just run more programs.
+    base = Hkv * n_tblocks
     target = (1 if heavy else 2) * _num_sms(device)
     splits = max(1, min(target // base, triton.cdiv(kv_len, BN), 64))
-    per_split_bytes = B * T * Hq * (D + 1) * 4
+    per_split_bytes = T * Hq * (D + 1) * 4  # per row
     splits = max(1, min(splits, _PARTIAL_BYTES_CAP // per_split_bytes))
     return dict(G=G, GP=GP, BT=BT, BN=BN, n_tblocks=n_tblocks, splits=splits, num_warps=num_warps,
                 num_stages=num_stages)

@@ -1,14 +1,16 @@
 """OrchestratorConfig and the validation of every argument at the API edge (pydantic -> typed errors)."""
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, TypeAdapter, ValidationError, conlist
+import torch
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from capsulert.capsule_store import validate_name
 from capsulert.errors import CapsuleRTError, ConfigError, InvalidRequestError, InvalidTokenError
 from capsulert.worker.engine_config import EngineConfig
 from capsulert.worker.sampler import SamplingParams
+from capsulert.worker.tokens import check_text
 
 
 class OrchestratorConfig(BaseModel):
@@ -29,7 +31,6 @@ class OrchestratorConfig(BaseModel):
     persist_pinned: bool = True
 
 
-_Tokens = TypeAdapter(Union[StrictStr, conlist(StrictInt, min_length=1)])
 _Tier = TypeAdapter(Literal["gpu", "host", "disk"])
 
 
@@ -39,18 +40,36 @@ def _fail(err: type[CapsuleRTError], what: str, value: Any, e: ValidationError) 
 
 
 def tokens_arg(value: Any, what: str = "tokens") -> str | list[int]:
-    """A str or a non-empty list of ints (range checks happen in the engine, which changes nothing on refusal)."""
-    if isinstance(value, tuple):
-        value = list(value)
-    elif hasattr(value, "tolist") and not isinstance(value, (str, list)):
-        value = value.tolist()
-    try:
-        out = _Tokens.validate_python(value)
-    except ValidationError as e:
-        raise _fail(InvalidTokenError, what, value, e) from None
-    if isinstance(out, str) and not out:
-        raise InvalidTokenError(f"{what}: empty text")
+    """A non-empty str of valid Unicode, or a non-empty list of ints from a list, a tuple or a 1-D integer
+    array / tensor (range checks happen in the engine, which changes nothing on refusal). Bytes, dicts,
+    sets and every other type are refused: none is a token sequence with a defined order and meaning."""
+    if isinstance(value, str):
+        if not value:
+            raise InvalidTokenError(f"{what}: empty text")
+        try:
+            return check_text(value)
+        except InvalidTokenError as e:
+            raise InvalidTokenError(f"{what}: {e}") from None
+    if isinstance(value, (list, tuple)):
+        out = list(value)
+    elif _is_array(value):
+        if getattr(value, "ndim", None) != 1:
+            raise InvalidTokenError(f"{what}: a token array must be 1-D, got shape {tuple(value.shape)}")
+        out = value.tolist()
+    else:
+        raise InvalidTokenError(f"{what}: expected text (str), a list or tuple of ints or a 1-D integer array, "
+                                f"got {type(value).__name__}")
+    if not out:
+        raise InvalidTokenError(f"{what}: empty token list")
+    for t in out:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise InvalidTokenError(f"{what}: {t!r:.40} is not an int token id")
     return out
+
+
+def _is_array(value: Any) -> bool:
+    """A torch tensor or a numpy array (by module, so numpy is never imported here)."""
+    return isinstance(value, torch.Tensor) or (type(value).__module__ == "numpy" and hasattr(value, "tolist"))
 
 
 def int_arg(value: Any, what: str, minimum: int) -> int:

@@ -84,7 +84,11 @@ class CapsuleRouter:
     # ------------------------------------------------------------------ routing
     def _least_loaded(self, among) -> int:
         workers = self._orch.workers
-        return min(among, key=lambda i: (workers[i].sessions + workers[i].pending, i))
+        alive = [i for i in among if workers[i].lost is None]
+        if not alive:
+            raise WorkerLost(f"every worker that could serve this is gone for good: "
+                             f"{'; '.join(f'worker {i}: {workers[i].lost}' for i in among)}")
+        return min(alive, key=lambda i: (workers[i].sessions + workers[i].pending, i))
 
     def _holders(self, name: str) -> set[int]:
         holders = self._where.get(name)
@@ -151,7 +155,8 @@ class CapsuleRouter:
         (any copy pinned), nbytes, boundary, workers (holding a copy) and tiers (each copy's, same order)."""
         workers = self._orch.workers
         merged: dict[str, dict] = {}
-        for rows in await asyncio.gather(*(self._orch._call(w.index, "list_capsules", self.ns) for w in workers)):
+        alive = [w for w in workers if w.lost is None]  # a worker gone for good took its capsules with it
+        for rows in await asyncio.gather(*(self._orch._call(w.index, "list_capsules", self.ns) for w in alive)):
             for r in rows:
                 w = r.pop("worker")
                 m = merged.setdefault(r["name"], {**r, "workers": [], "tiers": []})

@@ -1,20 +1,20 @@
 """Capsule verbs of the engine: snapshot a slot into the store, restore a capsule into a slot.
 
-A capsule of a session of length P holds the state at the grid point G = floor(P / prefill_chunk) *
-prefill_chunk: KV rows [0, G), the recurrent and conv state at G (the slot's grid checkpoint), the last
-hidden state at P (so the next-token logits are exact without recompute), and the token ids [0, P).
-Restore copies those bytes back and leaves tokens [G, P) pending; the next append re-runs them together
-with the new tokens on the same chunk grid a cold prefill uses, which makes restore + append bitwise
-equal to a cold prefill of prefix + suffix, on or off the grid.
+A capsule of a session of length P holds the slot's complete state: KV rows [0, P), the live recurrent and
+conv state at P, the last hidden state at P, and the token ids [0, P); off the grid it also holds the grid
+checkpoint (recurrent and conv state at G = floor(P / prefill_chunk) * prefill_chunk; on the grid it equals
+the live state). Restore writes those bytes back, so a restored session is the original one: generate
+continues exactly as it would have, and the next append re-runs [G, P) with the new tokens from the grid
+checkpoint on the chunk grid a cold prefill uses, so restore + append equals a cold prefill bitwise.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
-from capsulert.capsule_store.capsule import CapsuleMeta, CapsuleRef
+from capsulert.capsule_store.capsule import CapsuleMeta, CapsuleRef, TensorSpec
 from capsulert.capsule_store.store import CapsuleStore
 from capsulert.errors import CapsuleError, IncompatibleCapsuleError, UnknownCapsuleError, UnsupportedStateModeError
 from capsulert.worker.state import LAYOUT_VERSION
@@ -39,16 +39,20 @@ class CapsuleVerbs:
             policy=cfg.policy,
         )
 
-    def _views(self, slot: int, grid_pos: int) -> dict[str, torch.Tensor]:
-        """The slot's bytes that make up a capsule at grid point grid_pos (views, no copies)."""
+    def _views(self, slot: int, length: int, grid_pos: int) -> dict[str, torch.Tensor]:
+        """The slot's bytes that make up a capsule of `length` tokens (views, no copies)."""
         st = self.engine.state
-        return {
-            "kv_k": st.kv_k[:, slot, :grid_pos],
-            "kv_v": st.kv_v[:, slot, :grid_pos],
-            "ssm": st.ssm_grid[:, slot],
-            "conv": st.conv_grid[:, slot],
+        views = {
+            "kv_k": st.kv_k[:, slot, :length],
+            "kv_v": st.kv_v[:, slot, :length],
+            "ssm": st.ssm[:, slot],
+            "conv": st.conv[:, slot],
             "last_hidden": st.last_hidden[slot],
         }
+        if length != grid_pos:  # off the grid the live state and the grid checkpoint differ
+            views["ssm_grid"] = st.ssm_grid[:, slot]
+            views["conv_grid"] = st.conv_grid[:, slot]
+        return views
 
     def snapshot(self, session: "Session", name: str, *, tier: str, pin: bool, mode: str, namespace: str) -> CapsuleRef:
         if mode not in STATE_MODES:
@@ -60,7 +64,7 @@ class CapsuleVerbs:
         eng = self.engine
         P = len(session.tokens)
         G = P // eng.chunk * eng.chunk
-        views = self._views(session.slot, G)
+        views = self._views(session.slot, P, G)
         nbytes = sum(t.numel() * t.element_size() for t in views.values())
         meta = CapsuleMeta.build(
             name=name,
@@ -79,7 +83,9 @@ class CapsuleVerbs:
         if not self.store.contains(name, namespace):
             raise UnknownCapsuleError(f"no capsule {name!r} in namespace {namespace!r}")
 
-    def _check_compatible(self, meta: CapsuleMeta, tensors: dict[str, torch.Tensor]) -> None:
+    def _check_compatible(self, meta: CapsuleMeta, specs: Mapping[str, TensorSpec]) -> None:
+        """Refuse a capsule this engine cannot restore. Runs on metadata and tensor shapes alone, before
+        the store moves the capsule between tiers, so a refused restore changes nothing."""
         eng = self.engine
         if meta.fingerprint != eng.fingerprint:
             raise IncompatibleCapsuleError(
@@ -92,30 +98,28 @@ class CapsuleVerbs:
             )
         if meta.boundary > eng.config.max_seq:
             raise IncompatibleCapsuleError(f"capsule {meta.name!r} holds {meta.boundary} tokens > max_seq {eng.config.max_seq}")
-        expected = self._views(0, meta.grid_pos)
+        expected = self._views(0, meta.boundary, meta.grid_pos)
         for key, view in expected.items():
-            t = tensors.get(key)
-            if t is None or t.shape != view.shape or t.dtype != view.dtype:
-                found = None if t is None else (tuple(t.shape), t.dtype)
+            spec = specs.get(key)
+            if spec is None or spec.shape != tuple(view.shape) or spec.dtype != view.dtype:
+                found = None if spec is None else (spec.shape, spec.dtype)
                 raise IncompatibleCapsuleError(
                     f"capsule {meta.name!r} tensor {key!r} is {found}, expected {(tuple(view.shape), view.dtype)}"
                 )
-        if set(tensors) != set(expected):
-            raise IncompatibleCapsuleError(f"capsule {meta.name!r} has tensors {sorted(tensors)}, expected {sorted(expected)}")
+        if set(specs) != set(expected):
+            raise IncompatibleCapsuleError(f"capsule {meta.name!r} has tensors {sorted(specs)}, expected {sorted(expected)}")
 
     def restore_into(self, session: "Session", name: str, namespace: str) -> None:
         """Overwrite the session's slot with the capsule; validates everything before the first byte moves."""
         eng = self.engine
-        with self.store.reading(name, namespace) as (meta, tensors):
-            self._check_compatible(meta, tensors)
-            slot, G = session.slot, meta.grid_pos
-            dst = self._views(slot, G)
+        with self.store.reading(name, namespace, check=self._check_compatible) as (meta, tensors):
+            slot, P, G = session.slot, meta.boundary, meta.grid_pos
+            dst = self._views(slot, P, G)
             st = eng.state
-            torch._foreach_copy_(
-                [dst["kv_k"], dst["kv_v"], dst["ssm"], dst["conv"], dst["last_hidden"], st.ssm[:, slot], st.conv[:, slot]],
-                [tensors["kv_k"], tensors["kv_v"], tensors["ssm"], tensors["conv"], tensors["last_hidden"], tensors["ssm"], tensors["conv"]],
-            )
-            st.pos[slot] = G
+            pairs = [(dst[k], tensors[k]) for k in dst]
+            if P == G:  # on the grid the live state is the grid checkpoint
+                pairs += [(st.ssm_grid[:, slot], tensors["ssm"]), (st.conv_grid[:, slot], tensors["conv"])]
+            torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
+            st.pos[slot] = P
         session.tokens = list(meta.tokens)
-        session.live_len = G
         session.stop_reason = None

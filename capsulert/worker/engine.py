@@ -2,32 +2,49 @@
 
 Prefill runs on a global chunk grid (chunks start at multiples of prefill_chunk); an append re-runs the
 tokens since the slot's last grid point from its grid checkpoint, so appends split anywhere and a cold
-prefill give bitwise the same logits and state. Decode steps several slots at once.
+prefill give bitwise the same logits and state. Decode steps several slots at once; when decode reaches a
+grid point the crossed chunk is re-derived through the prefill path, so the state at every grid point is the
+one a cold prefill computes, whatever produced the tokens (canonical grid state).
 """
 from __future__ import annotations
 
 import json
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from pydantic import ValidationError
 
 from capsulert.config import ModelConfig
 from capsulert.errors import (
+    ConfigError,
     ForeignSessionError,
     InvalidRequestError,
     NoFreeSlotError,
 )
 from capsulert.worker.engine_config import EngineConfig
-from capsulert.worker.model import HybridModel
-from capsulert.worker.sampler import GREEDY, SamplingParams, make_generator, sample
+from capsulert.worker.model import HybridModel, pad_rows
+from capsulert.worker.sampler import GREEDY, RowDraw, SamplingParams, resolve_seed, sample_rows
 from capsulert.worker.session import Session
 from capsulert.worker.state import StateLayout, StateSet
 from capsulert.worker.tokens import TokenCodec
 
 RANDOM_PREFIX = "random:"  # model="random:<architecture yaml>": deterministic random weights on the device
+# sessions per decode step; larger generate calls run several steps per token. On CUDA every dense op of a
+# step runs on exactly this many rows (batch invariance, worker/model.py).
+MAX_DECODE_BATCH = 64
+
+
+@dataclass
+class Generated:
+    """One session's result of a generate call: sampled tokens, their logprobs under the raw model
+    distribution (log_softmax of the logits), and why it stopped."""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: str | None = None
 
 
 class Engine:
@@ -38,7 +55,9 @@ class Engine:
         self.device = next(iter(weights.values())).device
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.model_weights = weights
-        self.model = HybridModel(model_cfg, weights, self._kernels(config))
+        cuda = self.device.type == "cuda"
+        self.model = HybridModel(model_cfg, weights, self._kernels(config),
+                                 decode_rows=MAX_DECODE_BATCH if cuda else None, rowwise=not cuda)
         self.tokenizer = tokenizer
         self.codec = TokenCodec(tokenizer, model_cfg.vocab_size, config.max_seq)
         self.fingerprint = fingerprint
@@ -58,10 +77,10 @@ class Engine:
         self.capsules = CapsuleVerbs(self)
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
-            from capsulert.worker.graphs import GraphPlans
+            from capsulert.worker.graphs import GraphPlans, decode_buckets
 
-            self.graphs = GraphPlans(self.model, self.state, self.scratch_slot, config.max_seq, self.chunk,
-                                     tuple(b for b in config.decode_batches if b <= config.slots) or (1,))
+            buckets = decode_buckets(config.decode_batches, min(config.slots, MAX_DECODE_BATCH))
+            self.graphs = GraphPlans(self.model, self.state, self.scratch_slot, config.max_seq, self.chunk, buckets)
             self.graphs.capture()
 
     def _kernels(self, config: EngineConfig):
@@ -76,10 +95,17 @@ class Engine:
         from capsulert.worker.default_model import ensure_default_model
         from capsulert.worker.loader import load_checkpoint, load_tokenizer, weights_fingerprint
 
-        if config is None or isinstance(config, dict):
-            config = EngineConfig(**{**(config or {}), **overrides})
-        elif overrides:
-            config = config.model_copy(update=overrides)
+        try:
+            if config is None or isinstance(config, dict):
+                config = EngineConfig(**{**(config or {}), **overrides})
+            elif isinstance(config, EngineConfig):
+                if overrides:
+                    config = EngineConfig(**{**config.model_dump(), **overrides})
+            else:
+                raise ConfigError(f"config must be an EngineConfig, a dict or None, got {type(config).__name__}")
+        except ValidationError as e:
+            raise ConfigError(f"invalid engine config: {e.error_count()} error(s): "
+                              + "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
         device = config.torch_device()
         dtype = config.torch_dtype(device)
         if config.model.startswith(RANDOM_PREFIX):
@@ -198,38 +224,49 @@ class Engine:
             new = self.codec.validate(tokens_or_text, self.config.max_seq - len(session.tokens))
             P = len(session.tokens)
             G = P // self.chunk * self.chunk
-            if session.live_len != G:
+            if P != G:  # re-run [G, P) with the new tokens from the grid checkpoint, as a cold prefill does
                 self.state.load_grid(session.slot)
                 self.state.pos[session.slot] = G
             self._run_prefill(session.slot, session.tokens[G:] + new, G)
             session.tokens.extend(new)
-            session.live_len = len(session.tokens)
             return self.logits(session)
-
-    def _catch_up(self, session: Session) -> None:
-        """Fold tokens kept pending by a restore off the grid into the live state."""
-        if session.live_len < len(session.tokens):
-            self._run_prefill(session.slot, session.tokens[session.live_len:], session.live_len)
-            session.live_len = len(session.tokens)
 
     def logits(self, session: Session) -> torch.Tensor:
         self._own(session)
         if not session.tokens:
             raise InvalidRequestError("an empty session has no next-token logits; append a prompt first")
-        return self.model.logits(self.state, torch.tensor([session.slot], device=self.device))[0]
+        return self.model.logits(self.state, self._slot_ids([session]))[0]
 
     # ------------------------------------------------------------------ decode
     def generate(self, sessions: Sequence[Session], max_new_tokens: int,
                  sampling: Sequence[SamplingParams | None] | None = None,
                  should_stop: Callable[[Session], bool] | None = None) -> list[list[int]]:
-        """Sample for several sessions together, one batched decode step per token. A session stops at
-        the next token boundary once `session.interrupt()` was called during this generate, or once
-        `should_stop(session)`, asked after every token, returns True."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        """Sample for several sessions together, one batched decode step per token (groups of at most
+        MAX_DECODE_BATCH sessions per step). A session stops at the next token boundary once
+        `session.interrupt()` was called during this generate, or once `should_stop(session)`, asked after
+        every token, returns True. Each session's tokens and logits are bitwise those it gets alone."""
+        return [d.tokens for d in self.generate_detailed(sessions, max_new_tokens, sampling, should_stop)]
+
+    def generate_detailed(self, sessions: Sequence[Session], max_new_tokens: int,
+                          sampling: Sequence[SamplingParams | None] | None = None,
+                          should_stop: Callable[[Session], bool] | None = None) -> list["Generated"]:
+        """generate(), also returning each sampled token's logprob and the stop reason."""
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
             raise InvalidRequestError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if isinstance(sessions, Session) or not isinstance(sessions, Sequence):
+            raise InvalidRequestError("generate takes a list of sessions")
+        sessions = list(sessions)
+        if not sessions:
+            raise InvalidRequestError("generate needs at least one session")
+        for s in sessions:
+            if not isinstance(s, Session):
+                raise InvalidRequestError(f"generate takes Session objects, got {type(s).__name__}")
         sampling = list(sampling) if sampling is not None else [None] * len(sessions)
         if len(sampling) != len(sessions):
             raise InvalidRequestError("one SamplingParams per session (or None)")
+        for p in sampling:
+            if p is not None and not isinstance(p, SamplingParams):
+                raise InvalidRequestError(f"sampling entries must be SamplingParams or None, got {type(p).__name__}")
         params = [p or GREEDY for p in sampling]
         with self._lock:
             if len({id(s) for s in sessions}) != len(sessions):
@@ -240,61 +277,86 @@ class Engine:
                     raise InvalidRequestError(f"session {s.id} is empty; append a prompt before generating")
                 s._interrupt = False
                 s.stop_reason = None
-            gens = [make_generator(p, self.device) for p in params]
-            outs: list[list[int]] = [[] for _ in sessions]
-            active = list(range(len(sessions)))
+            seeds = [resolve_seed(p) for p in params]
+            outs = [Generated() for _ in sessions]
             if max_new_tokens == 0:
-                for s in sessions:
-                    s.stop_reason = "length"
+                for s, o in zip(sessions, outs):
+                    s.stop_reason = o.stop_reason = "length"
                 return outs
-            slots = torch.tensor([s.slot for s in sessions], device=self.device)
-            logits = self.model.logits(self.state, slots)
-            rows = {i: i for i in active}
-            for s in sessions:
-                self._catch_up(s)
+            rows = {}  # session index -> its next-token logits row (fp32 [vocab])
+            for group in self._groups(list(range(len(sessions)))):
+                block = self.model.logits(self.state, self._slot_ids([sessions[i] for i in group]))
+                rows.update({i: block[r] for r, i in enumerate(group)})
+            active = list(range(len(sessions)))
             while active:
-                toks = {}
-                for i in active:
-                    s = sessions[i]
-                    if len(s.tokens) >= self.config.max_seq:
-                        s.stop_reason = "max_seq"
-                        continue
-                    toks[i] = sample(logits[rows[i]], params[i], gens[i])
-                active = [i for i in active if i in toks]
-                if not active:
-                    break
-                step_logits = self._decode([sessions[i] for i in active], [toks[i] for i in active])
+                for i in [i for i in active if len(sessions[i].tokens) >= self.config.max_seq]:
+                    sessions[i].stop_reason = outs[i].stop_reason = "max_seq"
+                active = [i for i in active if len(sessions[i].tokens) < self.config.max_seq]
+                groups = self._groups(active)
+                next_rows = {}
+                for group in groups:
+                    draws = sample_rows(self._pad_logits([rows[i] for i in group]),
+                                        [RowDraw(params[i], seeds[i], len(sessions[i].tokens)) for i in group])
+                    block = self._decode([sessions[i] for i in group], draws.tokens)
+                    if len(groups) > 1:
+                        block = block.clone()  # the next group's replay reuses the graph's output buffer
+                    for r, i in enumerate(group):
+                        outs[i].tokens.append(draws.tokens[r])
+                        outs[i].logprobs.append(draws.logprobs[r])
+                        next_rows[i] = block[r]
                 still = []
                 for i in active:
-                    s, t = sessions[i], toks[i]
-                    outs[i].append(t)
+                    s, t = sessions[i], outs[i].tokens[-1]
                     if t in params[i].stop_tokens:
-                        s.stop_reason = "stop_token"
+                        reason = "stop_token"
                     elif s._interrupt or (should_stop is not None and should_stop(s)):
-                        s.stop_reason = "interrupted"
-                    elif len(outs[i]) >= max_new_tokens:
-                        s.stop_reason = "length"
+                        reason = "interrupted"
+                    elif len(outs[i].tokens) >= max_new_tokens:
+                        reason = "length"
                     else:
                         still.append(i)
-                logits, rows = step_logits, {i: r for r, i in enumerate(active)}
-                active = still
+                        continue
+                    s.stop_reason = outs[i].stop_reason = reason
+                rows, active = next_rows, still
             return outs
 
+    def _groups(self, indices: list[int]) -> list[list[int]]:
+        return [indices[a:a + MAX_DECODE_BATCH] for a in range(0, len(indices), MAX_DECODE_BATCH)]
+
+    def _slot_ids(self, sessions: Sequence[Session]) -> torch.Tensor:
+        return torch.tensor([s.slot for s in sessions], device=self.device)
+
+    def _pad_logits(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """Stack logits rows into the fixed-shape block the sampler runs on (batch invariance)."""
+        block = torch.stack(rows)
+        return pad_rows(block, self.model.decode_rows) if self.model.decode_rows is not None else block
+
     def _decode(self, sessions: list[Session], tokens: list[int]) -> torch.Tensor:
-        """Feed one token to each session (one batched step); returns their next-token logits."""
+        """Feed one token to each session (one batched step); returns their next-token logits, row r for
+        sessions[r] (the graph's output buffer on CUDA: read or copy before the next step)."""
         if self.graphs is not None:
             logits = self.graphs.decode([s.slot for s in sessions], tokens)
         else:
-            slots = torch.tensor([s.slot for s in sessions], device=self.device)
+            slots = self._slot_ids(sessions)
             ids = torch.tensor(tokens, device=self.device)[:, None]
-            self.model.forward(self.state, slots, ids, self._kv_len(max(len(s.tokens) for s in sessions) + 1))
+            # kv_len is a shape: the same for every batch, so attention's launch never depends on the batch
+            self.model.forward(self.state, slots, ids, self.config.max_seq, decode=True)
             logits = self.model.logits(self.state, slots)
-        for s, t in zip(sessions, tokens):
+        for r, (s, t) in enumerate(zip(sessions, tokens)):
             s.tokens.append(t)
-            s.live_len = len(s.tokens)
-            if s.live_len % self.chunk == 0:
-                self.state.save_grid(s.slot)
+            if len(s.tokens) % self.chunk == 0:
+                self._rederive_grid_point(s)
+                logits[r] = self.model.logits(self.state, self._slot_ids([s]))[0]
         return logits
+
+    def _rederive_grid_point(self, session: Session) -> None:
+        """Decode just reached grid point G: re-run the chunk [G - chunk, G) through the prefill path from
+        the previous grid checkpoint, so the slot's KV rows, recurrent and conv state and last hidden state at
+        G are bitwise those of a cold prefill of tokens[:G] (canonical grid state)."""
+        G = len(session.tokens)
+        self.state.load_grid(session.slot)
+        self.state.pos[session.slot] = G - self.chunk
+        self._run_prefill(session.slot, session.tokens[G - self.chunk:G], G - self.chunk)
 
     # ------------------------------------------------------------------ capsules
     @property

@@ -39,7 +39,7 @@ class EngineConfig(BaseModel):
     slot_wait_s: float = Field(0.0, ge=0.0, le=3600.0,
                                description="how long open/restore/fork wait for a free slot before NoFreeSlotError")
     cuda_graphs: bool = Field(True, description="capture CUDA graphs at start (CUDA only)")
-    decode_batches: tuple[int, ...] = Field((1, 2, 4, 8), description="batch sizes of the decode graphs")
+    decode_batches: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32, 64), description="batch sizes of the decode graphs (capped at slots; the largest is always captured)")
 
     @field_validator("prefill_chunk")
     @classmethod

@@ -24,6 +24,12 @@ class ShapeKey:
     tokens: int
 
 
+def decode_buckets(wanted: tuple[int, ...], largest: int) -> tuple[int, ...]:
+    """The captured decode batch sizes: the wanted ones below `largest`, plus `largest` itself, so every
+    batch up to it has a graph."""
+    return tuple(sorted({b for b in wanted if 1 <= b < largest} | {largest}))
+
+
 def prefill_buckets(prefill_chunk: int, smallest: int = 16) -> list[int]:
     out, t = [], smallest
     while t < prefill_chunk:
@@ -44,7 +50,8 @@ class GraphPlans:
         self.tokens = torch.zeros(max(bmax, 1), prefill_chunk, dtype=torch.long, device=dev)
         self.slots = torch.full((bmax,), scratch_slot, dtype=torch.long, device=dev)
         self.valid = torch.ones(bmax, dtype=torch.long, device=dev)
-        self.logits = torch.zeros(bmax, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        rows = model.decode_rows or bmax
+        self.logits = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.capture_s = 0.0
@@ -53,13 +60,16 @@ class GraphPlans:
         B, T = key.batch, key.tokens
         # the scratch slot absorbs padding rows; keep its position in range whatever ran before
         self.state.pos[self.scratch:self.scratch + 1].zero_()
-        self.model.forward(self.state, self.slots[:B], self.tokens[:B, :T], self.max_seq, self.valid[:B])
-        if key.phase == "decode":
-            self.logits[:B].copy_(self.model.logits(self.state, self.slots[:B]))
+        decode = key.phase == "decode"
+        self.model.forward(self.state, self.slots[:B], self.tokens[:B, :T], self.max_seq,
+                           None if decode else self.valid[:B], decode=decode)
+        if decode:
+            logits = self.model.logits(self.state, self.slots[:B])
+            self.logits[:logits.shape[0]].copy_(logits)
 
-    def capture(self, progress: bool = True) -> None:
+    def capture(self, progress: bool = True, prefill: bool = True) -> None:
         keys = [ShapeKey("decode", b, 1) for b in self.decode_batches]
-        keys += [ShapeKey("prefill", 1, t) for t in self.prefill_sizes]
+        keys += [ShapeKey("prefill", 1, t) for t in self.prefill_sizes] if prefill else []
         t0 = time.perf_counter()
         saved = {n: b.clone() for n, b in self.state.buffers.items() if n in ("pos",)}
         self.slots.fill_(self.scratch)
@@ -88,7 +98,9 @@ class GraphPlans:
 
     def prefill(self, slot: int, tokens: list[int]) -> None:
         n = len(tokens)
-        T = next(t for t in self.prefill_sizes if t >= n)
+        T = next((t for t in self.prefill_sizes if t >= n), None)
+        if T is None:
+            raise ValueError(f"a prefill piece of {n} tokens exceeds the chunk {self.prefill_sizes[-1]}")
         row = torch.zeros(T, dtype=torch.long)
         row[:n] = torch.tensor(tokens)
         self.tokens[0, :T].copy_(row, non_blocking=True)
@@ -97,12 +109,16 @@ class GraphPlans:
         self.graphs[ShapeKey("prefill", 1, T)].replay()
 
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
-        """One token for each slot; returns next-token logits [len(slots), vocab] (a view, copy to keep)."""
+        """One token for each slot; returns the next-token logits block (row r for slots[r]; the graph's
+        static output buffer: copy what must outlive the next replay)."""
         n = len(slots)
-        B = next(b for b in self.decode_batches if b >= n)
+        B = next((b for b in self.decode_batches if b >= n), None)
+        if B is None:
+            raise ValueError(f"a decode step of {n} sessions exceeds the largest captured batch "
+                             f"{self.decode_batches[-1]}; the engine splits larger batches")
         pad = B - n
         self.tokens[:B, 0].copy_(torch.tensor(tokens + [0] * pad), non_blocking=True)
         self.slots[:B].copy_(torch.tensor(slots + [self.scratch] * pad), non_blocking=True)
         self.valid[:B].fill_(1)
         self.graphs[ShapeKey("decode", B, 1)].replay()
-        return self.logits[:n]
+        return self.logits

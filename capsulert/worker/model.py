@@ -3,6 +3,18 @@
 Functional: weights are plain tensors, every piece of session state lives in the StateSet and is
 updated in place. One forward handles B slots x T tokens: prefill (B = 1, T <= prefill_chunk, chunked
 gated delta rule) or decode (T = 1, recurrent step). Positions are read from `state.pos` on the device.
+
+Batch invariance of decode: a session's logits must not depend on the batch it runs in. GEMM kernels and
+reductions pick their algorithm (tiling, split-K, split reductions) from the number of rows, so a row's bits
+change with the batch size (measured on the H200: 4096x4096 projections from 25 rows on, the down projection
+from 9, RMSNorm's reduction at 2-8 rows vs 1 or 64). Two ways out, by device:
+- `decode_rows=R` (CUDA): every dense op of a decode step (norms, projections, gates, the LM head) runs on
+  exactly R rows, the batch padded with zero rows; only the ops that touch per-slot state (conv, recurrent
+  step, KV write, attention) run on the real rows, and those are per-row kernels. One shape for every batch
+  costs ~2% of the GEMM time (bench/probes/row_stability.py).
+- `rowwise=True` (CPU): each projection row is computed alone (a lone row's GEMM does not depend on the
+  batch by construction); the other ops are row-wise reductions that CPU kernels do not split below 32k.
+Neither (decode_rows=None, rowwise=False) is the plain batch-dependent path benchmarks compare against.
 """
 from __future__ import annotations
 
@@ -35,6 +47,13 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero rows appended along dim 0 up to `rows`."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))])
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -49,8 +68,11 @@ class Layer:
 
 
 class HybridModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelSet | None = None):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelSet | None = None,
+                 decode_rows: int | None = None, rowwise: bool = False):
         self.cfg = cfg
+        self.decode_rows = decode_rows  # pad every dense op of a decode step to this many rows
+        self.rowwise = rowwise  # compute each decode projection row alone
         self.kernels = kernels or reference_kernels()
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
@@ -72,18 +94,31 @@ class HybridModel:
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=self.device) / rot))
 
     # ------------------------------------------------------------------ forward
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, decode: bool) -> torch.Tensor:
+        if decode and self.rowwise:
+            return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])])
+        return F.linear(x, w)
+
     @torch.inference_mode()
     def forward(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, kv_len: int,
-                valid: torch.Tensor | None = None) -> None:
+                valid: torch.Tensor | None = None, decode: bool = False) -> None:
         """Run tokens [B, T] for slots [B] at positions state.pos[slots] + t; updates every state buffer
         of those slots in place, stores the last token's hidden state in last_hidden and advances pos.
 
+        decode=True: one token per slot (T = 1) through the recurrent step, batch-invariant (module doc).
         `valid` [B] (device) marks only the first valid[b] tokens of a row as real: the rest is padding
         that a captured graph of a fixed T carries; it neither writes state nor advances pos."""
-        decode = tokens.shape[1] == 1
+        B = tokens.shape[0]
         start = state.pos[slots].long()
+        if decode and self.decode_rows is not None:
+            if B > self.decode_rows:
+                raise ValueError(f"a decode step holds at most {self.decode_rows} rows, got {B}")
+            tokens = pad_rows(tokens, self.decode_rows)
+            rope_start = pad_rows(start, self.decode_rows)
+        else:
+            rope_start = start
         h = self.embed[tokens]
-        positions = start[:, None] + torch.arange(tokens.shape[1], device=self.device)
+        positions = rope_start[:, None] + torch.arange(tokens.shape[1], device=self.device)
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         rope = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
@@ -92,13 +127,16 @@ class HybridModel:
             w = layer.w
             x = rms_norm_1p(h, w["input_layernorm.weight"], eps)
             if layer.kind == FULL:
-                x = self._attention(layer, x, state, slots, start, kv_len, rope)
+                x = self._attention(layer, x, state, slots, start, kv_len, rope, decode)
             else:
                 x = self._gated_delta_net(layer, x, state, slots, decode, valid)
             h = h + x
             x = rms_norm_1p(h, w["post_attention_layernorm.weight"], eps)
-            x = F.linear(F.silu(F.linear(x, w["mlp.gate_proj.weight"])) * F.linear(x, w["mlp.up_proj.weight"]), w["mlp.down_proj.weight"])
+            lin = self._linear
+            x = lin(F.silu(lin(x, w["mlp.gate_proj.weight"], decode)) * lin(x, w["mlp.up_proj.weight"], decode),
+                    w["mlp.down_proj.weight"], decode)
             h = h + x
+        h = h[:B]
         if valid is None:
             state.last_hidden.index_copy_(0, slots, h[:, -1])
             state.pos.index_add_(0, slots, torch.full_like(slots, tokens.shape[1], dtype=torch.int32))
@@ -108,48 +146,57 @@ class HybridModel:
             state.pos.index_add_(0, slots, valid.to(torch.int32))
 
     def logits(self, state: StateSet, slots: torch.Tensor) -> torch.Tensor:
-        """Next-token logits [B, vocab] (fp32) from the slots' last hidden state."""
-        h = rms_norm_1p(state.last_hidden[slots], self.norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        """Next-token logits (fp32) from the slots' last hidden state: [decode_rows, vocab] with the real rows
+        first when decode_rows is set, else [B, vocab]. Always the batch-invariant path, so the logits after an
+        append and those of a decode step are computed alike."""
+        h = state.last_hidden[slots]
+        if self.decode_rows is not None:
+            h = pad_rows(h, self.decode_rows)
+        h = rms_norm_1p(h, self.norm, self.cfg.rms_norm_eps)
+        return self._linear(h, self.lm_head, decode=True).float()
 
     # ------------------------------------------------------------------ mixers
-    def _attention(self, layer, x, state, slots, start, kv_len, rope):
+    def _attention(self, layer, x, state, slots, start, kv_len, rope, decode):
         cfg, w = self.cfg, layer.w
-        B, T, _ = x.shape
+        R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
+        B = slots.shape[0]
         D = cfg.head_dim
-        q, gate = F.linear(x, w["self_attn.q_proj.weight"]).view(B, T, -1, 2 * D).chunk(2, dim=-1)
-        gate = gate.reshape(B, T, -1)
+        lin = self._linear
+        q, gate = lin(x, w["self_attn.q_proj.weight"], decode).view(R, T, -1, 2 * D).chunk(2, dim=-1)
+        gate = gate.reshape(R, T, -1)
         q = rms_norm_1p(q, w["self_attn.q_norm.weight"], cfg.rms_norm_eps)
-        k = rms_norm_1p(F.linear(x, w["self_attn.k_proj.weight"]).view(B, T, -1, D), w["self_attn.k_norm.weight"], cfg.rms_norm_eps)
-        v = F.linear(x, w["self_attn.v_proj.weight"]).view(B, T, -1, D)
+        k = rms_norm_1p(lin(x, w["self_attn.k_proj.weight"], decode).view(R, T, -1, D), w["self_attn.k_norm.weight"], cfg.rms_norm_eps)
+        v = lin(x, w["self_attn.v_proj.weight"], decode).view(R, T, -1, D)
         cos, sin = (t[:, :, None, :] for t in rope)
         r = cfg.rotary_dim
         q = torch.cat((q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]), dim=-1)
         k = torch.cat((k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]), dim=-1)
         kv_k, kv_v = state.kv_k[layer.state_index], state.kv_v[layer.state_index]
-        self.kernels.write_kv(kv_k, kv_v, slots, start, k, v)
-        o = self.kernels.attention(q, kv_k, kv_v, slots, start, kv_len, D**-0.5)
-        o = o.reshape(B, T, -1) * torch.sigmoid(gate)
-        return F.linear(o, w["self_attn.o_proj.weight"])
+        self.kernels.write_kv(kv_k, kv_v, slots, start, k[:B], v[:B])
+        o = self.kernels.attention(q[:B], kv_k, kv_v, slots, start, kv_len, D**-0.5)
+        o = pad_rows(o, R).reshape(R, T, -1) * torch.sigmoid(gate)
+        return lin(o, w["self_attn.o_proj.weight"], decode)
 
     def _gated_delta_net(self, layer, x, state, slots, decode: bool, valid):
         cfg, w = self.cfg, layer.w
-        B, T, _ = x.shape
+        R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
+        B = slots.shape[0]
         Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        mixed = F.linear(x, w["linear_attn.in_proj_qkv.weight"])
-        z = F.linear(x, w["linear_attn.in_proj_z.weight"]).view(B, T, Hv, Dv)
-        b = F.linear(x, w["linear_attn.in_proj_b.weight"])
-        a = F.linear(x, w["linear_attn.in_proj_a.weight"])
+        lin = self._linear
+        mixed = lin(x, w["linear_attn.in_proj_qkv.weight"], decode)
+        z = lin(x, w["linear_attn.in_proj_z.weight"], decode).view(R, T, Hv, Dv)
+        b = lin(x, w["linear_attn.in_proj_b.weight"], decode)
+        a = lin(x, w["linear_attn.in_proj_a.weight"], decode)
         li = layer.state_index
         conv_buf, ssm_buf = state.conv[li], state.ssm[li]
         if decode:
-            mixed = self.kernels.conv_step(mixed[:, 0], conv_buf, slots, w["conv"])[:, None]
+            mixed = pad_rows(self.kernels.conv_step(mixed[:B, 0], conv_buf, slots, w["conv"]), R)[:, None]
         else:
             mixed = self.kernels.conv_prefill(mixed, conv_buf, slots, w["conv"], valid)
         q, k, v = torch.split(mixed, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
-        q = q.reshape(B, T, Hk, Dk)
-        k = k.reshape(B, T, Hk, Dk)
-        v = v.reshape(B, T, Hv, Dv)
+        q = q.reshape(R, T, Hk, Dk)
+        k = k.reshape(R, T, Hk, Dk)
+        v = v.reshape(R, T, Hv, Dv)
         beta = torch.sigmoid(b).float()
         g = w["neg_A"] * F.softplus(a.float() + w["linear_attn.dt_bias"])
         if valid is not None and not decode:  # padding tokens neither decay nor write the state
@@ -163,8 +210,9 @@ class HybridModel:
         k = l2_normalize(k.float())
         v = v.float()
         if decode:
-            o = self.kernels.gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm_buf, slots)[:, None]
+            o = self.kernels.gated_delta_step(*(t[:B, 0] for t in (q, k, v, g, beta)), ssm_buf, slots)
+            o = pad_rows(o, R)[:, None]
         else:
             o = self.kernels.gated_delta_prefill(q, k, v, g, beta, ssm_buf, slots)
         o = gated_rms_norm(o.to(x.dtype), z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
-        return F.linear(o.reshape(B, T, -1), w["linear_attn.out_proj.weight"])
+        return lin(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"], decode)

@@ -1,48 +1,142 @@
-"""Next-token sampling: greedy, or temperature / top-k / top-p from a seeded generator (reproducible)."""
+"""Next-token sampling for a whole decode batch at once, on the device.
+
+Batch invariance: a row's token depends only on its own logits, its SamplingParams and its position in its
+own random stream. The stream is counter based: the uniform a session draws for the token at sequence index
+i is a hash of (seed, i), computed on the host in exact integer arithmetic. So a session samples the same
+token alone or among 63 others, before or after a snapshot / restore, and generate(N) equals generate(k)
+then generate(N - k). Rows are sampled by inverse CDF over the filtered distribution; the filters and the
+CDF run over the whole [rows, vocab] block in one go (one host -> device transfer of the per-row parameters,
+one device -> host transfer of the chosen tokens per step).
+
+Logprobs are those of the raw model distribution (log_softmax of the logits, before temperature, top-k and
+top-p), as vLLM reports them by default.
+"""
 from __future__ import annotations
 
+import secrets
+from dataclasses import dataclass
+from typing import Sequence
+
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from capsulert.errors import InvalidRequestError
+
+# temperatures below this are treated as greedy: dividing logits by them overflows to inf (vLLM: 1e-5)
+GREEDY_BELOW = 1e-5
+_MASK64 = (1 << 64) - 1
 
 
 class SamplingParams(BaseModel):
-    """temperature 0 means greedy (argmax); otherwise sample from the filtered softmax with `seed`."""
+    """temperature 0 (or below 1e-5) means greedy (argmax); otherwise sample from the temperature-scaled,
+    top-k / top-p filtered distribution. `seed` fixes the session's random stream (None: a fresh random
+    seed per generate call)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    temperature: float = Field(0.0, ge=0.0, le=100.0)
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop_tokens: tuple[int, ...] = ()
+    temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_k: StrictInt = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: StrictInt | None = Field(None, ge=0, lt=1 << 63)
+    stop_tokens: tuple[StrictInt, ...] = ()
+
+    def __init__(self, **data):
+        for key in ("temperature", "top_p"):
+            if isinstance(data.get(key), bool):
+                raise InvalidRequestError(f"invalid SamplingParams: {key}: expected a number, got a bool")
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise InvalidRequestError(f"invalid SamplingParams: {_short(e)}") from None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 GREEDY = SamplingParams()
 
 
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    if params.greedy:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed if params.seed is not None else torch.seed())
-    return gen
+def _short(e: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors())
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from one row of logits [vocab] (fp32)."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    scores = logits / params.temperature
-    if params.top_k > 0 and params.top_k < scores.numel():
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        cum = sorted_scores.softmax(-1).cumsum(-1)
-        drop = cum - sorted_scores.softmax(-1) >= params.top_p  # keep the smallest prefix reaching top_p
-        scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
-    probs = scores.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def resolve_seed(params: SamplingParams) -> int:
+    """The seed a generate call uses for a session: the given one, or a fresh random one."""
+    return params.seed if params.seed is not None else secrets.randbits(63)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def stream_uniform(seed: int, index: int) -> float:
+    """Uniform in [0, 1) for token `index` of the stream `seed` (53 random bits)."""
+    return (_splitmix64(_splitmix64(seed) ^ index) >> 11) / float(1 << 53)
+
+
+@dataclass(frozen=True)
+class RowDraw:
+    """What one row needs to draw its token: its parameters, its seed and its token index."""
+    params: SamplingParams
+    seed: int
+    index: int
+
+
+@dataclass(frozen=True)
+class Draws:
+    tokens: list[int]
+    logprobs: list[float]
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[RowDraw]) -> Draws:
+    """Tokens for the first len(rows) rows of logits [R, vocab] (fp32; R >= len(rows), the extra rows are
+    padding that keeps every op at one shape). One device -> host transfer."""
+    n, R = len(rows), logits.shape[0]
+    if n > R:
+        raise InvalidRequestError(f"{n} rows to sample but only {R} rows of logits")
+    greedy = all(r.params.greedy for r in rows)
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    if greedy:
+        tokens = torch.argmax(logits, dim=-1)
+    else:
+        tokens = _draw(logits, rows, R)
+    chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
+    out = torch.stack([tokens.double(), chosen.double()])[:, :n].cpu()
+    return Draws(tokens=[int(t) for t in out[0].tolist()], logprobs=out[1].tolist())
+
+
+def _draw(logits: torch.Tensor, rows: Sequence[RowDraw], R: int) -> torch.Tensor:
+    V = logits.shape[1]
+    pad = [RowDraw(GREEDY, 0, 0)] * (R - len(rows))
+    rows = list(rows) + pad
+    table = torch.tensor(
+        [[1.0 if r.params.greedy else r.params.temperature for r in rows],
+         [float(r.params.top_k if 0 < r.params.top_k < V else V) for r in rows],
+         [r.params.top_p for r in rows],
+         [stream_uniform(r.seed, r.index) for r in rows],
+         [1.0 if r.params.greedy else 0.0 for r in rows]],
+        dtype=torch.float64,
+    ).to(logits.device, non_blocking=True)
+    temp, top_k, top_p, u, is_greedy = table[0].float(), table[1].long(), table[2].float(), table[3], table[4].bool()
+    scores = logits / temp[:, None]
+    if bool((top_k < V).any()) or bool((top_p < 1.0).any()):
+        sorted_scores, _ = torch.sort(scores, dim=-1, descending=True)  # exact: a permutation
+        kth = sorted_scores.gather(1, (top_k - 1)[:, None])
+        sorted_probs = torch.softmax(sorted_scores, dim=-1)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+        keep = before < top_p[:, None]
+        keep[:, 0] = True  # a top_p below fp32's range (1e-300) rounds to 0
+        floor_p = sorted_scores.masked_fill(~keep, float("inf")).min(dim=-1, keepdim=True).values
+        scores = scores.masked_fill(scores < torch.maximum(kth, floor_p), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    target = u[:, None] * cdf[:, -1:]
+    drawn = (cdf <= target).sum(dim=-1)
+    # rounding can leave target at the total: fall back to the last token with any mass
+    last = V - 1 - torch.argmax(torch.flip(probs > 0, dims=[-1]).int(), dim=-1)
+    drawn = torch.minimum(drawn, last)
+    return torch.where(is_greedy, torch.argmax(logits, dim=-1), drawn)

@@ -17,18 +17,14 @@ _ids = itertools.count()
 
 
 class Session:
-    """Host-side view of a slot: the token ids committed so far and how many are folded into live state.
-
-    `tokens[:live_len]` are in the slot's live buffers; `tokens[live_len:]` (only after a restore of a
-    boundary off the prefill grid) are replayed before they are needed. Users never see the difference.
-    """
+    """Host-side view of a slot: the token ids committed so far, all of them folded into the slot's live
+    state."""
 
     def __init__(self, engine: "Engine", slot: int):
         self.engine = engine
         self.slot = slot
         self.id = next(_ids)
         self.tokens: list[int] = []
-        self.live_len = 0
         self.closed = False
         self.stop_reason: str | None = None
         self._interrupt = False

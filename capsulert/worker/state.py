@@ -16,7 +16,7 @@ import torch
 
 from capsulert.config import ModelConfig
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: capsules hold the live state at P and KV [0, P), plus the grid checkpoint off the grid
 
 
 @dataclass(frozen=True)

@@ -21,32 +21,60 @@ class TokenCodec:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidTokenError("this model has no tokenizer.json; pass token ids instead of text")
-        return self.tokenizer.encode(text).ids
+        return self.tokenizer.encode(check_text(text)).ids
 
     def decode(self, tokens: Sequence[int]) -> str:
         if self.tokenizer is None:
             raise InvalidTokenError("this model has no tokenizer.json")
-        return self.tokenizer.decode(list(tokens))
+        return self.tokenizer.decode(self._ids(token_list(tokens)))
+
+    def _ids(self, tokens: list) -> list[int]:
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidTokenError(f"token id {t!r:.40} is not an int in [0, {self.vocab_size})")
+        return tokens
 
     def validate(self, tokens_or_text, room: int) -> list[int]:
-        """Token ids from text, a 1-D integer tensor or a sequence of ints; at most `room` of them."""
+        """Token ids from text, a 1-D integer tensor or a list / tuple of ints; at most `room` of them.
+        Anything else (bytes, a dict, a set, a number, None) is refused: none of them is a token sequence
+        with a defined order and meaning."""
         if isinstance(tokens_or_text, str):
             if len(tokens_or_text) > MAX_CHARS_PER_TOKEN * self.max_seq:
                 raise SequenceTooLongError(f"text of {len(tokens_or_text)} characters cannot fit max_seq={self.max_seq}")
             tokens = self.encode(tokens_or_text)
-        elif isinstance(tokens_or_text, torch.Tensor):
-            if tokens_or_text.dim() != 1 or tokens_or_text.dtype.is_floating_point:
-                raise InvalidTokenError("token tensor must be 1-D of an integer dtype")
-            tokens = tokens_or_text.tolist()
         else:
-            tokens = list(tokens_or_text)
+            tokens = token_list(tokens_or_text)
         if not tokens:
             raise InvalidTokenError("nothing to append: empty token list")
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise InvalidTokenError(f"token id {t!r} is not an int in [0, {self.vocab_size})")
+        self._ids(tokens)
         if len(tokens) > room:
             raise SequenceTooLongError(
                 f"{len(tokens)} tokens do not fit: the session holds {self.max_seq - room} of max_seq={self.max_seq}"
             )
         return tokens
+
+
+def check_text(text: object) -> str:
+    """`text` if it is a str the tokenizer can take (valid Unicode: no lone surrogate); else InvalidTokenError."""
+    if not isinstance(text, str):
+        raise InvalidTokenError(f"text must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidTokenError(f"text is not valid Unicode: {e.reason} at index {e.start} "
+                                f"({text[e.start:e.end]!r}); lone surrogates cannot be tokenized") from None
+    return text
+
+
+def token_list(value: object) -> list:
+    """The elements of a list, a tuple or a 1-D integer tensor, in order (checked as ids by the caller);
+    InvalidTokenError for any other type."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise InvalidTokenError(f"a token tensor must be 1-D of an integer dtype, got {value.dim()}-D {value.dtype}")
+        return value.tolist()
+    raise InvalidTokenError(
+        f"tokens must be text (str), a list or tuple of ints, or a 1-D integer tensor; got {type(value).__name__}"
+        + (" (decode bytes to text first)" if isinstance(value, (bytes, bytearray, memoryview)) else ""))

@@ -4,7 +4,7 @@ The writer (a subprocess) puts capsules into a CapsuleStore's disk tier, one aft
 parent kills it with SIGKILL after a seeded random delay, over several rounds, restarting it with the
 next names each time. After every kill a fresh store loads the directory: every capsule that loads is
 byte-identical to what the writer meant to save, every temp file left by an interrupted write is
-skipped with a warning naming it, and nothing raises. Kill points are seeded: each round picks a
+removed with a warning naming it and its dead writer, and nothing raises. Kill points are seeded: each round picks a
 capsule among the next five and a delay after that capsule's write begins (0 every other round, so
 some kills surely land inside a write; 1-12 ms otherwise, which lands anywhere: inside the write,
 in the directory fsync, while building the next capsule's tensors).
@@ -52,13 +52,20 @@ WRITER_SRC = MAKE_SRC + textwrap.dedent("""
     import sys
     from capsulert.capsule_store.store import CapsuleStore
 
-    directory, start, n, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    store = CapsuleStore(device="cpu", fingerprint=%r, layout_version=%r, disk_dir=directory)
+    directory, start, n, seed, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     made = [make(i, seed) for i in range(start, min(start + 1, n))]  # warm the code paths
+    # "put": each capsule is put into the disk tier (a synchronous write); "cascade": into a gpu tier one
+    # capsule wide with host disabled, so each put pushes the previous capsule down to disk, written by
+    # the store's background writer
+    budgets = {"gpu": made[0][0].nbytes, "host": 0} if mode == "cascade" else None
+    store = CapsuleStore(device="cpu", fingerprint=%r, layout_version=%r, disk_dir=directory, budgets=budgets)
     print("ready", flush=True)
     for i in range(start, n):
         meta, t = make(i, seed)
-        store.put(meta, t, tier="disk")
+        store.put(meta, t, tier="disk" if mode == "put" else "gpu")
+    if mode == "cascade":
+        store.demote(f"cap-{n - 1:03d}", "disk", "crash")
+        store.flush()
 """ % (FP, LAYOUT))
 
 _ns = {}
@@ -70,9 +77,9 @@ def bits(t):
     return t.contiguous().view(torch.uint8)
 
 
-def start_writer(directory, start):
-    proc = subprocess.Popen([sys.executable, "-c", WRITER_SRC, str(directory), str(start), str(N_CAPSULES),
-                             str(SEED)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+def start_writer(directory, start, n=N_CAPSULES, mode="put"):
+    proc = subprocess.Popen([sys.executable, "-c", WRITER_SRC, str(directory), str(start), str(n), str(SEED), mode],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     assert line.strip() == "ready", f"writer did not start: {line!r}"
     return proc
@@ -102,9 +109,11 @@ def load_and_check(directory, caplog):
     with caplog.at_level(logging.WARNING, logger="capsulert.capsule_store.disk"):
         n = store.load(directory)  # must not raise
     warned = {r.getMessage() for r in caplog.records if r.levelno == logging.WARNING}
-    for name in partial:
-        assert any(name in msg for msg in warned), f"partial file {name} was skipped without a warning"
+    for name in partial:  # its writer was SIGKILLed: the temp file is garbage, removed and said so
+        assert any(name in msg and "removed" in msg and "is gone" in msg for msg in warned), \
+            f"partial file {name} was not removed with a warning"
     assert len(warned) == len(partial)
+    assert partial_files(directory) == set()
     infos = store.list()
     assert len(infos) == n == len(list_capsule_files(directory))
     # writes are sequential, so the complete capsules are exactly cap-000 .. cap-(n-1)
@@ -120,19 +129,21 @@ def load_and_check(directory, caplog):
     return n
 
 
-def test_sigkill_during_saves(tmp_path, caplog):
+@pytest.mark.parametrize("mode,n,rounds", [("put", N_CAPSULES, ROUNDS), ("cascade", 24, 6)])
+def test_sigkill_during_saves(tmp_path, caplog, mode, n, rounds):
+    """mode "cascade" (issue 15 item 9): the background writes of a budget cascade are as crash-safe."""
     rng = random.Random(SEED)
     directory = tmp_path / "capsules"
     directory.mkdir()
     mid_write_kills, done, log = 0, 0, []
-    for rnd in range(ROUNDS):
-        if done >= N_CAPSULES:
+    for rnd in range(rounds):
+        if done >= n:
             break
         before = partial_files(directory)
-        proc = start_writer(directory, done)
+        proc = start_writer(directory, done, n, mode)
         # a seeded kill point: once the write of capsule done+j has begun, wait `delay` more; every
         # other round kills at once (delay 0), so some kills surely land inside a write
-        target = min(done + rng.randrange(5), N_CAPSULES - 1)
+        target = min(done + rng.randrange(5), n - 1)
         delay = rng.uniform(0.001, 0.012) if rnd % 2 == 0 else 0.0
         wait_for_write(directory, target, proc, before)
         time.sleep(delay)
@@ -144,13 +155,13 @@ def test_sigkill_during_saves(tmp_path, caplog):
         mid_write_kills += hit  # the kill landed between the temp file's creation and its rename
         prev, done = done, load_and_check(directory, caplog)
         log.append(f"round {rnd}: +{done - prev} saved, {'killed mid-write' if hit else 'killed between writes'}")
-    # the last writer runs to the end: all 50 saved and loadable next to the leftover partial files
-    proc = start_writer(directory, done)
+    # the last writer runs to the end: all n saved and loadable, no partial file left
+    proc = start_writer(directory, done, n, mode)
     assert proc.wait(timeout=60) == 0
     proc.stdout.close()
-    assert load_and_check(directory, caplog) == N_CAPSULES
-    assert mid_write_kills >= 3, "almost no kill landed inside a write; the test has no teeth"
-    assert len(partial_files(directory)) == mid_write_kills
+    assert load_and_check(directory, caplog) == n
+    assert mid_write_kills >= rounds // 3, "almost no kill landed inside a write; the test has no teeth"
+    assert partial_files(directory) == set()
     print("\n".join(log + [f"{mid_write_kills}/{len(log)} kills landed mid-write"]))
 
 

@@ -6,6 +6,7 @@ import torch
 
 from capsulert.capsule_store import CapsuleMeta, CapsuleStore, tensor_nbytes
 from capsulert.capsule_store.capsule import capsule_file_name
+from capsulert.capsule_store.owner import LOCK_NAME
 from capsulert.errors import (BudgetExceededError, CapsuleInUseError, ConfigError, CorruptCapsuleError,
                               DuplicateCapsuleError, IncompatibleCapsuleError, InvalidCapsuleNameError,
                               UnknownCapsuleError)
@@ -141,7 +142,8 @@ def test_budget_cascade_to_drop(tmp_path):
     assert tiers(s) == {"c6": "gpu", "c5": "gpu", "c4": "host", "c3": "host", "c2": "disk", "c1": "disk"}
     st = s.stats()
     assert st["evictions"] == 1 and st["demotions"] == 5 + 3 and st["disk"]["bytes"] == 2 * NB
-    assert {p.name for p in tmp_path.iterdir()} == {capsule_file_name("default", n) for n in ("c1", "c2")}
+    s.flush()  # the cascade wrote c1 and c2 in the background
+    assert {p.name for p in tmp_path.iterdir()} == {capsule_file_name("default", n) for n in ("c1", "c2")} | {LOCK_NAME}
     for n in ("c1", "c4", "c2"):  # promotions from disk and host cascade others down; bytes stay exact
         assert exact(s.get(n)[1], data[n])
         assert tiers(s)[n] == "gpu"
@@ -336,7 +338,8 @@ def test_concurrent_put_get_delete(tmp_path):
         th.join()
     assert not errors, errors
     check()
-    on_disk = {p.name for p in tmp_path.iterdir()}
+    s.flush()
+    on_disk = {p.name for p in tmp_path.iterdir()} - {LOCK_NAME}
     assert on_disk == {capsule_file_name(i.namespace, i.name) for i in s.list() if i.tier == "disk"}
 
 

@@ -36,6 +36,16 @@ async def test_bad_input_is_refused_with_typed_errors_and_changes_nothing(orch):
         (InvalidRequestError, s.generate(2, {"temperature": -1.0})),
         (InvalidRequestError, s.generate(2, {"temprature": 1.0})),
         (InvalidTokenError, s.append(3.5)),
+        (InvalidTokenError, s.append(None)),  # issue 15 items 4 and 5: not token sequences,
+        (InvalidTokenError, s.append(5)),
+        (InvalidTokenError, s.append(object())),
+        (InvalidTokenError, s.append(b"hello")),
+        (InvalidTokenError, s.append({1: 2, 3: 4})),  # a dict's keys ...
+        (InvalidTokenError, s.append({5, 6, 7})),  # ... and a set's arbitrary order were taken
+        (InvalidTokenError, s.append("\ud800")),  # a lone surrogate: a RayTaskError(TypeError) before
+        (InvalidTokenError, s.append_generate("ok \udfff", 2)),
+        (InvalidTokenError, orch.open("\ud800")),
+        (InvalidTokenError, orch.restore_append_generate("edge-c0", {1, 2}, 2)),
         (InvalidTokenError, s.append([1, "a"])),
         (InvalidTokenError, s.append([])),
         (InvalidTokenError, s.append("")),

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 BASE = "Race number {k}: the capsule of this prompt must never be seen half written. "
 PROMPTS = [BASE.format(k=k) * (1 if k % 3 else 4) for k in range(6)]  # 1 in 3 is past the 128-token grid
 SUFFIX, N = " go", 4
-GPU_BUDGET, HOST_BUDGET = 1_600_000, 1_000_000  # about 2-3 capsules each: constant demotion to disk
+GPU_BUDGET, HOST_BUDGET = 3_000_000, 2_000_000  # about 2-3 capsules each (0.5-1.3 MB): constant demotion to disk
 TASKS, OPS = 24, 10
 ALLOWED = {
     "snapshot": (DuplicateCapsuleError,),

@@ -13,6 +13,8 @@ import capsulert.worker.default_model as dm
 from capsulert.config import ModelConfig
 from capsulert.worker.loader import load_checkpoint, load_tokenizer, weights_fingerprint
 
+pytestmark = pytest.mark.usefixtures("hf_on_cpu")  # HF runs its torch path on the CPU
+
 P = 384  # prefix length for the recurrent-state test
 N_EVAL = 768  # tokens of corpus text for the margin test
 

@@ -150,7 +150,7 @@ def test_refusals_are_typed_and_leave_engine_usable(engine, text, tmp_path):
 def test_random_weights_engine_is_deterministic():
     from capsulert.worker.default_model import REPO_ROOT
 
-    cfg = dict(model=f"random:{REPO_ROOT / 'configs/models/test_a.yaml'}", device="cpu", slots=2, max_seq=256, prefill_chunk=64)
+    cfg = dict(model=f"random:{REPO_ROOT / 'capsulert/configs/models/test_a.yaml'}", device="cpu", slots=2, max_seq=256, prefill_chunk=64)
     a, b = Engine.from_config(cfg), Engine.from_config(cfg)
     assert a.fingerprint == b.fingerprint and a.fingerprint.startswith("random-")
     sa, sb = a.open(), b.open()

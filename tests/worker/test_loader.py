@@ -13,7 +13,7 @@ from capsulert.config import ModelConfig
 from capsulert.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from capsulert.worker.loader import expected_shapes, load_checkpoint, load_tokenizer, weights_fingerprint
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
+CONFIGS = Path(__file__).resolve().parents[2] / "capsulert" / "configs" / "models"
 TEST_CONFIGS = ["test_a", "test_b", "test_c"]
 
 

@@ -10,11 +10,13 @@ from capsulert.config import ModelConfig
 from capsulert.worker.default_model import REPO_ROOT, init_weights
 from capsulert.worker.engine import Engine
 
+pytestmark = pytest.mark.usefixtures("hf_on_cpu")  # HF runs its torch path on the CPU
+
 CONFIGS = ["test_a", "test_b", "test_c"]
 
 
 def hf_model(name):
-    cfg = ModelConfig.from_file(REPO_ROOT / "configs" / "models" / f"{name}.yaml")
+    cfg = ModelConfig.from_file(REPO_ROOT / "capsulert" / "configs" / "models" / f"{name}.yaml")
     hf_cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
     model = transformers.Qwen3_5ForCausalLM(hf_cfg).eval()
     weights = init_weights(cfg, seed=11)

@@ -1,0 +1,108 @@
+"""DiskWriter: writes the capsule files of budget-cascade demotions on a background thread.
+
+Why: a put or a promotion that pushes other capsules down to disk used to write and fsync their files
+before returning, in the caller's latency path. Now the store books the move at once (the capsule is
+in the disk tier, counted in its budget) and queues the write here; the caller goes on.
+
+Crash safety is unchanged: the file is staged (temp file, fsync) and renamed, so a crash leaves either
+the complete file or none. Until the file is durable (renamed and the directory fsynced) the store keeps
+the capsule's source bytes and serves reads from them, so the capsule is readable throughout; those bytes
+are only then dropped. A crash before that loses the capsule exactly as a crash just before the demotion
+would have (it was only in memory then, too).
+
+The store decides, under its own lock, whether a job is still wanted (a capsule deleted, promoted or
+dropped meanwhile cancels its write) and whether to rename; this class only runs the jobs. Its thread
+starts on demand and exits when the queue is empty, so an idle store holds no thread.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from capsulert.capsule_store.capsule import CapsuleMeta
+from capsulert.capsule_store.disk import StagedWrite, fsync_dir, stage_capsule
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: a job is identified by the object (the store compares with `is`)
+class DiskJob:
+    key: tuple[str, str]
+    meta: CapsuleMeta
+    tensors: Mapping[str, torch.Tensor]  # the source bytes (owned by the store, never written to)
+    event: Any  # CUDA event the source bytes are complete after (None on CPU)
+    directory: Path
+
+
+@dataclass(frozen=True)
+class WriterHooks:
+    """The store's side of a job, each called without the writer's lock held."""
+
+    wanted: Callable[[DiskJob], bool]  # still needed? (checked before the write, to skip cancelled ones)
+    staged: Callable[[DiskJob, StagedWrite], bool]  # rename it if still wanted; False: it was discarded
+    durable: Callable[[DiskJob, StagedWrite], None]  # renamed and the directory fsynced
+    failed: Callable[[DiskJob, BaseException], None]
+
+
+class DiskWriter:
+    def __init__(self, hooks: WriterHooks):
+        self._hooks = hooks
+        self._cv = threading.Condition()
+        self._queue: deque[DiskJob] = deque()
+        self._unfinished = 0  # queued + running
+        self._thread: threading.Thread | None = None
+
+    @property
+    def pending(self) -> int:
+        with self._cv:
+            return self._unfinished
+
+    def submit(self, job: DiskJob) -> None:
+        with self._cv:
+            self._queue.append(job)
+            self._unfinished += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="capsulert-disk-writer", daemon=True)
+                self._thread.start()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job has finished; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._unfinished == 0, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if not self._queue:
+                    self._thread = None
+                    return
+                job = self._queue.popleft()
+            try:
+                self._one(job)
+            except BaseException as e:  # never lose the accounting of a job, whatever broke
+                log.exception("disk writer: unexpected error writing capsule %s/%s", *job.key)
+                self._hooks.failed(job, e)
+            finally:
+                with self._cv:
+                    self._unfinished -= 1
+                    self._cv.notify_all()
+
+    def _one(self, job: DiskJob) -> None:
+        if not self._hooks.wanted(job):
+            return
+        if job.event is not None:
+            job.event.synchronize()
+        try:
+            staged = stage_capsule(job.directory, job.meta, job.tensors)
+        except Exception as e:
+            self._hooks.failed(job, e)
+            return
+        if self._hooks.staged(job, staged):
+            fsync_dir(staged.final.parent)
+            self._hooks.durable(job, staged)

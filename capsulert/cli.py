@@ -1,0 +1,186 @@
+"""The `capsulert` command line.
+
+    capsulert demo [ARGS...]                              the main job on the embedded default model
+    capsulert capsules ls DIR [--namespace NS] [--json]   list the capsule files in DIR (headers only)
+    capsulert capsules rm DIR NAME [--namespace NS]       delete one capsule file
+    capsulert bench [NAME [ARGS...]]                      run bench/NAME.py (from a repository checkout)
+
+`demo` and `bench` pass ARGS through untouched (`capsulert demo --help` shows the demo's own options).
+Exit status: 0 on success, 1 when capsulert refuses (a typed error from capsulert.errors, printed as one
+line, never a traceback), 2 on a usage error. Heavy imports (torch) wait until a command needs them, so
+`capsulert --help` answers at once.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from capsulert.errors import CapsuleRTError, InvalidRequestError
+
+PROG = "capsulert"
+PASSTHROUGH = ("demo", "bench")  # commands whose remaining arguments belong to the script they run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description="capsulert: a latency-first session runtime for hybrid LLMs.",
+                                 epilog="commands:\n" + __doc__.split("\n\n")[1] if __doc__ else None)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # add_help=False: `--help` after these commands is passed to the script they run
+    sub.add_parser("demo", add_help=False, help="run the demo (the main job) on the embedded default model")
+    bench = sub.add_parser("bench", add_help=False, help="run a benchmark of bench/ (repository checkout only)")
+    bench.add_argument("name", nargs="?", help="benchmark to run; without it, list them")
+
+    caps = sub.add_parser("capsules", help="inspect or delete disk capsules without starting an engine")
+    verbs = caps.add_subparsers(dest="verb", required=True, metavar="VERB")
+    ls = verbs.add_parser("ls", help="list the capsules in a directory of capsule files")
+    ls.add_argument("dir", type=Path, help="a disk_dir, a store.save() directory or a worker's pinned/")
+    ls.add_argument("--namespace", help="only this namespace (default: all)")
+    ls.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    rm = verbs.add_parser("rm", help="delete one capsule file (not from the disk_dir of a running engine)")
+    rm.add_argument("dir", type=Path)
+    rm.add_argument("name", help="capsule name (a name, never a path)")
+    rm.add_argument("--namespace", default="default", help="namespace of the capsule (default: %(default)s)")
+    rm.add_argument("--force", action="store_true",
+                    help="delete the capsule's file even if its header does not verify (a damaged file)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    if rest and args.command not in PASSTHROUGH:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        if args.command == "demo":
+            return _demo(rest)
+        if args.command == "bench":
+            return _bench(args.name, rest)
+        if args.verb == "ls":
+            return _ls(args.dir, args.namespace, args.json)
+        return _rm(args.dir, args.name, args.namespace, args.force)
+    except CapsuleRTError as e:
+        print(f"{PROG}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+# ---------------------------------------------------------------------------------------------- demo
+@contextmanager
+def _prog_name(name: str) -> Iterator[None]:
+    """argparse names a program after sys.argv[0]; make the demo's usage read `capsulert demo`."""
+    saved = sys.argv[0] if sys.argv else ""
+    if not sys.argv:
+        sys.argv.append(saved)
+    sys.argv[0] = name
+    try:
+        yield
+    finally:
+        sys.argv[0] = saved
+
+
+def _demo(args: list[str]) -> int:
+    from capsulert import demo
+
+    with _prog_name(f"{PROG} demo"):
+        return demo.main(args)
+
+
+# -------------------------------------------------------------------------------------------- capsules
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _ls(directory: Path, namespace: str | None, as_json: bool) -> int:
+    from capsulert.capsule_store.inspect import scan
+
+    found, skipped = scan(directory, namespace)
+    if as_json:
+        print(json.dumps({"directory": str(directory), "capsules": [c.to_dict() for c in found],
+                          "skipped": [{"file": s.path.name, "reason": s.reason, "partial": s.partial}
+                                      for s in skipped]}, indent=2))
+    elif found:
+        rows = [("NAMESPACE", "NAME", "TOKENS", "TIER", "SIZE", "CREATED", "MODEL FINGERPRINT")]
+        rows += [(c.namespace, c.name, str(c.tokens), c.tier, _size(c.file_bytes),
+                  time.strftime("%Y-%m-%d %H:%M", time.localtime(c.created_at)), c.fingerprint) for c in found]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        for r in rows:
+            print("  ".join(v.rjust(w) if i == 2 else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
+                  + "  " + r[-1])
+    else:
+        print(f"no capsules in {directory}" + (f" in namespace {namespace!r}" if namespace else ""))
+    for s in skipped:
+        print(f"{PROG}: skipped {s.path.name}: {s.reason}", file=sys.stderr)
+    # temp files are writes in progress or routine leftovers of a crash; a file that fails to verify is not
+    return 1 if any(not s.partial for s in skipped) else 0
+
+
+def _rm(directory: Path, name: str, namespace: str, force: bool) -> int:
+    from capsulert.capsule_store.inspect import delete
+    from capsulert.errors import CorruptCapsuleError
+
+    try:
+        path = delete(directory, name, namespace, force=force)
+    except CorruptCapsuleError as e:
+        raise CorruptCapsuleError(f"{e}; nothing deleted (--force deletes the damaged file)") from None
+    print(f"deleted capsule {namespace}/{name} ({path.name}) from {directory}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- bench
+def find_checkout() -> Path | None:
+    """The repository checkout whose bench/ to run: the one this package runs from (an editable install,
+    or `python -m` inside it), else the current directory or one above it."""
+    for root in (Path(__file__).resolve().parents[1], Path.cwd(), *Path.cwd().parents):
+        if (root / "bench").is_dir() and (root / "capsulert" / "__init__.py").is_file() \
+                and (root / "pyproject.toml").is_file():
+            return root
+    return None
+
+
+def benchmarks(root: Path) -> dict[str, Path]:
+    """bench/*.py scripts by name; helper modules (common.py) are not scripts: no __main__ guard."""
+    return {p.stem: p for p in sorted((root / "bench").glob("*.py"))
+            if '__name__ == "__main__"' in p.read_text(encoding="utf-8")}
+
+
+def _summary(path: Path, width: int = 90) -> str:
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    line = " ".join(doc.split("\n\n")[0].split())
+    return line if len(line) <= width else line[:width - 3].rstrip() + "..."
+
+
+
+def _bench(name: str | None, args: list[str]) -> int:
+    root = find_checkout()
+    if root is None:
+        raise InvalidRequestError(
+            "`capsulert bench` runs the scripts in bench/ of a capsulert repository checkout, which an "
+            "installed package does not ship; run it inside a checkout (or from an editable install)")
+    scripts = benchmarks(root)
+    if name is None:
+        print(f"usage: {PROG} bench NAME [ARGS...]   (NAME --help shows a benchmark's options)\n\n"
+              f"benchmarks in {root / 'bench'}:")
+        for n, p in scripts.items():
+            print(f"  {n:<16}{_summary(p)}")
+        return 0
+    if name not in scripts:  # also keeps NAME from being a path
+        raise InvalidRequestError(f"unknown benchmark {name!r}; benchmarks: {', '.join(scripts)}")
+    try:
+        return subprocess.call([sys.executable, str(scripts[name]), *args])
+    except KeyboardInterrupt:  # the script got the same Ctrl-C and stops itself
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
