@@ -7,6 +7,7 @@ the graph of the smallest batch bucket >= b, padding rows pointing at the scratc
 """
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from dataclasses import dataclass
@@ -80,15 +81,26 @@ class GraphPlans:
             for key in keys:  # warm up every shape (allocator, Triton autotune) before capture
                 self._run(key)
         torch.cuda.current_stream().wait_stream(side)
-        for i, key in enumerate(keys):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self._run(key)
-            self.pool = g.pool()
-            self.graphs[key] = g
-            if progress:
-                print(f"\rcapturing CUDA graphs {i + 1}/{len(keys)} ({key.phase} b={key.batch} t={key.tokens})",
-                      end="", file=sys.stderr, flush=True)
+        # A dead engine still in a reference cycle is freed by the cyclic garbage collector whenever it runs;
+        # if that happens mid-capture, destroying its CUDA graphs and freeing its blocks invalidates the
+        # capture ("operation failed due to a previous error during capture"). torch no longer collects on
+        # entering a capture, so collect now and keep the collector off until every graph is captured.
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for i, key in enumerate(keys):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self._run(key)
+                self.pool = g.pool()
+                self.graphs[key] = g
+                if progress:
+                    print(f"\rcapturing CUDA graphs {i + 1}/{len(keys)} ({key.phase} b={key.batch} t={key.tokens})",
+                          end="", file=sys.stderr, flush=True)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         torch.cuda.synchronize()
         for n, b in saved.items():
             self.state.buffers[n].copy_(b)
