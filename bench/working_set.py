@@ -186,6 +186,7 @@ def run_trace(args, lib: Library, max_seq: int, policy: str, tiers: str, n: int,
             s.generate(GEN)
             s.close()
         after = store.stats()
+        eng.close()  # background disk writes finish before the directory goes
     d = {k: after[k] - before[k] for k in ("hits", "misses", "promotions", "demotions", "evictions")}
     assert d["hits"] == served["gpu"] and d["misses"] == served["host"] + served["disk"], (d, served)
     visits = len(order)

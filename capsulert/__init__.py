@@ -32,7 +32,10 @@ _EXPORTS: dict[str, str] = {
     "OrchestratorConfig": "capsulert.orchestrator.config",
     "Namespace": "capsulert.orchestrator.namespace",
     "RemoteSession": "capsulert.orchestrator.session",
-    "GenerateResult": "capsulert.orchestrator.session",
+    "GenerateResult": "capsulert.worker.verbs",
+    "TokenEvent": "capsulert.worker.verbs",
+    "FinalEvent": "capsulert.worker.verbs",
+    "AsyncEngine": "capsulert.worker.async_engine",
     "best_of_n": "capsulert.orchestrator.schedulers",
     "tree_search": "capsulert.orchestrator.schedulers",
     "Candidate": "capsulert.orchestrator.schedulers",
@@ -78,7 +81,9 @@ if TYPE_CHECKING:  # static view of the lazy names for type checkers and IDEs (p
     from capsulert.orchestrator.namespace import Namespace
     from capsulert.orchestrator.orchestrator import Orchestrator
     from capsulert.orchestrator.schedulers import Candidate, Node, Thought, best_of_n, tree_search
-    from capsulert.orchestrator.session import GenerateResult, RemoteSession
+    from capsulert.orchestrator.session import RemoteSession
+    from capsulert.worker.async_engine import AsyncEngine
+    from capsulert.worker.verbs import FinalEvent, GenerateResult, TokenEvent
     from capsulert.worker.engine import Engine
     from capsulert.worker.engine_config import EngineConfig, TierBudgets
     from capsulert.worker.sampler import SamplingParams

@@ -31,6 +31,10 @@ class SessionClosedError(CapsuleRTError):
     """The session was closed; its slot may already belong to another session."""
 
 
+class QueueFullError(CapsuleRTError):
+    """The worker's request queue is at its bound; retry later."""
+
+
 class NoFreeSlotError(CapsuleRTError):
     """Every slot of the state set holds an open session."""
 

@@ -21,7 +21,7 @@ from capsulert.capsule_store.disk import fsync_dir, stage_capsule
 from capsulert.capsule_store.owner import ensure_directory
 from capsulert.capsule_store.plan import Entry, Plan
 from capsulert.capsule_store.persistence import Persistence
-from capsulert.capsule_store.tiers import RANK, check_budget, pkey
+from capsulert.capsule_store.tiers import RANK, check_budget, pkey, tier_name
 from capsulert.errors import (CapsuleInUseError, DuplicateCapsuleError, IncompatibleCapsuleError,
                               InvalidRequestError)
 from capsulert.policies.base import TIERS, CapsulePolicy
@@ -55,6 +55,7 @@ class CapsuleStore(Persistence):
             pin: bool = False) -> CapsuleRef:
         """Store a copy of `tensors` (never aliases them) as capsule meta.name in `tier`. Into disk the
         write is synchronous: the file is durable when put returns."""
+        tier = tier_name(tier)
         key = (validate_name(meta.namespace, "namespace"), validate_name(meta.name))
         if meta.fingerprint != self.fingerprint or meta.layout_version != self.layout_version:
             raise IncompatibleCapsuleError(
@@ -135,6 +136,7 @@ class CapsuleStore(Persistence):
 
     # -- moves ------------------------------------------------------------------------------------
     def promote(self, name: str, tier: str, namespace: str = "default") -> None:
+        tier = tier_name(tier)
         with self._lock:
             key, e = self._lookup(name, namespace)
             self._require_usable(tier)
@@ -146,6 +148,7 @@ class CapsuleStore(Persistence):
     def prefetch(self, name: str, tier: str = "gpu", namespace: str = "default") -> None:
         """Start promoting toward `tier`; returns once queued (CUDA) or done (CPU). The bookkeeping moves at
         once, so a second prefetch while the copy is in flight finds it there and copies nothing."""
+        tier = tier_name(tier)
         with self._lock:
             key, e = self._lookup(name, namespace)
             self._require_usable(tier)
@@ -155,6 +158,7 @@ class CapsuleStore(Persistence):
     def demote(self, name: str, tier: str | None = None, namespace: str = "default") -> None:
         """Move to a slower tier (None: the next usable slower one), making room there per policy. Into
         disk the write is synchronous: the file is durable when demote returns."""
+        tier = tier_name(tier)
         with self._lock:
             key, e = self._lookup(name, namespace)
             if tier is None:
@@ -204,6 +208,7 @@ class CapsuleStore(Persistence):
 
     def set_budget(self, tier: str, nbytes: int | None) -> None:
         """Change a tier's budget; shrinking moves capsules out at once (or refuses, changing nothing)."""
+        tier = tier_name(tier)
         check_budget(tier, nbytes)
         with self._lock:
             old, self._budgets[tier] = self._budgets[tier], nbytes

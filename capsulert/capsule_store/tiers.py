@@ -47,6 +47,15 @@ def _resolve_policy(policy: str | CapsulePolicy) -> CapsulePolicy:
     return make_policy(policy)
 
 
+# "device" names the engine device's own memory (GPU memory on CUDA, CPU memory on a CPU engine); "gpu",
+# its older name, is how the store keys it internally
+TIER_ALIASES = {"device": "gpu"}
+
+
+def tier_name(tier: str) -> str:
+    return TIER_ALIASES.get(tier, tier) if isinstance(tier, str) else tier
+
+
 def check_budget(tier: str, nbytes: int | None) -> None:
     if tier not in TIERS:
         raise ConfigError(f"unknown tier {tier!r}; tiers are {TIERS}")

@@ -16,8 +16,10 @@ starts on demand and exits when the queue is empty, so an idle store holds no th
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,21 @@ class WriterHooks:
     failed: Callable[[DiskJob, BaseException], None]
 
 
+# Writers with work in flight when the interpreter exits. A daemon thread still inside torch or a file
+# write at interpreter shutdown aborts the process ("terminate called without an active exception") and
+# loses the queued capsules; a clean exit drains the queue first.
+_live_writers: "weakref.WeakSet[DiskWriter]" = weakref.WeakSet()
+EXIT_DRAIN_S = 120.0
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    for writer in list(_live_writers):
+        if not writer.wait_idle(EXIT_DRAIN_S):
+            log.warning("exiting with %d capsule write(s) unfinished after %.0f s", writer.pending, EXIT_DRAIN_S)
+        writer.join_idle_thread()
+
+
 class DiskWriter:
     def __init__(self, hooks: WriterHooks):
         self._hooks = hooks
@@ -57,6 +74,8 @@ class DiskWriter:
         self._queue: deque[DiskJob] = deque()
         self._unfinished = 0  # queued + running
         self._thread: threading.Thread | None = None
+        self._exiting: threading.Thread | None = None  # the last thread, possibly still returning
+        _live_writers.add(self)
 
     @property
     def pending(self) -> int:
@@ -76,11 +95,21 @@ class DiskWriter:
         with self._cv:
             return self._cv.wait_for(lambda: self._unfinished == 0, timeout)
 
+    def join_idle_thread(self, timeout: float = 5.0) -> None:
+        """Wait for an idle writer's thread to have returned (it may still be leaving its loop after the
+        last job): a thread still inside torch when the interpreter finalizes aborts the process."""
+        with self._cv:
+            threads = [t for t in (self._thread, self._exiting) if t is not None]
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(timeout)
+
     def _run(self) -> None:
         while True:
             with self._cv:
                 if not self._queue:
                     self._thread = None
+                    self._exiting = threading.current_thread()
                     return
                 job = self._queue.popleft()
             try:

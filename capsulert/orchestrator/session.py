@@ -14,11 +14,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
-from capsulert.errors import SessionClosedError, WorkerLost
+from ray.exceptions import RayTaskError
+
+from capsulert.errors import CapsuleRTError, SessionClosedError, WorkerLost
 from capsulert.orchestrator.config import int_arg, name_arg, sampling_arg, tier_arg, tokens_arg
+from capsulert.worker.sampler import SamplingParams
+from capsulert.worker.verbs import FinalEvent, Generate, GenerateResult, TokenEvent
 
 if TYPE_CHECKING:
     from capsulert.orchestrator.namespace import Namespace
@@ -26,11 +29,9 @@ if TYPE_CHECKING:
 _call_ids = itertools.count(random.getrandbits(32) << 16)
 
 
-@dataclass
-class GenerateResult:
-    tokens: list[int]
-    stop_reason: str | None
-    length: int  # session length after the call
+def _sampling(value) -> SamplingParams | None:
+    d = sampling_arg(value)
+    return None if d is None else SamplingParams(**d)
 
 
 class RemoteSession:
@@ -66,9 +67,11 @@ class RemoteSession:
             return None
         return self._take(res)
 
-    def _take(self, res: dict) -> GenerateResult:
-        self.length, self.stop_reason = res["len"], res["stop_reason"]
-        return GenerateResult(res["tokens"], res["stop_reason"], res["len"])
+    def _take(self, res: dict | GenerateResult) -> GenerateResult:
+        if isinstance(res, dict):  # the one-call chained verbs answer a dict
+            res = GenerateResult(res["tokens"], stop_reason=res["stop_reason"], length=res["len"])
+        self.length, self.stop_reason = res.length, res.stop_reason
+        return res
 
     async def _run(self, method: str, *args, timeout: float | None = None, **kwargs):
         self._check()
@@ -83,7 +86,10 @@ class RemoteSession:
             await self._orch._check_worker(self.worker)
             call_id = next(_call_ids)
             handle = self._orch.workers[self.worker].handle
-            ref = getattr(handle, method).remote(self.sid, *args, call_id=call_id, **kwargs)
+            if method == "submit_request":  # a typed request for the worker's step scheduler
+                ref = handle.submit_request.remote(*args, call_id=call_id)
+            else:
+                ref = getattr(handle, method).remote(self.sid, *args, call_id=call_id, **kwargs)
             self._running = (ref, call_id)
             try:
                 res = await self._orch._await(self.worker, ref, method, timeout)
@@ -103,10 +109,40 @@ class RemoteSession:
         self.length = res["len"]
         return res["logits"]
 
-    async def generate(self, max_new_tokens: int, sampling=None, *, timeout: float | None = None) -> list[int]:
-        """Sample up to max_new_tokens (greedy when sampling is None); sets self.stop_reason."""
+    async def generate(self, max_new_tokens: int, sampling=None, *, timeout: float | None = None) -> GenerateResult:
+        """Sample up to max_new_tokens (greedy when sampling is None); sets self.stop_reason. The worker's step
+        scheduler batches this generate with every other session's running on that worker. The result is
+        the list of tokens, with logprobs, text and stop reason."""
         n = int_arg(max_new_tokens, "max_new_tokens", 0)
-        return (await self._gen("generate", n, sampling_arg(sampling), timeout=timeout)).tokens
+        return await self._gen("submit_request", Generate(self.sid, n, _sampling(sampling)), timeout=timeout)
+
+    async def stream(self, max_new_tokens: int, sampling=None) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """Yield a TokenEvent per token as the worker produces it (token, logprob, text delta), then a
+        FinalEvent with the GenerateResult. Closing the iterator (or cancelling its consumer) stops the
+        generate at the next token boundary with the produced tokens committed."""
+        n = int_arg(max_new_tokens, "max_new_tokens", 0)
+        request = Generate(self.sid, n, _sampling(sampling))
+        self._check()
+        async with self._lock:
+            await self._settle()
+            await self._orch._check_worker(self.worker)
+            call_id = next(_call_ids)
+            handle = self._orch.workers[self.worker].handle
+            finished = False
+            try:
+                async for ref in handle.stream_request.remote(request, call_id=call_id):
+                    event = await ref
+                    if isinstance(event, FinalEvent):
+                        finished = True
+                        self._take(event.result)
+                    yield event
+            except RayTaskError as e:
+                if isinstance(e.cause, CapsuleRTError):
+                    raise e.cause from None
+                raise
+            finally:
+                if not finished:
+                    handle.interrupt.remote(self.sid, call_id)  # stops at the next token, tokens committed
 
     async def append_generate(self, tokens_or_text, max_new_tokens: int, sampling=None, *,
                               timeout: float | None = None) -> list[int]:

@@ -10,9 +10,11 @@ written to `persist_dir` and reloaded (pinned) when the worker starts again.
 from __future__ import annotations
 
 import os
+import queue
 import random
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import load as st_load
@@ -21,10 +23,12 @@ from safetensors.torch import save as st_save
 from capsulert.capsule_store import capsule_file_name, read_capsule, tensors_checksum, write_capsule_with_meta
 from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.capsule_store.disk import FILE_SUFFIX
-from capsulert.errors import CapsuleError, CorruptCapsuleError, WorkerLost
+from capsulert.errors import CapsuleError, CorruptCapsuleError, SessionClosedError, WorkerLost
 from capsulert.worker.engine import Engine
 from capsulert.worker.sampler import SamplingParams
+from capsulert.worker.scheduler import Sink, StepScheduler, queue_sink, stream_item
 from capsulert.worker.session import Session
+from capsulert.worker.verbs import FinalEvent, Request, TokenEvent
 from capsulert.worker.state import LAYOUT_VERSION
 
 
@@ -41,12 +45,15 @@ class WorkerCore:
             torch.set_num_threads(torch_threads)
         self.index = worker_index
         self.engine = Engine.from_config(dict(engine_config))
-        self.sessions: dict[int, Session] = {}
+        # the step scheduler batches every generate submitted as a request (submit_request / stream_request)
+        # and owns the session registry; ids never reused by a restarted actor
+        self.scheduler = StepScheduler(self.engine, first_id=random.getrandbits(40) << 20)
+        self._jobs: dict[Any, Any] = {}  # call id -> the scheduler job it names (interrupts)
+        self._early: set = set()  # call ids interrupted before their job was submitted
         # interrupt bookkeeping by id(session): the generate call running on it, and the call an
         # interrupt targets (written from the control group's thread; plain dict ops under the GIL)
         self._running: dict[int, Any] = {}
         self._interrupts: dict[int, Any] = {}
-        self._next = random.getrandbits(40) << 20  # ids never reused by a restarted actor
         self.persist_dir = Path(persist_dir) if persist_dir else None
         self.reloaded: list[str] = []
         if self.persist_dir is not None and self.persist_dir.is_dir():
@@ -59,15 +66,13 @@ class WorkerCore:
 
     # ------------------------------------------------------------------ helpers
     def _adopt(self, s: Session) -> int:
-        sid, self._next = self._next, self._next + 1
-        self.sessions[sid] = s
-        return sid
+        return self.scheduler.adopt(s)
 
     def _get(self, sid: int) -> Session:
-        s = self.sessions.get(sid)
-        if s is None:
-            raise WorkerLost(f"session {sid} is not on worker {self.index} (the worker restarted, or it was closed)")
-        return s
+        try:
+            return self.scheduler.session(sid)
+        except SessionClosedError:
+            raise WorkerLost(f"session {sid} is not on worker {self.index} (the worker restarted, or it was closed)") from None
 
     def _logits(self, s: Session, want: bool):
         return s.logits().numpy().copy() if want else None
@@ -228,7 +233,7 @@ class WorkerCore:
                 "boundary": ref.boundary, "pinned": bool(pin), "worker": self.index, "pid": os.getpid()}
 
     def close(self, sid: int) -> None:
-        s = self.sessions.pop(sid, None)
+        s = self.scheduler.release(sid)
         if s is not None:
             self._interrupts.pop(id(s), None)
             s.close()
@@ -246,6 +251,58 @@ class WorkerCore:
 
     def demote(self, name: str, tier: str | None = None, namespace: str = "default") -> None:
         self.engine.store.demote(name, tier, namespace)
+
+    # ------------------------------------------------------------------ requests (step scheduler)
+    def submit_request(self, request: Request, call_id=None) -> Any:
+        """Run one typed request through the step scheduler (batched with every other request's decode);
+        blocks this call's thread until it is done."""
+        self._check_session(request)
+        done, box = threading.Event(), {}
+        sink = Sink(done=lambda v: (box.__setitem__("value", v), done.set()),
+                    error=lambda e: (box.__setitem__("error", e), done.set()))
+        self._track(call_id, self.scheduler.submit(request, sink))
+        try:
+            done.wait()
+        finally:
+            self._untrack(call_id)
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def stream_request(self, request: Request, call_id=None) -> Iterator[TokenEvent | FinalEvent]:
+        """TokenEvents as the scheduler produces them, then a FinalEvent. A consumer that goes away (or an
+        interrupt) stops the generate at the next token boundary."""
+        self._check_session(request)
+        events: queue.Queue = queue.Queue()
+        job = self.scheduler.submit(request, queue_sink(events.put))
+        self._track(call_id, job)
+        finished = False
+        try:
+            while not finished:
+                item = events.get()
+                finished = item[0] != "event"
+                yield stream_item(item)
+        finally:
+            if not finished:
+                self.scheduler.cancel(job)
+            self._untrack(call_id)
+
+    def _check_session(self, request: Request) -> None:
+        sid = getattr(request, "session", None)
+        if sid is not None:
+            self._get(sid)  # a session this worker does not hold died with an earlier process: WorkerLost
+
+    def _track(self, call_id, job) -> None:
+        if call_id is None:
+            return
+        self._jobs[call_id] = job
+        if call_id in self._early:  # the interrupt overtook the call
+            self._early.discard(call_id)
+            self.scheduler.cancel(job)
+
+    def _untrack(self, call_id) -> None:
+        if call_id is not None:
+            self._jobs.pop(call_id, None)
 
     # ------------------------------------------------------------------ migration
     @staticmethod
@@ -297,8 +354,15 @@ class WorkerCore:
         return {"worker": self.index, "pid": os.getpid(), "reloaded": list(self.reloaded)}
 
     def interrupt(self, sid: int, call_id=None) -> bool:
-        s = self.sessions.get(sid)
-        if s is None:
+        if call_id is not None:
+            job = self._jobs.get(call_id)
+            if job is not None:
+                self.scheduler.cancel(job)
+            else:
+                self._early.add(call_id)
+        try:
+            s = self.scheduler.session(sid)
+        except SessionClosedError:
             return False
         target = call_id if call_id is not None else self._running.get(id(s))
         if target is not None:
@@ -316,7 +380,7 @@ class WorkerCore:
 
     def stats(self) -> dict:
         return {"worker": self.index, "free_slots": self.engine.free_slots, "slots": self.engine.config.slots,
-                "sessions": len(self.sessions), "capsules": len(self.engine.store.list()),
+                "sessions": self.scheduler.session_count, "queued": self.scheduler.queued, "decode_steps": self.scheduler.steps, "capsules": len(self.engine.store.list()),
                 "store": self.engine.store.stats()}
 
     def tokenize(self, text: str) -> list[int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -27,10 +26,13 @@ from capsulert.errors import (
 )
 from capsulert.worker.engine_config import EngineConfig
 from capsulert.worker.model import HybridModel, pad_rows
-from capsulert.worker.sampler import GREEDY, RowDraw, SamplingParams, resolve_seed, sample_rows
+from capsulert.worker.decoding import DecodeStream, advance
+from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.session import Session
 from capsulert.worker.state import StateLayout, StateSet
+from capsulert.worker.stops import eos_ids_from_checkpoint
 from capsulert.worker.tokens import TokenCodec
+from capsulert.worker.verbs import GenerateResult
 
 RANDOM_PREFIX = "random:"  # model="random:<architecture yaml>": deterministic random weights on the device
 # sessions per decode step; larger generate calls run several steps per token. On CUDA every dense op of a
@@ -38,18 +40,9 @@ RANDOM_PREFIX = "random:"  # model="random:<architecture yaml>": deterministic r
 MAX_DECODE_BATCH = 64
 
 
-@dataclass
-class Generated:
-    """One session's result of a generate call: sampled tokens, their logprobs under the raw model
-    distribution (log_softmax of the logits), and why it stopped."""
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    stop_reason: str | None = None
-
-
 class Engine:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 tokenizer=None, fingerprint: str = ""):
+                 tokenizer=None, fingerprint: str = "", eos_token_ids: tuple[int, ...] | None = None):
         self.config = config
         self.model_cfg = model_cfg
         self.device = next(iter(weights.values())).device
@@ -61,6 +54,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.codec = TokenCodec(tokenizer, model_cfg.vocab_size, config.max_seq)
         self.fingerprint = fingerprint
+        # generate stops at these unless SamplingParams.ignore_eos (config.json + generation_config.json)
+        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else (
+            () if model_cfg.eos_token_id is None else (model_cfg.eos_token_id,))
         self.chunk = config.prefill_chunk
         # one extra scratch slot absorbs the padding rows of captured graphs; KV keeps a chunk of slack
         # rows because a padded prefill chunk writes (ignored) KV past the last real token
@@ -116,7 +112,8 @@ class Engine:
             path = Path(config.model)
         model_cfg, weights = load_checkpoint(path, dtype=dtype, device=device)
         fingerprint = f"{weights_fingerprint(model_cfg, weights)}:{dtype}".replace("torch.", "")
-        return cls(config, model_cfg, weights, load_tokenizer(path), fingerprint)
+        return cls(config, model_cfg, weights, load_tokenizer(path), fingerprint,
+                   eos_ids_from_checkpoint(path, model_cfg.eos_token_id))
 
     @classmethod
     def _random(cls, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> "Engine":
@@ -130,6 +127,21 @@ class Engine:
         digest = hashlib.sha256(json.dumps(model_cfg.to_hf_dict(), sort_keys=True).encode()).hexdigest()
         fingerprint = f"random-{SEED}-{digest}-{device.type}:{dtype}".replace("torch.", "")
         return cls(config, model_cfg, weights, None, fingerprint)
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Close every session and the capsule store (pending disk writes finish; its disk_dir lock is
+        released, so another engine may take the directory). The engine is unusable afterwards."""
+        with self._lock:
+            for s in list(self._sessions.values()):
+                self.release(s)
+            self.store.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ sessions
     def open(self, wait_s: float | None = None) -> Session:
@@ -240,17 +252,34 @@ class Engine:
     # ------------------------------------------------------------------ decode
     def generate(self, sessions: Sequence[Session], max_new_tokens: int,
                  sampling: Sequence[SamplingParams | None] | None = None,
-                 should_stop: Callable[[Session], bool] | None = None) -> list[list[int]]:
+                 should_stop: Callable[[Session], bool] | None = None) -> list[GenerateResult]:
         """Sample for several sessions together, one batched decode step per token (groups of at most
-        MAX_DECODE_BATCH sessions per step). A session stops at the next token boundary once
-        `session.interrupt()` was called during this generate, or once `should_stop(session)`, asked after
-        every token, returns True. Each session's tokens and logits are bitwise those it gets alone."""
-        return [d.tokens for d in self.generate_detailed(sessions, max_new_tokens, sampling, should_stop)]
+        MAX_DECODE_BATCH sessions per step). Each result is the list of generated tokens, with their
+        logprobs, the text and the stop reason (EOS, stop ids / strings, length, max_seq, interrupted). A session stops at the next
+        token boundary once `session.interrupt()` was called during this generate, or once
+        `should_stop(session)`, asked after every token, returns True. Each session's tokens and logits are
+        bitwise those it gets alone."""
+        sessions, params = self.check_generate(sessions, max_new_tokens, sampling)
+        with self._lock:
+            if len({id(s) for s in sessions}) != len(sessions):
+                raise InvalidRequestError("a session appears twice in one generate call")
+            for s in sessions:
+                self._own(s)
+                if not s.tokens:
+                    raise InvalidRequestError(f"session {s.id} is empty; append a prompt before generating")
+                s._interrupt = False
+                s.stop_reason = None
+            streams = [DecodeStream(self, s, max_new_tokens, p) for s, p in zip(sessions, params)]
 
-    def generate_detailed(self, sessions: Sequence[Session], max_new_tokens: int,
-                          sampling: Sequence[SamplingParams | None] | None = None,
-                          should_stop: Callable[[Session], bool] | None = None) -> list["Generated"]:
-        """generate(), also returning each sampled token's logprob and the stop reason."""
+            def stop(st: DecodeStream) -> bool:
+                return st.session._interrupt or (should_stop is not None and should_stop(st.session))
+            while any(not st.done for st in streams):
+                advance(self, streams, stop)
+            return [st.result for st in streams]
+
+    @staticmethod
+    def check_generate(sessions, max_new_tokens, sampling) -> tuple[list[Session], list[SamplingParams | None]]:
+        """Typed refusals of generate's arguments (before any state changes)."""
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
             raise InvalidRequestError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if isinstance(sessions, Session) or not isinstance(sessions, Sequence):
@@ -267,71 +296,29 @@ class Engine:
         for p in sampling:
             if p is not None and not isinstance(p, SamplingParams):
                 raise InvalidRequestError(f"sampling entries must be SamplingParams or None, got {type(p).__name__}")
-        params = [p or GREEDY for p in sampling]
-        with self._lock:
-            if len({id(s) for s in sessions}) != len(sessions):
-                raise InvalidRequestError("a session appears twice in one generate call")
-            for s in sessions:
-                self._own(s)
-                if not s.tokens:
-                    raise InvalidRequestError(f"session {s.id} is empty; append a prompt before generating")
-                s._interrupt = False
-                s.stop_reason = None
-            seeds = [resolve_seed(p) for p in params]
-            outs = [Generated() for _ in sessions]
-            if max_new_tokens == 0:
-                for s, o in zip(sessions, outs):
-                    s.stop_reason = o.stop_reason = "length"
-                return outs
-            rows = {}  # session index -> its next-token logits row (fp32 [vocab])
-            for group in self._groups(list(range(len(sessions)))):
-                block = self.model.logits(self.state, self._slot_ids([sessions[i] for i in group]))
-                rows.update({i: block[r] for r, i in enumerate(group)})
-            active = list(range(len(sessions)))
-            while active:
-                for i in [i for i in active if len(sessions[i].tokens) >= self.config.max_seq]:
-                    sessions[i].stop_reason = outs[i].stop_reason = "max_seq"
-                active = [i for i in active if len(sessions[i].tokens) < self.config.max_seq]
-                groups = self._groups(active)
-                next_rows = {}
-                for group in groups:
-                    draws = sample_rows(self._pad_logits([rows[i] for i in group]),
-                                        [RowDraw(params[i], seeds[i], len(sessions[i].tokens)) for i in group])
-                    block = self._decode([sessions[i] for i in group], draws.tokens)
-                    if len(groups) > 1:
-                        block = block.clone()  # the next group's replay reuses the graph's output buffer
-                    for r, i in enumerate(group):
-                        outs[i].tokens.append(draws.tokens[r])
-                        outs[i].logprobs.append(draws.logprobs[r])
-                        next_rows[i] = block[r]
-                still = []
-                for i in active:
-                    s, t = sessions[i], outs[i].tokens[-1]
-                    if t in params[i].stop_tokens:
-                        reason = "stop_token"
-                    elif s._interrupt or (should_stop is not None and should_stop(s)):
-                        reason = "interrupted"
-                    elif len(outs[i].tokens) >= max_new_tokens:
-                        reason = "length"
-                    else:
-                        still.append(i)
-                        continue
-                    s.stop_reason = outs[i].stop_reason = reason
-                rows, active = next_rows, still
-            return outs
+        return sessions, sampling
 
-    def _groups(self, indices: list[int]) -> list[list[int]]:
-        return [indices[a:a + MAX_DECODE_BATCH] for a in range(0, len(indices), MAX_DECODE_BATCH)]
+    def decode_groups(self, items: list) -> list[list]:
+        """Items split into decode steps of at most MAX_DECODE_BATCH."""
+        return [items[a:a + MAX_DECODE_BATCH] for a in range(0, len(items), MAX_DECODE_BATCH)]
+
+    def logits_rows(self, sessions: Sequence[Session]) -> list[torch.Tensor]:
+        """Each session's next-token logits row (fp32 [vocab]), computed on the batch-invariant path."""
+        rows = []
+        for group in self.decode_groups(list(sessions)):
+            block = self.model.logits(self.state, self._slot_ids(group))
+            rows += [block[r] for r in range(len(group))]
+        return rows
 
     def _slot_ids(self, sessions: Sequence[Session]) -> torch.Tensor:
         return torch.tensor([s.slot for s in sessions], device=self.device)
 
-    def _pad_logits(self, rows: list[torch.Tensor]) -> torch.Tensor:
+    def pad_logits(self, rows: list[torch.Tensor]) -> torch.Tensor:
         """Stack logits rows into the fixed-shape block the sampler runs on (batch invariance)."""
         block = torch.stack(rows)
         return pad_rows(block, self.model.decode_rows) if self.model.decode_rows is not None else block
 
-    def _decode(self, sessions: list[Session], tokens: list[int]) -> torch.Tensor:
+    def decode(self, sessions: list[Session], tokens: list[int]) -> torch.Tensor:
         """Feed one token to each session (one batched step); returns their next-token logits, row r for
         sessions[r] (the graph's output buffer on CUDA: read or copy before the next step)."""
         if self.graphs is not None:

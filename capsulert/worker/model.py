@@ -12,8 +12,11 @@ from 9, RMSNorm's reduction at 2-8 rows vs 1 or 64). Two ways out, by device:
   exactly R rows, the batch padded with zero rows; only the ops that touch per-slot state (conv, recurrent
   step, KV write, attention) run on the real rows, and those are per-row kernels. One shape for every batch
   costs ~2% of the GEMM time (bench/probes/row_stability.py).
-- `rowwise=True` (CPU): each projection row is computed alone (a lone row's GEMM does not depend on the
-  batch by construction); the other ops are row-wise reductions that CPU kernels do not split below 32k.
+- `rowwise=True` (CPU): a decode step (and the logits) runs each row through the model alone, so a row's
+  result equals its solo result by construction. CPU kernels are batch-variant in many places: GEMMs at
+  M = 1 use gemv; vectorised transcendental ops (softplus, exp, sigmoid) compute an element in the vector
+  body or in the scalar tail depending on the tensor's size, with different bits; reductions over a
+  non-innermost dim change order with the other rows' contents.
 Neither (decode_rows=None, rowwise=False) is the plain batch-dependent path benchmarks compare against.
 """
 from __future__ import annotations
@@ -72,7 +75,7 @@ class HybridModel:
                  decode_rows: int | None = None, rowwise: bool = False):
         self.cfg = cfg
         self.decode_rows = decode_rows  # pad every dense op of a decode step to this many rows
-        self.rowwise = rowwise  # compute each decode projection row alone
+        self.rowwise = rowwise  # run each decode row through the model alone
         self.kernels = kernels or reference_kernels()
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
@@ -94,11 +97,6 @@ class HybridModel:
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=self.device) / rot))
 
     # ------------------------------------------------------------------ forward
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, decode: bool) -> torch.Tensor:
-        if decode and self.rowwise:
-            return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])])
-        return F.linear(x, w)
-
     @torch.inference_mode()
     def forward(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, kv_len: int,
                 valid: torch.Tensor | None = None, decode: bool = False) -> None:
@@ -109,6 +107,10 @@ class HybridModel:
         `valid` [B] (device) marks only the first valid[b] tokens of a row as real: the rest is padding
         that a captured graph of a fixed T carries; it neither writes state nor advances pos."""
         B = tokens.shape[0]
+        if decode and self.rowwise and B > 1:
+            for i in range(B):
+                self.forward(state, slots[i:i + 1], tokens[i:i + 1], kv_len, decode=True)
+            return
         start = state.pos[slots].long()
         if decode and self.decode_rows is not None:
             if B > self.decode_rows:
@@ -127,14 +129,13 @@ class HybridModel:
             w = layer.w
             x = rms_norm_1p(h, w["input_layernorm.weight"], eps)
             if layer.kind == FULL:
-                x = self._attention(layer, x, state, slots, start, kv_len, rope, decode)
+                x = self._attention(layer, x, state, slots, start, kv_len, rope)
             else:
                 x = self._gated_delta_net(layer, x, state, slots, decode, valid)
             h = h + x
             x = rms_norm_1p(h, w["post_attention_layernorm.weight"], eps)
-            lin = self._linear
-            x = lin(F.silu(lin(x, w["mlp.gate_proj.weight"], decode)) * lin(x, w["mlp.up_proj.weight"], decode),
-                    w["mlp.down_proj.weight"], decode)
+            x = F.linear(F.silu(F.linear(x, w["mlp.gate_proj.weight"])) * F.linear(x, w["mlp.up_proj.weight"]),
+                         w["mlp.down_proj.weight"])
             h = h + x
         h = h[:B]
         if valid is None:
@@ -149,24 +150,25 @@ class HybridModel:
         """Next-token logits (fp32) from the slots' last hidden state: [decode_rows, vocab] with the real rows
         first when decode_rows is set, else [B, vocab]. Always the batch-invariant path, so the logits after an
         append and those of a decode step are computed alike."""
+        if self.rowwise and slots.shape[0] > 1:
+            return torch.cat([self.logits(state, slots[i:i + 1]) for i in range(slots.shape[0])])
         h = state.last_hidden[slots]
         if self.decode_rows is not None:
             h = pad_rows(h, self.decode_rows)
         h = rms_norm_1p(h, self.norm, self.cfg.rms_norm_eps)
-        return self._linear(h, self.lm_head, decode=True).float()
+        return F.linear(h, self.lm_head).float()
 
     # ------------------------------------------------------------------ mixers
-    def _attention(self, layer, x, state, slots, start, kv_len, rope, decode):
+    def _attention(self, layer, x, state, slots, start, kv_len, rope):
         cfg, w = self.cfg, layer.w
         R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
         B = slots.shape[0]
         D = cfg.head_dim
-        lin = self._linear
-        q, gate = lin(x, w["self_attn.q_proj.weight"], decode).view(R, T, -1, 2 * D).chunk(2, dim=-1)
+        q, gate = F.linear(x, w["self_attn.q_proj.weight"]).view(R, T, -1, 2 * D).chunk(2, dim=-1)
         gate = gate.reshape(R, T, -1)
         q = rms_norm_1p(q, w["self_attn.q_norm.weight"], cfg.rms_norm_eps)
-        k = rms_norm_1p(lin(x, w["self_attn.k_proj.weight"], decode).view(R, T, -1, D), w["self_attn.k_norm.weight"], cfg.rms_norm_eps)
-        v = lin(x, w["self_attn.v_proj.weight"], decode).view(R, T, -1, D)
+        k = rms_norm_1p(F.linear(x, w["self_attn.k_proj.weight"]).view(R, T, -1, D), w["self_attn.k_norm.weight"], cfg.rms_norm_eps)
+        v = F.linear(x, w["self_attn.v_proj.weight"]).view(R, T, -1, D)
         cos, sin = (t[:, :, None, :] for t in rope)
         r = cfg.rotary_dim
         q = torch.cat((q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]), dim=-1)
@@ -175,18 +177,17 @@ class HybridModel:
         self.kernels.write_kv(kv_k, kv_v, slots, start, k[:B], v[:B])
         o = self.kernels.attention(q[:B], kv_k, kv_v, slots, start, kv_len, D**-0.5)
         o = pad_rows(o, R).reshape(R, T, -1) * torch.sigmoid(gate)
-        return lin(o, w["self_attn.o_proj.weight"], decode)
+        return F.linear(o, w["self_attn.o_proj.weight"])
 
     def _gated_delta_net(self, layer, x, state, slots, decode: bool, valid):
         cfg, w = self.cfg, layer.w
         R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
         B = slots.shape[0]
         Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        lin = self._linear
-        mixed = lin(x, w["linear_attn.in_proj_qkv.weight"], decode)
-        z = lin(x, w["linear_attn.in_proj_z.weight"], decode).view(R, T, Hv, Dv)
-        b = lin(x, w["linear_attn.in_proj_b.weight"], decode)
-        a = lin(x, w["linear_attn.in_proj_a.weight"], decode)
+        mixed = F.linear(x, w["linear_attn.in_proj_qkv.weight"])
+        z = F.linear(x, w["linear_attn.in_proj_z.weight"]).view(R, T, Hv, Dv)
+        b = F.linear(x, w["linear_attn.in_proj_b.weight"])
+        a = F.linear(x, w["linear_attn.in_proj_a.weight"])
         li = layer.state_index
         conv_buf, ssm_buf = state.conv[li], state.ssm[li]
         if decode:
@@ -215,4 +216,4 @@ class HybridModel:
         else:
             o = self.kernels.gated_delta_prefill(q, k, v, g, beta, ssm_buf, slots)
         o = gated_rms_norm(o.to(x.dtype), z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
-        return lin(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"], decode)
+        return F.linear(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])

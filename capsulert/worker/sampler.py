@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
 from capsulert.errors import InvalidRequestError
 
@@ -30,14 +30,22 @@ _MASK64 = (1 << 64) - 1
 class SamplingParams(BaseModel):
     """temperature 0 (or below 1e-5) means greedy (argmax); otherwise sample from the temperature-scaled,
     top-k / top-p filtered distribution. `seed` fixes the session's random stream (None: a fresh random
-    seed per generate call)."""
+    seed per generate call).
+
+    Stops: every EOS id of the model's config.json / generation_config.json stops a generate unless
+    `ignore_eos`; so does any id in `stop_token_ids`, and any string in `stop` once it appears in the
+    incrementally detokenized output (its tokens stay committed in the session; the result's text ends
+    before it). `logprobs=k` adds the top-k logprobs of every position to the result."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False)
     top_k: StrictInt = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: StrictInt | None = Field(None, ge=0, lt=1 << 63)
-    stop_tokens: tuple[StrictInt, ...] = ()
+    stop_token_ids: tuple[StrictInt, ...] = Field((), validation_alias=AliasChoices("stop_token_ids", "stop_tokens"))
+    stop: tuple[str, ...] = ()
+    ignore_eos: StrictBool = False
+    logprobs: StrictInt = Field(0, ge=0, le=20)
 
     def __init__(self, **data):
         for key in ("temperature", "top_p"):
@@ -47,6 +55,13 @@ class SamplingParams(BaseModel):
             super().__init__(**data)
         except ValidationError as e:
             raise InvalidRequestError(f"invalid SamplingParams: {_short(e)}") from None
+
+    @field_validator("stop")
+    @classmethod
+    def _nonempty_stops(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not x for x in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +104,7 @@ class RowDraw:
 class Draws:
     tokens: list[int]
     logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]  # per row: (token, logprob) best first; empty unless asked
 
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[RowDraw]) -> Draws:
@@ -105,7 +121,13 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowDraw]) -> Draws:
         tokens = _draw(logits, rows, R)
     chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
     out = torch.stack([tokens.double(), chosen.double()])[:, :n].cpu()
-    return Draws(tokens=[int(t) for t in out[0].tolist()], logprobs=out[1].tolist())
+    top: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+    k = max(r.params.logprobs for r in rows)
+    if k:
+        values, ids = torch.topk(logprobs_all[:n], k, dim=-1)
+        values, ids = values.cpu().tolist(), ids.cpu().tolist()
+        top = [list(zip(ids[i], values[i]))[:rows[i].params.logprobs] for i in range(n)]
+    return Draws(tokens=[int(t) for t in out[0].tolist()], logprobs=out[1].tolist(), top_logprobs=top)
 
 
 def _draw(logits: torch.Tensor, rows: Sequence[RowDraw], R: int) -> torch.Tensor:

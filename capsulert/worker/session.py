@@ -12,6 +12,7 @@ from capsulert.worker.sampler import SamplingParams
 if TYPE_CHECKING:
     from capsulert.capsule_store.capsule import CapsuleRef
     from capsulert.worker.engine import Engine
+    from capsulert.worker.verbs import GenerateResult
 
 _ids = itertools.count()
 
@@ -47,8 +48,9 @@ class Session:
     def logits(self) -> torch.Tensor:
         return self.engine.logits(self)
 
-    def generate(self, max_new_tokens: int, sampling: SamplingParams | None = None) -> list[int]:
-        """Sample up to max_new_tokens; each produced token is committed to the state before the next."""
+    def generate(self, max_new_tokens: int, sampling: SamplingParams | None = None) -> "GenerateResult":
+        """Sample up to max_new_tokens; each produced token is committed to the state before the next.
+        The result is the list of tokens, with logprobs, text and stop reason (worker/verbs.py)."""
         return self.engine.generate([self], max_new_tokens, [sampling] if sampling else None)[0]
 
     def interrupt(self) -> None:

@@ -11,7 +11,6 @@ import time
 
 import pytest
 import pytest_asyncio
-import ray
 
 from capsulert.errors import DiskDirInUseError, WorkerLost
 from capsulert.orchestrator import Orchestrator

@@ -177,3 +177,20 @@ def test_interrupt_stops_at_a_token_boundary_with_tokens_committed(engine, text)
     got = t.generate(2000 if len(t) + 2000 <= engine.config.max_seq else engine.config.max_seq - len(t))
     timer.join()
     assert t.stop_reason == "interrupted" and got == t.tokens[len(t) - len(got):]
+
+
+def test_engine_close_releases_its_disk_dir_and_keeps_pinned_files(make_engine, tmp_path, text):
+    from capsulert.errors import DiskDirInUseError
+
+    disk = str(tmp_path / "disk")
+    with make_engine(disk_dir=disk) as first:
+        s = first.open()
+        s.append(text[:200])
+        s.snapshot("kept", tier="disk")
+        with pytest.raises(DiskDirInUseError):
+            make_engine(disk_dir=disk)
+        want = s.logits()
+    assert first.free_slots == first.config.slots  # every session closed
+    second = make_engine(disk_dir=disk)  # the directory is free again
+    second.store.load(disk)
+    assert torch.equal(second.restore("kept").logits(), want)

@@ -11,7 +11,8 @@ from capsulert.worker.sampler import SamplingParams
 from tests.worker.test_engine import slot_state
 
 CHUNK = 128
-SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=7)
+SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=7, ignore_eos=True)
+GREEDY = SamplingParams(ignore_eos=True)  # these tests need long generations: EOS must not end them
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def assert_equal_dicts(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("sampling", [None, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_generate_across_grid_then_restore_append_equals_cold(engine, corpus, sampling):
     prompt = corpus[:CHUNK - 5]
     s = engine.open()
@@ -63,7 +64,7 @@ def test_batched_generate_keeps_every_grid_point_canonical(make_engine, corpus):
         s = engine.open()
         s.append(corpus[i * 300:i * 300 + n])
         sessions.append(s)
-    engine.generate(sessions, 3 * CHUNK + 7, [SEEDED, None, SEEDED, None])
+    engine.generate(sessions, 3 * CHUNK + 7, [SEEDED, GREEDY, SEEDED, GREEDY])
     for s in sessions:
         G = len(s) // CHUNK * CHUNK
         assert G >= 3 * CHUNK
@@ -71,19 +72,19 @@ def test_batched_generate_keeps_every_grid_point_canonical(make_engine, corpus):
 
 
 @pytest.mark.parametrize("k", [37, CHUNK, 2 * CHUNK - 1], ids=["off-grid", "on-grid", "one-short"])
-@pytest.mark.parametrize("sampling", [None, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_generate_n_equals_generate_k_snapshot_restore_generate_rest(engine, corpus, k, sampling):
     N = 3 * CHUNK + 11  # crosses 3 grid points
     whole = engine.open()
     whole.append(corpus[:60])
-    full = engine.generate_detailed([whole], N, [sampling])[0]
+    full = engine.generate([whole], N, [sampling])[0]
     split = engine.open()
     split.append(corpus[:60])
-    first = engine.generate_detailed([split], k, [sampling])[0]
+    first = engine.generate([split], k, [sampling])[0]
     split.snapshot("k")
     split.close()
     resumed = engine.restore("k")
-    rest = engine.generate_detailed([resumed], N - k, [sampling])[0]
+    rest = engine.generate([resumed], N - k, [sampling])[0]
     assert first.tokens + rest.tokens == full.tokens
     assert first.logprobs + rest.logprobs == full.logprobs
     assert torch.equal(resumed.logits(), whole.logits())
@@ -94,7 +95,7 @@ def _step_alone_and_in_batch(engine, corpus, batch, position, sampling):
     """One session's one-token decode alone vs among batch-1 partners of other lengths."""
     alone = engine.open()
     alone.append(corpus[:150])
-    solo = engine.generate_detailed([alone], 2, [sampling])[0]
+    solo = engine.generate([alone], 2, [sampling])[0]
     solo_state, solo_logits = slot_state(engine, alone), alone.logits()
     alone.close()
     me = engine.open()
@@ -105,9 +106,9 @@ def _step_alone_and_in_batch(engine, corpus, batch, position, sampling):
         p.append(corpus[1000 + 37 * j:1000 + 37 * j + 5 + 61 * j])
         partners.append(p)
     group = partners[:position] + [me] + partners[position:]
-    params = [SamplingParams(temperature=0.7, seed=j) for j in range(len(group))]
+    params = [SamplingParams(temperature=0.7, seed=j, ignore_eos=True) for j in range(len(group))]
     params[position] = sampling
-    outs = engine.generate_detailed(group, 2, params)
+    outs = engine.generate(group, 2, params)
     assert outs[position].tokens == solo.tokens and outs[position].logprobs == solo.logprobs
     assert torch.equal(me.logits(), solo_logits)
     assert_equal_dicts(slot_state(engine, me), solo_state)
@@ -116,7 +117,7 @@ def _step_alone_and_in_batch(engine, corpus, batch, position, sampling):
 
 
 @pytest.mark.parametrize("batch,position", [(2, 1), (3, 0), (4, 3), (5, 2), (8, 7), (9, 4), (16, 15)])
-@pytest.mark.parametrize("sampling", [None, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_decode_is_batch_invariant(make_engine, corpus, batch, position, sampling):
     engine = make_engine(slots=batch + 1)
     _step_alone_and_in_batch(engine, corpus, batch, position, sampling)
@@ -130,7 +131,7 @@ def test_batches_above_one_decode_step_run_and_stay_invariant(make_engine, corpu
         s = engine.open()
         s.append(corpus[j * 7:j * 7 + 3 + j % 5])
         sessions.append(s)
-    params = [SamplingParams(temperature=0.8, seed=j) if j % 2 else None for j in range(70)]
+    params = [SamplingParams(temperature=0.8, seed=j, ignore_eos=True) if j % 2 else GREEDY for j in range(70)]
     together = engine.generate(sessions, 3, params)
     for s in sessions:
         s.close()
@@ -146,7 +147,7 @@ def test_best_of_n_branches_equal_their_solo_runs(engine, corpus):
     s.append(corpus[:200])
     s.snapshot("root")
     s.close()
-    params = [SamplingParams(temperature=1.0, seed=100 + i) for i in range(3)]
+    params = [SamplingParams(temperature=1.0, seed=100 + i, ignore_eos=True) for i in range(3)]
     branches = engine.fork("root", 3)
     together = engine.generate(branches, 40, params)
     for b in branches:
@@ -160,7 +161,7 @@ def test_best_of_n_branches_equal_their_solo_runs(engine, corpus):
 def test_sampled_logprobs_are_the_raw_model_log_softmax(engine, corpus):
     s = engine.open()
     logits = s.append(corpus[:90])
-    out = engine.generate_detailed([s], 1, [SamplingParams(temperature=1.3, top_k=5, seed=3)])[0]
+    out = engine.generate([s], 1, [SamplingParams(temperature=1.3, top_k=5, seed=3)])[0]
     want = torch.log_softmax(logits, -1)[out.tokens[0]]
     assert out.logprobs[0] == pytest.approx(float(want), abs=1e-6)
     assert out.tokens[0] in torch.topk(logits, 5).indices.tolist()

@@ -35,7 +35,7 @@ def test_padded_decode_rows_touch_only_the_scratch_slot(engine, text):
     before = slot_state(engine, bystander)
     ref = engine.open()
     ref.append(text[:300])
-    ref_logits = engine._decode([ref], [7])
+    ref_logits = engine.decode([ref], [7])
     scratch = engine.scratch_slot
     engine.state.pos[scratch] = 0
     dev = engine.device

@@ -1,0 +1,167 @@
+"""Serving benchmark: N independent agent sessions at once through the orchestrator (the worker's step
+scheduler batches them), against the same sessions one after another, and HF transformers per session.
+
+Each agent restores its own capsule (a context of --context tokens), appends a --turn-token turn and streams
+--gen tokens, as a separate asyncio task; all N start together. Reported per N: aggregate decode tokens/s,
+p50 / p99 TTFT (task start -> first streamed token) and inter-token latency, the speed-up over running the
+same N sessions sequentially, and over HF transformers (generate per session, --hf-sessions of them timed
+and scaled to N). Every session's tokens are checked against its solo run. Prints a table, writes
+bench/out/serving.json and bench/out/serving.png.
+
+    .venv/bin/python bench/serving.py --quick            # CPU, default model
+    python bench/serving.py --device cuda --model random:capsulert/configs/models/qwen3_5-9b-shape.yaml
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from common import OUT_DIR, log, machine_info, percentile, plot_lines, print_table, write_json  # noqa: E402
+
+from capsulert.orchestrator import Orchestrator  # noqa: E402
+from capsulert.worker.sampler import SamplingParams  # noqa: E402
+from capsulert.worker.verbs import FinalEvent  # noqa: E402
+
+PARAMS = SamplingParams(ignore_eos=True)  # fixed lengths, so every N does the same work per session
+
+
+async def agent(orch, name: str, turn: list[int], gen: int) -> dict:
+    t0 = time.perf_counter()
+    s = await orch.restore(name)
+    await s.append(turn)
+    stamps, tokens = [], []
+    async for ev in s.stream(gen, PARAMS):
+        if isinstance(ev, FinalEvent):
+            break
+        stamps.append(time.perf_counter())
+        tokens.append(ev.token)
+    await s.close()
+    itl = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    return {"ttft_ms": (stamps[0] - t0) * 1e3, "itl_ms": itl, "tokens": tokens, "end": stamps[-1], "start": t0}
+
+
+async def run_n(orch, names, turns, gen: int, concurrent: bool) -> dict:
+    t0 = time.perf_counter()
+    if concurrent:
+        outs = await asyncio.gather(*(agent(orch, nm, tn, gen) for nm, tn in zip(names, turns)))
+    else:
+        outs = [await agent(orch, nm, tn, gen) for nm, tn in zip(names, turns)]
+    wall = time.perf_counter() - t0
+    itl = [x for o in outs for x in o["itl_ms"]]
+    return {"wall_s": wall, "tokens_per_s": len(names) * gen / wall,
+            "ttft_p50_ms": percentile([o["ttft_ms"] for o in outs], 50),
+            "ttft_p99_ms": percentile([o["ttft_ms"] for o in outs], 99),
+            "itl_p50_ms": percentile(itl, 50) if itl else float("nan"),
+            "itl_p99_ms": percentile(itl, 99) if itl else float("nan"),
+            "tokens": [o["tokens"] for o in outs]}
+
+
+def hf_seconds_per_session(engine_cfg: dict, contexts, turns, gen: int, sessions: int) -> float:
+    """HF transformers generate (greedy, its default dynamic cache) from context + turn, per session."""
+    import transformers
+
+    from capsulert.worker.engine import Engine
+
+    eng = Engine.from_config(engine_cfg)
+    cfg = eng.model_cfg.to_hf_dict()
+    hf_cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    with torch.device(eng.device):
+        model = transformers.Qwen3_5ForCausalLM(hf_cfg).to(eng.dtype).eval()
+    model.load_state_dict(eng.model_weights, strict=False, assign=True)
+    times = []
+    with torch.inference_mode():
+        for ctx, turn in list(zip(contexts, turns))[:sessions]:
+            ids = torch.tensor([ctx + turn], device=eng.device)
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=gen, min_new_tokens=gen, do_sample=False)
+            if eng.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return sum(times) / len(times)
+
+
+async def main(args) -> int:
+    torch.set_num_threads(args.threads)
+    chunk = args.prefill_chunk
+    max_seq = -(-(args.context + args.turn + args.gen + 1) // chunk) * chunk
+    n_max = max(args.ns)
+    engine_cfg = dict(model=args.model, device=args.device, slots=n_max + 2, max_seq=max_seq, prefill_chunk=chunk)
+    orch = await Orchestrator.start(dict(engine=engine_cfg, num_workers=1, call_timeout_s=3600,
+                                         torch_threads=args.threads))
+    try:
+        vocab = 4000
+        g = torch.Generator().manual_seed(0)
+        contexts = [torch.randint(10, vocab, (args.context,), generator=g).tolist() for _ in range(n_max)]
+        turns = [torch.randint(10, vocab, (args.turn,), generator=g).tolist() for _ in range(n_max)]
+        log(f"making {n_max} capsules of {args.context} tokens")
+        for i, ctx in enumerate(contexts):
+            s = await orch.open(ctx)
+            await s.snapshot(f"agent{i}")
+            await s.close()
+        solo = [None] * n_max
+        rows = []
+        for n in args.ns:
+            names = [f"agent{i}" for i in range(n)]
+            log(f"N={n}: concurrent")
+            conc = await run_n(orch, names, turns[:n], args.gen, True)
+            log(f"N={n}: sequential")
+            seq = await run_n(orch, names, turns[:n], args.gen, False)
+            for i, (a, b) in enumerate(zip(conc["tokens"], seq["tokens"])):
+                solo[i] = solo[i] or b
+                assert a == b == solo[i], f"session {i}: batched tokens differ from its solo run"
+            rows.append({"n": n, "tokens_per_s": conc["tokens_per_s"], "seq_tokens_per_s": seq["tokens_per_s"],
+                         "speedup_vs_sequential": conc["tokens_per_s"] / seq["tokens_per_s"],
+                         "ttft_p50_ms": conc["ttft_p50_ms"], "ttft_p99_ms": conc["ttft_p99_ms"],
+                         "itl_p50_ms": conc["itl_p50_ms"], "itl_p99_ms": conc["itl_p99_ms"], "exact": True})
+    finally:
+        await orch.close()
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["throughput_vs_n1"] = r["tokens_per_s"] / base
+    if not args.no_hf:
+        log("HF transformers per session")
+        hf_s = hf_seconds_per_session(engine_cfg, contexts, turns, args.gen, args.hf_sessions)
+        for r in rows:
+            r["hf_tokens_per_s"] = args.gen / hf_s
+            r["speedup_vs_hf"] = r["tokens_per_s"] / r["hf_tokens_per_s"]
+    cols = ["n", "tokens_per_s", "throughput_vs_n1", "seq_tokens_per_s", "speedup_vs_sequential", "ttft_p50_ms",
+            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"] + ([] if args.no_hf else ["hf_tokens_per_s", "speedup_vs_hf"])
+    print_table(rows, cols)
+    write_json(OUT_DIR / "serving.json", {"machine": machine_info(args.device), "args": vars(args), "rows": rows})
+    curves = {"concurrent (scheduler)": [r["tokens_per_s"] for r in rows],
+              "sequential": [r["seq_tokens_per_s"] for r in rows]}
+    if not args.no_hf:
+        curves["HF transformers, per session"] = [r["hf_tokens_per_s"] for r in rows]
+    plot_lines(OUT_DIR / "serving.png", [r["n"] for r in rows], curves, "concurrent sessions N",
+               "aggregate decode tokens/s", logx=True, logy=True, title=f"serving, {args.device}")
+    return 0
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--ns", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--context", type=int, default=3000)
+    ap.add_argument("--turn", type=int, default=32)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--prefill-chunk", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hf-sessions", type=int, default=2)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="CPU-sized: N 1 4 16, 512-token contexts, 32 tokens")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.ns, args.context, args.gen, args.prefill_chunk = [1, 4, 16], 512, 32, 256
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(parse_args())))

@@ -1,0 +1,125 @@
+"""AsyncEngine: the in-process async API over the step scheduler.
+
+    async with AsyncEngine(Engine.from_config(model="default")) as aeng:
+        s = await aeng.open("A long system prompt ...")
+        result = await s.generate(64, SamplingParams(temperature=0.8, seed=1, stop=["\\n\\n"]))
+        async for event in s.stream(64):          # TokenEvent per token, then one FinalEvent
+            ...
+
+Independent tasks calling it share decode steps: the scheduler batches every running generate, so the
+caller never batches by hand. Each verb is a typed request (worker/verbs.py) handed to the scheduler.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from capsulert.worker.engine import Engine
+from capsulert.worker.sampler import SamplingParams
+from capsulert.worker.scheduler import Sink, StepScheduler, queue_sink, stream_item
+from capsulert.worker.verbs import (Append, Close, FinalEvent, Fork, Generate, GenerateResult, Open, Request,
+                                    Restore, SessionInfo, Snapshot, TokenEvent, Turn)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_queue: int = 1024, step_prefill_tokens: int | None = None):
+        self.engine = engine
+        self.scheduler = StepScheduler(engine, max_queue=max_queue, step_prefill_tokens=step_prefill_tokens)
+
+    async def __aenter__(self) -> "AsyncEngine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.scheduler.stop()
+
+    async def submit(self, request: Request) -> Any:
+        """Run one request; its result (SessionInfo, GenerateResult, CapsuleRef, list, None)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle(fn, value):
+            if not fut.done():
+                fn(value)
+        sink = Sink(done=lambda v: loop.call_soon_threadsafe(settle, fut.set_result, v),
+                    error=lambda e: loop.call_soon_threadsafe(settle, fut.set_exception, e))
+        job = self.scheduler.submit(request, sink)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            self.scheduler.cancel(job)  # a generate stops at its next token boundary, tokens committed
+            raise
+
+    async def stream(self, request: Generate | Turn) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """TokenEvents as tokens are produced, then a FinalEvent. Closing or cancelling the iterator stops
+        the generate at the next token boundary with the produced tokens committed."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        job = self.scheduler.submit(request, queue_sink(lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                finished = item[0] != "event"
+                yield stream_item(item)
+        finally:
+            if not finished:
+                self.scheduler.cancel(job)
+
+    async def open(self, prompt=None) -> "AsyncSession":
+        info: SessionInfo = await self.submit(Open(prompt))
+        return AsyncSession(self, info.session, info.length)
+
+    async def restore(self, name: str, namespace: str = "default") -> "AsyncSession":
+        info: SessionInfo = await self.submit(Restore(name, namespace))
+        return AsyncSession(self, info.session, info.length)
+
+    async def fork(self, name: str, n: int, namespace: str = "default") -> list["AsyncSession"]:
+        infos = await self.submit(Fork(name, n, namespace))
+        return [AsyncSession(self, i.session, i.length) for i in infos]
+
+
+class AsyncSession:
+    """A session served by an AsyncEngine; its calls run in the order they are made."""
+
+    def __init__(self, owner: AsyncEngine, sid: int, length: int):
+        self.owner, self.id, self.length = owner, sid, length
+
+    def __repr__(self) -> str:
+        return f"AsyncSession(id={self.id}, len={self.length})"
+
+    async def append(self, tokens_or_text) -> int:
+        info: SessionInfo = await self.owner.submit(Append(self.id, tokens_or_text))
+        self.length = info.length
+        return info.length
+
+    async def generate(self, max_new_tokens: int, sampling: SamplingParams | None = None) -> GenerateResult:
+        res: GenerateResult = await self.owner.submit(Generate(self.id, max_new_tokens, sampling))
+        self.length = res.length
+        return res
+
+    async def stream(self, max_new_tokens: int, sampling: SamplingParams | None = None
+                     ) -> AsyncIterator[TokenEvent | FinalEvent]:
+        async for ev in self.owner.stream(Generate(self.id, max_new_tokens, sampling)):
+            if isinstance(ev, FinalEvent):
+                self.length = ev.result.length
+            yield ev
+
+    async def turn(self, suffix=None, max_new_tokens: int = 0, sampling: SamplingParams | None = None, *,
+                   restore: str | None = None, namespace: str = "default") -> GenerateResult:
+        """[restore in place], append, generate in one request."""
+        res = await self.owner.submit(Turn(self.id, restore, suffix, max_new_tokens, sampling, namespace))
+        self.length = res.length
+        return res
+
+    async def snapshot(self, name: str, tier: str = "device", pin: bool = False, namespace: str = "default"):
+        return await self.owner.submit(Snapshot(self.id, name, tier, pin, namespace))
+
+    async def restore(self, name: str, namespace: str = "default") -> None:
+        info: SessionInfo = await self.owner.submit(Restore(name, namespace, into=self.id))
+        self.length = info.length
+
+    async def close(self) -> None:
+        await self.owner.submit(Close(self.id))

@@ -1,0 +1,85 @@
+"""One session's generate in flight (DecodeStream), and the batched step that advances many of them.
+
+`advance` is the unit both the blocking `Engine.generate` and the step scheduler run: it samples one token
+for every stream from its current logits (one vectorised draw per group of at most MAX_DECODE_BATCH), feeds
+the tokens in one batched decode step per group, and applies each stream's stop rule. Streams never share
+anything but the step, so a stream's tokens do not depend on its partners (batch invariance).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from capsulert.worker.sampler import GREEDY, RowDraw, SamplingParams, resolve_seed, sample_rows
+from capsulert.worker.stops import StopRule, TextStream
+from capsulert.worker.verbs import GenerateResult, TokenEvent
+
+if TYPE_CHECKING:
+    from capsulert.worker.engine import Engine
+    from capsulert.worker.session import Session
+
+
+class DecodeStream:
+    def __init__(self, engine: "Engine", session: "Session", max_new_tokens: int,
+                 sampling: SamplingParams | None):
+        self.session = session
+        self.params = sampling or GREEDY
+        self.seed = resolve_seed(self.params)
+        self.rule = StopRule(self.params, engine.eos_token_ids, max_new_tokens)
+        self.text = TextStream(engine.detokenize if engine.tokenizer is not None else None)
+        self.result = GenerateResult()
+        self.logits: torch.Tensor | None = None  # next-token logits row (fp32 [vocab])
+        self.done = max_new_tokens == 0
+        if self.done:
+            self.finish("length")
+
+    def finish(self, reason: str) -> None:
+        self.done = True
+        self.session.stop_reason = self.result.stop_reason = reason
+        self.result.text = self.rule.final_text(self.text)
+        self.result.length = len(self.session.tokens)
+
+
+def advance(engine: "Engine", streams: list[DecodeStream],
+            should_stop: Callable[[DecodeStream], bool] | None = None) -> list[tuple[DecodeStream, TokenEvent]]:
+    """One token for every live stream. Returns the (stream, event) pairs produced, in stream order."""
+    live = []
+    for st in streams:
+        if st.done:
+            continue
+        if len(st.session.tokens) >= engine.config.max_seq:
+            st.finish("max_seq")
+            continue
+        live.append(st)
+    need = [st for st in live if st.logits is None]
+    if need:
+        for st, row in zip(need, engine.logits_rows([st.session for st in need])):
+            st.logits = row
+    events, deltas = [], {}
+    groups = engine.decode_groups(live)
+    for group in groups:
+        draws = sample_rows(engine.pad_logits([st.logits for st in group]),
+                            [RowDraw(st.params, st.seed, len(st.session.tokens)) for st in group])
+        block = engine.decode([st.session for st in group], draws.tokens)
+        if len(groups) > 1:
+            block = block.clone()  # the next group's replay reuses the graph's output buffer
+        for r, st in enumerate(group):
+            token = draws.tokens[r]
+            st.logits = block[r]
+            res = st.result
+            res.append(token)
+            res.logprobs.append(draws.logprobs[r])
+            if st.params.logprobs:
+                res.top_logprobs.append(draws.top_logprobs[r])
+            delta = deltas[id(st)] = st.text.push(token)
+            events.append((st, TokenEvent(token, draws.logprobs[r], delta, len(res.tokens) - 1)))
+    for st in live:
+        reason = st.rule.check(st.result.tokens[-1], len(st.result.tokens), st.text, deltas[id(st)])
+        if reason is None and should_stop is not None and should_stop(st):
+            reason = "interrupted"
+        if reason is not None:
+            st.finish(reason)
+        else:
+            st.result.length = len(st.session.tokens)
+    return events

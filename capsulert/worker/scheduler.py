@@ -1,0 +1,336 @@
+"""StepScheduler: the worker's continuous-batching loop over one Engine.
+
+Requests (typed verbs, worker/verbs.py) from any thread enter one bounded queue; a single loop thread owns
+the engine and runs steps. Each step:
+1. starts the requests that can start, in arrival order (a session's requests run one after another, in
+   order; requests on different sessions do not wait for each other). Capsule verbs (snapshot, restore,
+   fork, close) run here, between decode steps. A request that needs a free slot waits without blocking
+   anything, up to `slot_wait_s`, then fails with NoFreeSlotError;
+2. runs prefill work under a token budget (`step_prefill_tokens`, default one chunk): appends are cut at
+   grid points, so a long prefill advances one chunk per step while decoding sessions keep producing
+   tokens, and the pieces give bitwise the same state as one append;
+3. advances every running generate by one token in one batched decode step (worker/decoding.py).
+Every running generate advances once per step, so a long generate never starves a short one.
+
+Results and stream events go to each request's sink from the loop thread; AsyncEngine (async_engine.py)
+turns them into awaitables and async iterators.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from capsulert.errors import (CapsuleRTError, InvalidRequestError, NoFreeSlotError, QueueFullError,
+                              SessionClosedError)
+from capsulert.worker.decoding import DecodeStream, advance
+from capsulert.worker.engine import Engine
+from capsulert.worker.session import Session
+from capsulert.worker.verbs import (Append, Close, FinalEvent, Fork, Generate, GenerateResult, Open, Request,
+                                    Restore, SessionInfo, Snapshot, TokenEvent, Turn)
+
+
+@dataclass
+class Sink:
+    """Where a request's outcome goes (called on the loop thread)."""
+    done: Callable[[Any], None]
+    error: Callable[[BaseException], None]
+    event: Callable[[TokenEvent], None] | None = None
+
+
+def queue_sink(put: Callable[[tuple[str, Any]], None]) -> Sink:
+    """A sink that puts ("event", ev), ("done", result) or ("error", exc) items through `put`."""
+    return Sink(done=lambda v: put(("done", v)), error=lambda e: put(("error", e)),
+                event=lambda ev: put(("event", ev)))
+
+
+def stream_item(item: tuple[str, Any]) -> TokenEvent | FinalEvent:
+    """The stream event of a queue_sink item: a TokenEvent, the FinalEvent (the last one), or the error raised."""
+    kind, value = item
+    if kind == "error":
+        raise value
+    return value if kind == "event" else FinalEvent(value)
+
+
+@dataclass
+class _Job:
+    request: Request
+    sink: Sink
+    session: int | None  # the session it runs on, once known
+    deadline: float = 0.0  # for slot waits
+    phases: deque = field(default_factory=deque)  # remaining steps of a chained request
+    prefill: list[int] | None = None  # tokens still to append
+    stream: DecodeStream | None = None
+    cancelled: bool = False
+
+
+class StepScheduler:
+    def __init__(self, engine: Engine, max_queue: int = 1024, step_prefill_tokens: int | None = None,
+                 first_id: int = 1):
+        if max_queue < 1:
+            raise InvalidRequestError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self.budget = step_prefill_tokens or engine.chunk
+        self._cv = threading.Condition()
+        self._incoming: deque[_Job] = deque()
+        self._waiting: list[_Job] = []  # admitted, not started (arrival order)
+        self._active: list[_Job] = []  # started: prefilling or generating
+        self._sessions: dict[int, Session] = {}
+        self._ids = itertools.count(first_id)
+        self._stopped = False
+        self.steps = 0
+        # CPU kernels may reduce in another order with another thread count, and a new thread starts with
+        # torch's default count, not the one its creator set: run the loop with the creator's
+        self._threads = torch.get_num_threads()
+        self._thread = threading.Thread(target=self._loop, name="capsulert-step-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side (any thread)
+    def submit(self, request: Request, sink: Sink) -> _Job:
+        if not isinstance(request, (Open, Append, Generate, Snapshot, Restore, Fork, Close, Turn)):
+            raise InvalidRequestError(f"not a request: {type(request).__name__}")
+        with self._cv:
+            if self._stopped:
+                raise SessionClosedError("the scheduler is stopped")
+            if len(self._incoming) + len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"{self.max_queue} requests are already waiting; retry later or raise max_queue")
+            job = _Job(request, sink, getattr(request, "session", None) if not isinstance(request, Turn) else request.session)
+            job.deadline = time.monotonic() + self.engine.config.slot_wait_s
+            self._incoming.append(job)
+            self._cv.notify()
+        return job
+
+    def cancel(self, job: _Job) -> None:
+        """Stop a generate at its next token boundary (its tokens stay committed)."""
+        job.cancelled = True
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    # the session registry, shared with callers that also drive the engine directly (the worker's
+    # one-call verbs): ids are handed out here only
+    def session(self, sid: int) -> Session:
+        """The engine session behind an id."""
+        return self._session(sid)
+
+    def adopt(self, session: Session) -> int:
+        """Register a session opened on the engine directly; its id."""
+        return self._adopt(session)
+
+    def release(self, sid: int) -> Session | None:
+        """Forget a session (the caller closes it); None when unknown."""
+        return self._sessions.pop(sid, None)
+
+    @property
+    def session_count(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def queued(self) -> int:
+        with self._cv:
+            return len(self._incoming) + len(self._waiting)
+
+    # ------------------------------------------------------------------ loop thread
+    def _loop(self) -> None:
+        torch.set_num_threads(self._threads)
+        while True:
+            with self._cv:
+                while not (self._stopped or self._incoming or self._active or self._waiting):
+                    self._cv.wait()
+                if self._stopped:
+                    break
+                self._waiting += self._incoming
+                self._incoming.clear()
+            try:
+                self._start_ready()
+                self._prefill()
+                self._decode()
+            except BaseException as e:  # a bug in the loop must not hang every caller
+                for job in self._waiting + self._active:
+                    job.sink.error(e)
+                self._waiting, self._active = [], []
+            if self._waiting and not self._active:
+                time.sleep(0.002)  # only slot waiters left: poll their slots without spinning hot
+        for job in self._waiting + self._active + list(self._incoming):
+            job.sink.error(SessionClosedError("the scheduler stopped"))
+
+    def _busy(self) -> set[int]:
+        return {j.session for j in self._active if j.session is not None}
+
+    def _start_ready(self) -> None:
+        busy = self._busy()
+        still = []
+        for job in self._waiting:
+            if job.session is not None and job.session in busy:
+                still.append(job)  # an earlier request of this session runs first
+                continue
+            try:
+                started = self._start(job)
+            except NoFreeSlotError as e:
+                if time.monotonic() < job.deadline:
+                    still.append(job)
+                else:
+                    job.sink.error(e)
+                continue
+            except CapsuleRTError as e:
+                job.sink.error(e)
+                continue
+            except Exception as e:  # untyped errors reach the caller too, never the loop
+                job.sink.error(e)
+                continue
+            if started and job.session is not None:
+                busy.add(job.session)
+        self._waiting = still
+
+    def _session(self, sid: int | None) -> Session:
+        s = self._sessions.get(sid)
+        if s is None:
+            raise SessionClosedError(f"session {sid} is closed or unknown")
+        return s
+
+    def _adopt(self, s: Session) -> int:
+        sid = next(self._ids)
+        self._sessions[sid] = s
+        return sid
+
+    def _start(self, job: _Job) -> bool:
+        """Run a request's immediate part; True when it continues (prefill or decode) in later steps."""
+        r, eng = job.request, self.engine
+        if isinstance(r, Open):
+            job.session = self._adopt(eng.open(wait_s=0))
+            if r.prompt is not None:
+                job.phases.append(("append", r.prompt))
+        elif isinstance(r, Append):
+            job.phases.append(("append", r.tokens))
+        elif isinstance(r, Generate):
+            job.phases.append(("generate", r.max_new_tokens, r.sampling))
+        elif isinstance(r, Snapshot):
+            s = self._session(r.session)
+            job.sink.done(eng.snapshot(s, r.name, tier=r.tier, pin=r.pin, namespace=r.namespace))
+            return False
+        elif isinstance(r, Restore):
+            if r.into is None:
+                job.session = self._adopt(eng.restore(r.name, r.namespace, wait_s=0))
+            else:
+                eng.restore_into(self._session(r.into), r.name, r.namespace)
+            job.sink.done(SessionInfo(job.session, len(self._session(job.session).tokens)))
+            return False
+        elif isinstance(r, Fork):
+            sessions = eng.fork(r.name, r.n, r.namespace, wait_s=0)
+            job.sink.done([SessionInfo(self._adopt(s), len(s.tokens)) for s in sessions])
+            return False
+        elif isinstance(r, Close):
+            s = self._sessions.pop(r.session, None)
+            if s is not None:
+                s.close()
+            job.sink.done(None)
+            return False
+        elif isinstance(r, Turn):
+            if r.restore is not None:
+                if r.session is None:
+                    job.session = self._adopt(eng.restore(r.restore, r.namespace, wait_s=0))
+                else:
+                    eng.restore_into(self._session(r.session), r.restore, r.namespace)
+            self._session(job.session)
+            if r.suffix is not None:
+                job.phases.append(("append", r.suffix))
+            job.phases.append(("generate", r.max_new_tokens, r.sampling))
+        self._session(job.session)
+        self._active.append(job)
+        try:
+            self._next_phase(job)
+        except BaseException:
+            if job in self._active:
+                self._active.remove(job)
+            if isinstance(r, Open):  # a refused prompt leaves no half-made session behind
+                self._sessions.pop(job.session).close()
+            raise
+        return True
+
+    def _next_phase(self, job: _Job) -> None:
+        """Enter the job's next phase, or finish it."""
+        s = self._sessions.get(job.session)
+        if s is None:
+            self._fail(job, SessionClosedError(f"session {job.session} was closed"))
+            return
+        while job.phases:
+            phase = job.phases.popleft()
+            if phase[0] == "append":
+                job.prefill = self.engine.codec.validate(phase[1], self.engine.config.max_seq - len(s.tokens))
+                return
+            _, n, sampling = phase
+            eng = self.engine
+            eng.check_generate([s], n, [sampling])
+            if not s.tokens:
+                raise InvalidRequestError("the session is empty; append a prompt before generating")
+            job.stream = DecodeStream(eng, s, n, sampling)
+            if job.stream.done:
+                break
+            return
+        self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        self._active.remove(job)
+        r, s = job.request, self._sessions.get(job.session)
+        if job.stream is not None:
+            res: GenerateResult = job.stream.result
+            res.session = job.session
+            res.length = len(s.tokens) if s is not None else res.length
+            if isinstance(r, Turn) and r.close and s is not None:
+                self._sessions.pop(job.session, None)
+                s.close()
+                res.session = None
+            job.sink.done(res)
+        else:
+            job.sink.done(SessionInfo(job.session, len(s.tokens)))
+
+    def _fail(self, job: _Job, e: BaseException) -> None:
+        if job in self._active:
+            self._active.remove(job)
+        job.sink.error(e)
+
+    def _prefill(self) -> None:
+        budget = self.budget
+        for job in [j for j in self._active if j.prefill is not None]:
+            if budget <= 0:
+                break
+            s = self._sessions.get(job.session)
+            try:
+                if s is None:
+                    raise SessionClosedError(f"session {job.session} was closed")
+                while job.prefill and budget > 0:
+                    P, chunk = len(s.tokens), self.engine.chunk
+                    end = min(P + len(job.prefill), (P // chunk + 1) * chunk)  # cut at the next grid point
+                    piece, job.prefill = job.prefill[:end - P], job.prefill[end - P:]
+                    self.engine.append(s, piece)
+                    budget -= end - P // chunk * chunk
+                if not job.prefill:
+                    job.prefill = None
+                    self._next_phase(job)
+            except BaseException as e:
+                self._fail(job, e)
+
+    def _decode(self) -> None:
+        jobs = [j for j in self._active if j.stream is not None and not j.stream.done and j.prefill is None]
+        if not jobs:
+            return
+        self.steps += 1
+        by_stream = {id(j.stream): j for j in jobs}
+        events = advance(self.engine, [j.stream for j in jobs],
+                         should_stop=lambda st: by_stream[id(st)].cancelled)
+        for st, ev in events:
+            job = by_stream[id(st)]
+            if job.sink.event is not None:
+                job.sink.event(ev)
+        for j in jobs:
+            if j.stream.done:
+                self._finish(j)

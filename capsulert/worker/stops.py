@@ -1,0 +1,86 @@
+"""When a generate stops, and the incremental text it produces.
+
+EOS ids come from the checkpoint's config.json and generation_config.json (either may hold an int or a
+list); SamplingParams adds stop token ids and stop strings. Stop strings are matched on the incrementally
+detokenized output, so a string split across tokens is found once its last piece arrives.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Sequence
+
+from capsulert.worker.sampler import SamplingParams
+
+# a byte-level BPE token can end inside a UTF-8 character; the decoder shows it as U+FFFD until the rest
+# arrives, so text ending in it is held back
+_PARTIAL = "\ufffd"
+
+
+def eos_ids_from_checkpoint(path: Path | None, config_eos: int | None) -> tuple[int, ...]:
+    ids: list[int] = [] if config_eos is None else [config_eos]
+    if path is not None:
+        for name in ("config.json", "generation_config.json"):
+            f = Path(path) / name
+            if not f.is_file():
+                continue
+            try:
+                data = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            for d in (data, data.get("text_config") or {}):
+                value = d.get("eos_token_id") if isinstance(d, dict) else None
+                for v in (value if isinstance(value, list) else [value]):
+                    if isinstance(v, int) and not isinstance(v, bool) and v not in ids:
+                        ids.append(v)
+    return tuple(ids)
+
+
+class TextStream:
+    """Incremental detokenization of a generate's output."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str] | None):
+        self._decode = decode
+        self.tokens: list[int] = []
+        self.text = ""
+
+    def push(self, token: int) -> str | None:
+        """The new text `token` completes ("" while a character is incomplete); None without a tokenizer."""
+        self.tokens.append(token)
+        if self._decode is None:
+            return None
+        full = self._decode(self.tokens)
+        if full.endswith(_PARTIAL):
+            return ""
+        delta = full[len(self.text):] if full.startswith(self.text) else full
+        self.text = full
+        return delta
+
+
+class StopRule:
+    def __init__(self, params: SamplingParams, eos_ids: Sequence[int], max_new_tokens: int):
+        self.params = params
+        self.ids = {} if params.ignore_eos else {t: "eos" for t in eos_ids}
+        self.ids.update({t: "stop_token" for t in params.stop_token_ids if t not in self.ids})
+        self.max_new = max_new_tokens
+        self.longest_stop = max((len(s) for s in params.stop), default=0)
+        self.stop_at: int | None = None  # where the matched stop string starts in the text
+
+    def check(self, token: int, produced: int, text: TextStream, delta: str | None) -> str | None:
+        """The stop reason after `token` (the produced-th token), or None to go on."""
+        if token in self.ids:
+            return self.ids[token]
+        if self.params.stop and delta:
+            window_start = max(0, len(text.text) - len(delta) - self.longest_stop + 1)
+            hits = [i for i in (text.text.find(s, window_start) for s in self.params.stop) if i >= 0]
+            if hits:
+                self.stop_at = min(hits)
+                return "stop_string"
+        if produced >= self.max_new:
+            return "length"
+        return None
+
+    def final_text(self, text: TextStream) -> str | None:
+        if text._decode is None:
+            return None
+        return text.text[:self.stop_at] if self.stop_at is not None else text.text

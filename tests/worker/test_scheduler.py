@@ -1,0 +1,181 @@
+"""The step scheduler and AsyncEngine: concurrent callers batched exactly, streaming, stops, logprobs,
+queue bound, slot waits, prefill interleaved with decode."""
+import asyncio
+import time
+
+import pytest
+import torch
+
+from capsulert.errors import NoFreeSlotError, QueueFullError
+from capsulert.worker.async_engine import AsyncEngine
+from capsulert.worker.sampler import SamplingParams
+from capsulert.worker.verbs import FinalEvent, Open, TokenEvent
+
+NOEOS = SamplingParams(ignore_eos=True)
+
+
+@pytest.fixture
+def corpus(engine):
+    from capsulert.worker.default_model import CORPUS_PATH
+
+    return engine.tokenize(CORPUS_PATH.read_text()[:30000])
+
+
+async def _agent(aeng, corpus, i, log):
+    """One independent caller: open, generate, append, generate, snapshot, restore, generate (7 requests)."""
+    params = SamplingParams(temperature=0.9, seed=i, ignore_eos=True) if i % 2 else NOEOS
+    prompt = corpus[i * 97:i * 97 + 20 + 13 * i]
+    s = await aeng.open(prompt)
+    a = await s.generate(5 + i % 7, params)
+    await s.append(corpus[5000 + i * 11:5000 + i * 11 + 9])
+    b = await s.generate(4 + i % 5, params)
+    await s.snapshot(f"agent{i}")
+    r = await aeng.restore(f"agent{i}")
+    c = await r.generate(3, params)
+    await s.close()
+    await r.close()
+    log[i] = (prompt, params, a, b, c)
+
+
+def _solo(engine, corpus, i, prompt, params):
+    s = engine.open()
+    s.append(prompt)
+    a = engine.generate([s], 5 + i % 7, [params])[0]
+    s.append(corpus[5000 + i * 11:5000 + i * 11 + 9])
+    b = engine.generate([s], 4 + i % 5, [params])[0]
+    s.snapshot(f"solo{i}")
+    r = engine.restore(f"solo{i}")
+    c = engine.generate([r], 3, [params])[0]
+    s.close()
+    r.close()
+    return a, b, c
+
+
+async def test_concurrent_requests_equal_their_solo_runs(make_engine, corpus):
+    """16 independent tasks x 7 requests = 112 requests of mixed verbs, batched by the scheduler."""
+    async with AsyncEngine(make_engine(slots=32, max_seq=512)) as aeng:
+        log = {}
+        await asyncio.gather(*(_agent(aeng, corpus, i, log) for i in range(16)))
+        assert aeng.scheduler.steps < sum(len(x.tokens) for v in log.values() for x in v[2:])  # shared steps
+    solo_engine = make_engine(slots=2, max_seq=512)
+    for i, (prompt, params, *got) in log.items():
+        want = _solo(solo_engine, corpus, i, prompt, params)
+        for g, w in zip(got, want):
+            assert g.tokens == w.tokens and g.logprobs == w.logprobs, i
+            assert g.stop_reason == w.stop_reason == "length"
+
+
+async def test_stream_is_ordered_complete_and_cancellable(make_engine, corpus):
+    async with AsyncEngine(make_engine()) as aeng:
+        s = await aeng.open(corpus[:40])
+        events = [ev async for ev in s.stream(12, NOEOS)]
+        tokens = [e.token for e in events if isinstance(e, TokenEvent)]
+        final = events[-1]
+        assert isinstance(final, FinalEvent) and final.result.tokens == tokens
+        assert [e.index for e in events[:-1]] == list(range(12))
+        assert "".join(e.text for e in events[:-1]) == final.result.text == aeng.engine.detokenize(tokens)
+        assert final.result.stop_reason == "length" and final.result.length == 52
+
+        t = await aeng.open(corpus[:40])
+        got = []
+        async for ev in t.stream(500, NOEOS):
+            got.append(ev.token)
+            if len(got) == 3:
+                break  # closes the iterator: the generate stops at the next token boundary
+        await asyncio.sleep(0.05)
+        more = await t.generate(4, NOEOS)  # runs after the cancelled one finished; its tokens are kept
+        committed = more.length - 40 - 4
+        assert 3 <= committed < 500
+        ref = aeng.engine.open()
+        ref.append(corpus[:40])
+        full = ref.generate(committed + 4, NOEOS)
+        assert full[:3] == got and full[committed:] == more.tokens
+
+
+async def test_stop_strings_eos_and_stop_ids(make_engine, corpus):
+    async with AsyncEngine(make_engine(slots=8)) as aeng:
+        s = await aeng.open(corpus[:60])
+        free = await s.generate(16, NOEOS)
+        text = aeng.engine.detokenize
+        # a stop string spanning the boundary between tokens 5 and 6
+        left, right = text(free.tokens[:6]), text(free.tokens[:7])
+        stop = left[-2:] + right[len(left):len(left) + 2]
+        assert len(stop) >= 3
+        r = await aeng.open(corpus[:60])
+        res = await r.generate(16, SamplingParams(stop=[stop], ignore_eos=True))
+        assert res.stop_reason == "stop_string" and res.tokens == free.tokens[:7]
+        assert stop not in res.text and res.text == text(free.tokens[:7])[:text(free.tokens[:7]).find(stop)]
+        # EOS ids stop by default; ignore_eos opts out; stop_token_ids stop too
+        aeng.engine.eos_token_ids = (free.tokens[3],)
+        e = await aeng.open(corpus[:60])
+        res = await e.generate(16)
+        first = free.tokens.index(free.tokens[3])
+        assert res.stop_reason == "eos" and res.tokens == free.tokens[:first + 1]
+        f = await aeng.open(corpus[:60])
+        assert (await f.generate(16, NOEOS)).tokens == free.tokens
+        g = await aeng.open(corpus[:60])
+        res = await g.generate(16, SamplingParams(stop_token_ids=[free.tokens[9]], ignore_eos=True))
+        assert res.stop_reason == "stop_token" and res.tokens[-1] == free.tokens[9]
+
+
+async def test_logprobs_are_log_softmax_of_the_logits(make_engine, corpus):
+    engine = make_engine()
+    ref = engine.open()
+    logits = ref.append(corpus[:30])
+    ref.close()
+    async with AsyncEngine(engine) as aeng:
+        s = await aeng.open(corpus[:30])
+        res = await s.generate(2, SamplingParams(logprobs=3, ignore_eos=True))
+    lp = torch.log_softmax(logits, -1)
+    assert res.logprobs[0] == pytest.approx(float(lp[res.tokens[0]]), abs=1e-6)
+    top = torch.topk(lp, 3)
+    assert [t for t, _ in res.top_logprobs[0]] == top.indices.tolist()
+    assert [v for _, v in res.top_logprobs[0]] == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert len(res.top_logprobs) == 2
+
+
+async def test_queue_bound(make_engine, corpus):
+    async with AsyncEngine(make_engine(slots=1, slot_wait_s=0.5), max_queue=2) as aeng:
+        await aeng.open(corpus[:20])
+        waiting = [asyncio.ensure_future(aeng.submit(Open())) for _ in range(2)]  # no slot: they queue
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFullError):
+            await aeng.submit(Open())
+        for w in waiting:  # and give up after slot_wait_s
+            with pytest.raises(NoFreeSlotError):
+                await w
+
+
+async def test_a_restore_waiting_for_a_slot_gets_the_one_a_close_frees(make_engine, corpus):
+    async with AsyncEngine(make_engine(slots=1, slot_wait_s=5.0)) as aeng:
+        s = await aeng.open(corpus[:20])
+        await s.snapshot("c")
+        waiting = asyncio.ensure_future(aeng.restore("c"))  # no free slot: waits without blocking
+        await asyncio.sleep(0.1)
+        assert (await s.generate(2, NOEOS)).length == 22  # the loop still serves other work
+        t0 = time.monotonic()
+        await s.close()
+        r = await asyncio.wait_for(waiting, 1.0)  # gets the slot the close freed
+        assert time.monotonic() - t0 < 1.0 and r.length == 20
+
+
+async def test_long_prefill_does_not_stall_decoding(make_engine, corpus):
+    async with AsyncEngine(make_engine(max_seq=2048)) as aeng:
+        decoder = await aeng.open(corpus[:20])
+        times = []
+
+        async def decode():
+            async for ev in decoder.stream(60, NOEOS):
+                times.append(time.monotonic())
+
+        task = asyncio.ensure_future(decode())
+        while not times:
+            await asyncio.sleep(0.001)
+        long = await aeng.open()
+        await long.append(corpus[:1500])  # 12 chunks of 128, one per step
+        done = time.monotonic()
+        await task
+        assert sum(t < done for t in times) >= 10  # tokens kept coming while the prefill ran
+        ref = aeng.engine.open()
+        ref.append(corpus[:1500])
+        assert torch.equal(ref.logits(), aeng.engine.logits(aeng.scheduler.session(long.id)))
