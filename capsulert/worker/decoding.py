@@ -43,7 +43,13 @@ class DecodeStream:
 
 def advance(engine: "Engine", streams: list[DecodeStream],
             should_stop: Callable[[DecodeStream], bool] | None = None) -> list[tuple[DecodeStream, TokenEvent]]:
-    """One token for every live stream. Returns the (stream, event) pairs produced, in stream order."""
+    """One token for every live stream. Returns the (stream, event) pairs produced, in stream order. Holds
+    the engine lock throughout: the graphs' static inputs and outputs are shared by every step."""
+    with engine.lock:
+        return _advance(engine, streams, should_stop)
+
+
+def _advance(engine, streams, should_stop):
     live = []
     for st in streams:
         if st.done:
@@ -61,9 +67,9 @@ def advance(engine: "Engine", streams: list[DecodeStream],
     for group in groups:
         draws = sample_rows(engine.pad_logits([st.logits for st in group]),
                             [RowDraw(st.params, st.seed, len(st.session.tokens)) for st in group])
-        block = engine.decode([st.session for st in group], draws.tokens)
-        if len(groups) > 1:
-            block = block.clone()  # the next group's replay reuses the graph's output buffer
+        # copied out of the graph's output buffer: the next group's replay, or another thread's step between
+        # ours, reuses it
+        block = engine.decode([st.session for st in group], draws.tokens)[:len(group)].clone()
         for r, st in enumerate(group):
             token = draws.tokens[r]
             st.logits = block[r]

@@ -190,6 +190,13 @@ class Engine:
             self._slot_freed.notify_all()
 
     @property
+    def lock(self) -> threading.RLock:
+        """The engine's re-entrant lock. Every verb holds it; hold it yourself to run several steps as one
+        (the step scheduler holds it for a whole decode step: sampling reads the logits a CUDA graph left
+        in its static output buffer, which another thread's step would overwrite)."""
+        return self._lock
+
+    @property
     def free_slots(self) -> int:
         return len(self._free)
 
