@@ -2,9 +2,12 @@
 
 n_envs sessions are forked from C0 once and reused: reset(i) restores C0 into env i's session in place
 (no slot is taken or given back, no capsule is made), step(i, observation) appends the observation and
-generates the action in one actor call. In run(), the envs' steps are gathered into batches: one actor
-call restores (for an episode's first step), appends each env's observation and decodes all the envs
-together, one batched decode step per token. Thousands of resets leave slot and capsule counts unchanged.
+generates the action in one request. Each env submits its own requests (an episode's first step also
+restores C0); the worker's step scheduler batches the envs' decodes, one batched step per token, without
+the driver batching anything. Thousands of resets leave slot and capsule counts unchanged.
+
+The sampling callable gets the real (episode, step); an action is a GenerateResult: the tokens, with
+their logprobs under the raw model distribution and the stop reason.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from capsulert.errors import InvalidRequestError
 from capsulert.orchestrator.config import int_arg, name_arg, sampling_arg, tokens_arg
 from capsulert.orchestrator.schedulers import _maybe_await
 from capsulert.worker.sampler import SamplingParams
+from capsulert.worker.verbs import GenerateResult
 
 Sampling = SamplingParams | dict | None | Callable[[int, int], Any]
 
@@ -24,7 +28,7 @@ Sampling = SamplingParams | dict | None | Callable[[int, int], Any]
 class Trajectory:
     episode: int
     env: int
-    steps: list[tuple[Any, list[int]]] = field(default_factory=list)  # (observation, action tokens)
+    steps: list[tuple[Any, GenerateResult]] = field(default_factory=list)  # (observation, action)
 
 
 class EpisodeDriver:
@@ -35,10 +39,13 @@ class EpisodeDriver:
         self.sampling = sampling
         self.sessions: list = []
         self.resets = 0
+        self._episodes = 0  # episodes begun by reset()
+        self._at: list[list[int]] = []  # per env: [episode, step] that step() samples for
 
     async def start(self) -> "EpisodeDriver":
         if not self.sessions:
             self.sessions = await self.orch.fork(self.capsule, self.n_envs)
+            self._at = [[-1, 0] for _ in range(self.n_envs)]
         return self
 
     async def close(self) -> None:
@@ -63,14 +70,21 @@ class EpisodeDriver:
         return sampling_arg(sp(episode, step) if callable(sp) else sp)
 
     async def reset(self, i: int) -> None:
-        """Env i's session back to C0, in place."""
+        """Env i's session back to C0, in place; a new episode begins there."""
         await self._env(i).restore(self.capsule)
         self.resets += 1
+        self._at[i] = [self._episodes, 0]
+        self._episodes += 1
 
-    async def step(self, i: int, observation, max_new_tokens: int | None = None, sampling: Sampling = None) -> list[int]:
-        """Append the observation to env i, generate the action tokens (one actor call)."""
+    async def step(self, i: int, observation, max_new_tokens: int | None = None,
+                   sampling: Sampling = None) -> GenerateResult:
+        """Append the observation to env i and generate the action (one request); a sampling callable gets
+        env i's (episode, step)."""
         n = self.max_new_tokens if max_new_tokens is None else int_arg(max_new_tokens, "max_new_tokens", 0)
-        return await self._env(i).append_generate(observation, n, self._sampling(sampling, 0, 0))
+        sess = self._env(i)
+        episode, t = self._at[i]
+        self._at[i][1] += 1
+        return await sess.turn(observation, n, self._sampling(sampling, episode, t))
 
     async def run(self, policy_fn: Callable[[int, int, list[int] | None], Any], episodes: int,
                   max_steps: int = 16) -> list[Trajectory]:
@@ -82,11 +96,11 @@ class EpisodeDriver:
         Returns trajectories in episode order."""
         episodes, max_steps = int_arg(episodes, "episodes", 0), int_arg(max_steps, "max_steps", 1)
         await self.start()
-        batch = _StepBatcher(self.orch, self.sessions[0].worker, self.max_new_tokens)
         queue: asyncio.Queue[int] = asyncio.Queue()
         for e in range(episodes):
             queue.put_nowait(e)
         out: dict[int, Trajectory] = {}
+        n = self.max_new_tokens
 
         async def env_loop(i: int) -> None:
             sess = self.sessions[i]
@@ -100,7 +114,9 @@ class EpisodeDriver:
                 if obs is None:
                     await self.reset(i)
                     continue
-                action = await batch.submit(sess, self.capsule, tokens_arg(obs, "observation"), self._sampling(None, ep, 0))
+                # the episode's first step restores C0 in the same request (an in-place reset)
+                action = await sess.turn(tokens_arg(obs, "observation"), n, self._sampling(None, ep, 0),
+                                         restore=self.capsule)
                 self.resets += 1
                 for t in range(1, max_steps + 1):
                     traj.steps.append((obs, action))
@@ -109,46 +125,7 @@ class EpisodeDriver:
                     obs = await _maybe_await(policy_fn(ep, t, action))
                     if obs is None:
                         break
-                    action = await batch.submit(sess, None, tokens_arg(obs, "observation"), self._sampling(None, ep, t))
+                    action = await sess.turn(tokens_arg(obs, "observation"), n, self._sampling(None, ep, t))
 
         await asyncio.gather(*(env_loop(i) for i in range(self.n_envs)))
         return [out[e] for e in range(episodes)]
-
-
-class _StepBatcher:
-    """Gathers the steps the env loops submit while a batch is in flight into the next batch (one
-    step_many actor call). The driver owns its sessions, so it bypasses their per-session locks."""
-
-    def __init__(self, orch, worker: int, max_new_tokens: int):
-        self.orch, self.worker, self.max_new = orch, worker, max_new_tokens
-        self.pending: list = []
-        self.draining = False
-
-    async def submit(self, sess, restore: str | None, tokens, sampling: dict | None) -> list[int]:
-        fut = asyncio.get_running_loop().create_future()
-        self.pending.append((sess, restore, tokens, sampling, fut))
-        if not self.draining:
-            self.draining = True
-            asyncio.ensure_future(self._drain())
-        return await fut
-
-    async def _drain(self) -> None:
-        try:
-            await asyncio.sleep(0)  # let every env that is ready enqueue its step
-            while self.pending:
-                batch, self.pending = self.pending, []
-                try:
-                    res = await self.orch._call(self.worker, "step_many", [(b[0].sid, b[1], b[2]) for b in batch],
-                                                self.max_new, [b[3] for b in batch], namespace=self.orch.ns)
-                except BaseException as e:  # noqa: BLE001 - handed to every waiter
-                    for b in batch:
-                        if not b[4].done():
-                            b[4].set_exception(e)
-                    continue
-                for b, r in zip(batch, res):
-                    b[0]._take(r)
-                    if not b[4].done():
-                        b[4].set_result(r["tokens"])
-                await asyncio.sleep(0)
-        finally:
-            self.draining = False

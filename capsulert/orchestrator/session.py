@@ -21,7 +21,7 @@ from ray.exceptions import RayTaskError
 from capsulert.errors import CapsuleRTError, SessionClosedError, WorkerLost
 from capsulert.orchestrator.config import int_arg, name_arg, sampling_arg, tier_arg, tokens_arg
 from capsulert.worker.sampler import SamplingParams
-from capsulert.worker.verbs import FinalEvent, Generate, GenerateResult, TokenEvent
+from capsulert.worker.verbs import FinalEvent, Generate, GenerateResult, TokenEvent, Turn
 
 if TYPE_CHECKING:
     from capsulert.orchestrator.namespace import Namespace
@@ -143,6 +143,19 @@ class RemoteSession:
             finally:
                 if not finished:
                     handle.interrupt.remote(self.sid, call_id)  # stops at the next token, tokens committed
+
+    async def turn(self, suffix, max_new_tokens: int, sampling=None, *, restore: str | None = None,
+                   timeout: float | None = None) -> GenerateResult:
+        """[Restore capsule `restore` in place,] append `suffix` (None: nothing) and generate: one request to
+        the worker's step scheduler, batched with every other session's decode (an RL step, an agent turn)."""
+        suffix = None if suffix is None else tokens_arg(suffix, "suffix")
+        n = int_arg(max_new_tokens, "max_new_tokens", 0)
+        if restore is not None:
+            restore = name_arg(restore)
+            self._check()
+            await self._scope._ensure_on(restore, self.worker)
+        request = Turn(self.sid, restore, suffix, n, _sampling(sampling), self._scope.ns)
+        return await self._gen("submit_request", request, timeout=timeout)
 
     async def append_generate(self, tokens_or_text, max_new_tokens: int, sampling=None, *,
                               timeout: float | None = None) -> list[int]:

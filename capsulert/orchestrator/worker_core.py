@@ -174,19 +174,6 @@ class WorkerCore:
         return self.restore_append_generate(name, suffix, max_new, sampling, sid=sid, call_id=call_id,
                                             namespace=namespace)
 
-    def step_many(self, items: list, max_new: int, sampling: list, namespace: str = "default") -> list[dict]:
-        """RL steps of several sessions in one call: for each (sid, capsule to restore or None, tokens
-        to append or None), restore and append; then decode all of them together (batched)."""
-        sessions = []
-        for sid, name, tokens in items:
-            s = self._get(sid)
-            if name is not None:
-                self.engine.restore_into(s, name, namespace)
-            if tokens is not None:
-                s.append(tokens)
-            sessions.append(s)
-        return self._generate(sessions, max_new, sampling, None)
-
     def fork(self, name: str, n: int, namespace: str = "default") -> list[dict]:
         return [{"sid": self._adopt(s), "len": len(s.tokens)} for s in self.engine.fork(name, n, namespace)]
 

@@ -108,3 +108,24 @@ async def test_thousand_resets_leak_nothing(orch, c0):
     assert await drv.step(0, " go") and await drv.step(3, [5, 6])
     await drv.close()
     assert await _counts(orch) == before
+
+
+async def test_episode_driver_step_passes_the_real_episode_and_step(orch, c0):
+    """step() gives the sampling callable env i's (episode, step): episodes sampled at temperature 1 differ,
+    and every action carries its logprobs and stop reason."""
+    seen = []
+
+    def sampling(ep, step):
+        seen.append((ep, step))
+        return SamplingParams(temperature=1.0, seed=1000 * ep + step, ignore_eos=True)
+
+    async with EpisodeDriver(orch, c0, n_envs=1, max_new_tokens=6, sampling=sampling) as drv:
+        actions = []
+        for _ in range(3):
+            await drv.reset(0)
+            first = await drv.step(0, " look around")
+            await drv.step(0, " and again")
+            actions.append(list(first))
+            assert len(first.logprobs) == 6 and first.stop_reason == "length"
+    assert seen == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert len({tuple(a) for a in actions}) == 3  # three episodes, three different samples
