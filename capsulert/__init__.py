@@ -21,7 +21,7 @@ _EXPORTS: dict[str, str] = {
     "TierBudgets": "capsulert.worker.engine_config",
     "SamplingParams": "capsulert.worker.sampler",
     "Session": "capsulert.worker.session",
-    "ModelConfig": "capsulert.config",
+    "ModelConfig": "capsulert.model_config",
     # capsules: what snapshot and the store's listing return
     "CapsuleRef": "capsulert.capsule_store.capsule",
     "CapsuleInfo": "capsulert.capsule_store.capsule",
@@ -29,9 +29,9 @@ _EXPORTS: dict[str, str] = {
     "CapsuleStore": "capsulert.capsule_store.store",
     # async API (Ray)
     "Orchestrator": "capsulert.orchestrator.orchestrator",
-    "OrchestratorConfig": "capsulert.orchestrator.config",
+    "OrchestratorConfig": "capsulert.orchestrator.orchestrator_config",
     "Namespace": "capsulert.orchestrator.namespace",
-    "RemoteSession": "capsulert.orchestrator.session",
+    "RemoteSession": "capsulert.orchestrator.remote_session",
     "GenerateResult": "capsulert.worker.verbs",
     "TokenEvent": "capsulert.worker.verbs",
     "FinalEvent": "capsulert.worker.verbs",
@@ -75,13 +75,13 @@ if TYPE_CHECKING:  # static view of the lazy names for type checkers and IDEs (p
     from capsulert import errors
     from capsulert.capsule_store.capsule import CapsuleInfo, CapsuleMeta, CapsuleRef
     from capsulert.capsule_store.store import CapsuleStore
-    from capsulert.config import ModelConfig
-    from capsulert.orchestrator.config import OrchestratorConfig
+    from capsulert.model_config import ModelConfig
+    from capsulert.orchestrator.orchestrator_config import OrchestratorConfig
     from capsulert.orchestrator.episodes import EpisodeDriver, Trajectory
     from capsulert.orchestrator.namespace import Namespace
     from capsulert.orchestrator.orchestrator import Orchestrator
     from capsulert.orchestrator.schedulers import Candidate, Node, Thought, best_of_n, tree_search
-    from capsulert.orchestrator.session import RemoteSession
+    from capsulert.orchestrator.remote_session import RemoteSession
     from capsulert.worker.async_engine import AsyncEngine
     from capsulert.worker.verbs import FinalEvent, GenerateResult, TokenEvent
     from capsulert.worker.engine import Engine

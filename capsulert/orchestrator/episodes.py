@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from capsulert.errors import InvalidRequestError
-from capsulert.orchestrator.config import int_arg, name_arg, sampling_arg, tokens_arg
+from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, sampling_arg, tokens_arg
 from capsulert.orchestrator.schedulers import _maybe_await
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.verbs import GenerateResult

@@ -19,9 +19,9 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from capsulert.errors import InvalidRequestError
-from capsulert.orchestrator.config import int_arg, name_arg, sampling_arg, samplings_arg, tokens_arg
+from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, sampling_arg, samplings_arg, tokens_arg
 from capsulert.orchestrator.router import CapsuleRouter, _Space
-from capsulert.orchestrator.session import RemoteSession
+from capsulert.orchestrator.remote_session import RemoteSession
 
 if TYPE_CHECKING:
     from capsulert.orchestrator.orchestrator import Orchestrator

@@ -23,10 +23,10 @@ from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutErr
 from capsulert.capsule_store import validate_name
 from capsulert.capsule_store.owner import DirLock
 from capsulert.errors import CapsuleRTError, ConfigError, WorkerLost
-from capsulert.orchestrator.config import OrchestratorConfig
+from capsulert.orchestrator.orchestrator_config import OrchestratorConfig
 from capsulert.orchestrator.namespace import Namespace
 from capsulert.orchestrator.router import _Space
-from capsulert.orchestrator.session import GenerateResult, RemoteSession
+from capsulert.orchestrator.remote_session import GenerateResult, RemoteSession
 from capsulert.orchestrator.worker_actor import WorkerActor
 
 _LOST = (RayActorError, WorkerCrashedError, ObjectLostError, GetTimeoutError)

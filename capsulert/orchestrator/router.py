@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from capsulert.errors import ConfigError, DuplicateCapsuleError, UnknownCapsuleError, WorkerLost
-from capsulert.orchestrator.config import name_arg, tier_arg
+from capsulert.orchestrator.orchestrator_config import name_arg, tier_arg
 
 
 class NameLocks:

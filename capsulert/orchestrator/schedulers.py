@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 from capsulert.errors import InvalidRequestError
-from capsulert.orchestrator.config import int_arg, name_arg, sampling_arg, samplings_arg, seeded, tokens_arg
+from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, sampling_arg, samplings_arg, seeded, tokens_arg
 from capsulert.worker.sampler import SamplingParams
 
 

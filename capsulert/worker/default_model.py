@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from capsulert.config import ModelConfig
+from capsulert.model_config import ModelConfig
 from capsulert.errors import ModelLoadError
 from capsulert.worker.loader import CONFIG_FILE, SINGLE_FILE, TOKENIZER_FILE, expected_shapes
 

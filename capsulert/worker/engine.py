@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 from pydantic import ValidationError
 
-from capsulert.config import ModelConfig
+from capsulert.model_config import ModelConfig
 from capsulert.errors import (
     ConfigError,
     ForeignSessionError,

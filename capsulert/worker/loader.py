@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from capsulert.config import FULL, LINEAR, ModelConfig
+from capsulert.model_config import FULL, LINEAR, ModelConfig
 from capsulert.errors import ModelLoadError
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from capsulert.config import FULL, ModelConfig
+from capsulert.model_config import FULL, ModelConfig
 from capsulert.kernels.ops import KernelSet, reference_kernels
 from capsulert.worker.state import StateSet
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from capsulert.config import ModelConfig
+from capsulert.model_config import ModelConfig
 
 LAYOUT_VERSION = 2  # 2: capsules hold the live state at P and KV [0, P), plus the grid checkpoint off the grid
 

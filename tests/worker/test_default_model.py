@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import capsulert.worker.default_model as dm
-from capsulert.config import ModelConfig
+from capsulert.model_config import ModelConfig
 from capsulert.worker.loader import load_checkpoint, load_tokenizer, weights_fingerprint
 
 pytestmark = pytest.mark.usefixtures("hf_on_cpu")  # HF runs its torch path on the CPU

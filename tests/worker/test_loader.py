@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from capsulert.config import ModelConfig
+from capsulert.model_config import ModelConfig
 from capsulert.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from capsulert.worker.loader import expected_shapes, load_checkpoint, load_tokenizer, weights_fingerprint
 

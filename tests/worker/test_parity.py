@@ -6,7 +6,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from capsulert.config import ModelConfig
+from capsulert.model_config import ModelConfig
 from capsulert.worker.default_model import REPO_ROOT, init_weights
 from capsulert.worker.engine import Engine
 

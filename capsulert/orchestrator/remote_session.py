@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from ray.exceptions import RayTaskError
 
 from capsulert.errors import CapsuleRTError, SessionClosedError, WorkerLost
-from capsulert.orchestrator.config import int_arg, name_arg, sampling_arg, tier_arg, tokens_arg
+from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, sampling_arg, tier_arg, tokens_arg
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.verbs import FinalEvent, Generate, GenerateResult, TokenEvent, Turn
 
