@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from contextlib import asynccontextmanager
 import random
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
@@ -79,13 +80,18 @@ class RemoteSession:
             await self._settle()
             return await self._orch._call(self.worker, method, self.sid, *args, timeout=timeout, **kwargs)
 
-    async def _gen(self, method: str, *args, timeout: float | None = None, **kwargs) -> GenerateResult:
+    @asynccontextmanager
+    async def _generating(self):
+        """The session's turn to run a generate: its lock held, the previous call settled, the worker
+        checked; yields the actor handle and a fresh call id (what an interrupt names)."""
         self._check()
         async with self._lock:
             await self._settle()
             await self._orch._check_worker(self.worker)
-            call_id = next(_call_ids)
-            handle = self._orch.workers[self.worker].handle
+            yield self._orch.workers[self.worker].handle, next(_call_ids)
+
+    async def _gen(self, method: str, *args, timeout: float | None = None, **kwargs) -> GenerateResult:
+        async with self._generating() as (handle, call_id):
             if method == "submit_request":  # a typed request for the worker's step scheduler
                 ref = handle.submit_request.remote(*args, call_id=call_id)
             else:
@@ -122,12 +128,7 @@ class RemoteSession:
         generate at the next token boundary with the produced tokens committed."""
         n = int_arg(max_new_tokens, "max_new_tokens", 0)
         request = Generate(self.sid, n, _sampling(sampling))
-        self._check()
-        async with self._lock:
-            await self._settle()
-            await self._orch._check_worker(self.worker)
-            call_id = next(_call_ids)
-            handle = self._orch.workers[self.worker].handle
+        async with self._generating() as (handle, call_id):
             finished = False
             try:
                 async for ref in handle.stream_request.remote(request, call_id=call_id):
