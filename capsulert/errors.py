@@ -64,6 +64,14 @@ class IncompatibleCapsuleError(CapsuleError):
     """The capsule was made by another model (fingerprint) or another state layout version."""
 
 
+class StaleCapsuleError(IncompatibleCapsuleError):
+    """The capsule was made under older weights of this model (before an update_weights); rebuild it."""
+
+
+class WeightUpdateError(ModelLoadError):
+    """New weights do not match the model (names, shapes, dtypes); the engine was left unchanged."""
+
+
 class CorruptCapsuleError(CapsuleError):
     """A capsule file is truncated, malformed or fails its checksum."""
 

@@ -102,6 +102,19 @@ def _is_num(v: object) -> bool:
         return False
 
 
+WEIGHTS_MARK = "@w"  # fingerprint = "<model>" for the loaded weights, "<model>@w<N>" after N weight updates
+
+
+def model_of(fingerprint: str) -> str:
+    """The model part of a fingerprint (which weights version made it aside)."""
+    return fingerprint.split(WEIGHTS_MARK, 1)[0]
+
+
+def weights_version_of(fingerprint: str) -> int:
+    _, _, v = fingerprint.partition(WEIGHTS_MARK)
+    return int(v) if v.isdigit() else 0
+
+
 @dataclass(frozen=True)
 class CapsuleMeta:
     """Everything that describes a capsule except its tensors. Validated on construction (ValueError

@@ -25,6 +25,7 @@ from capsulert.capsule_store.capsule import (
     FILE_SUFFIX,
     CapsuleMeta,
     capsule_file_name,
+    model_of,
     tensor_nbytes,
     tensors_checksum,
 )
@@ -220,7 +221,7 @@ def read_capsule(path: str | Path, expected_fingerprint: str, expected_layout: i
     """
     path = Path(path)
     meta, header = read_header(path, max_bytes)
-    if meta.fingerprint != expected_fingerprint:
+    if model_of(meta.fingerprint) != model_of(expected_fingerprint):
         raise IncompatibleCapsuleError(
             f"capsule {meta.namespace}/{meta.name} was made by model {meta.fingerprint!r}, this store "
             f"serves {expected_fingerprint!r}; load it with the model that made it")

@@ -15,8 +15,8 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from capsulert.capsule_store.capsule import (CapsuleInfo, CapsuleMeta, CapsuleRef, TensorSpec, tensor_nbytes,
-                                             tensor_specs, validate_name)
+from capsulert.capsule_store.capsule import (CapsuleInfo, CapsuleMeta, CapsuleRef, TensorSpec, model_of,
+                                             tensor_nbytes, tensor_specs, validate_name)
 from capsulert.capsule_store.disk import fsync_dir, stage_capsule
 from capsulert.capsule_store.owner import ensure_directory
 from capsulert.capsule_store.plan import Entry, Plan
@@ -57,7 +57,8 @@ class CapsuleStore(Persistence):
         write is synchronous: the file is durable when put returns."""
         tier = tier_name(tier)
         key = (validate_name(meta.namespace, "namespace"), validate_name(meta.name))
-        if meta.fingerprint != self.fingerprint or meta.layout_version != self.layout_version:
+        # the model must match; the weights version may be older (the engine refuses those as stale)
+        if model_of(meta.fingerprint) != model_of(self.fingerprint) or meta.layout_version != self.layout_version:
             raise IncompatibleCapsuleError(
                 f"capsule {meta.name!r} is for model {meta.fingerprint!r} layout {meta.layout_version}; this "
                 f"store serves {self.fingerprint!r} layout {self.layout_version}")

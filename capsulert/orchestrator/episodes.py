@@ -1,6 +1,6 @@
 """EpisodeDriver: RL rollouts against one start capsule C0.
 
-n_envs sessions are forked from C0 once and reused: reset(i) restores C0 into env i's session in place
+n_envs sessions are forked from C0 once, spread over every worker (C0 is copied to each once), and reused: reset(i) restores C0 into env i's session in place
 (no slot is taken or given back, no capsule is made), step(i, observation) appends the observation and
 generates the action in one request. Each env submits its own requests (an episode's first step also
 restores C0); the worker's step scheduler batches the envs' decodes, one batched step per token, without
@@ -44,7 +44,7 @@ class EpisodeDriver:
 
     async def start(self) -> "EpisodeDriver":
         if not self.sessions:
-            self.sessions = await self.orch.fork(self.capsule, self.n_envs)
+            self.sessions = await self.orch.fork_spread(self.capsule, self.n_envs)
             self._at = [[-1, 0] for _ in range(self.n_envs)]
         return self
 

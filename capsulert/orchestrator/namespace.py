@@ -65,6 +65,19 @@ class Namespace(CapsuleRouter):
         w = self._least_loaded(self._holders(name))
         return [self._session(w, r) for r in await self._orch._call(w, "fork", name, n, namespace=self.ns)]
 
+    async def fork_spread(self, name: str, n: int) -> list[RemoteSession]:
+        """n sessions from capsule `name`, spread evenly over every live worker (the capsule is copied to a
+        worker that lacks it, once): RL envs, independent agents that need not decode together."""
+        name, n = name_arg(name), int_arg(n, "n", 1)
+        self._holders(name)
+        alive = [w.index for w in self._orch.workers if w.lost is None]
+        share = {w: n // len(alive) + (i < n % len(alive)) for i, w in enumerate(alive)}
+        share = {w: k for w, k in share.items() if k}
+        await asyncio.gather(*(self._ensure_on(name, w) for w in share))
+        groups = await asyncio.gather(*(self._orch._call(w, "fork", name, k, namespace=self.ns)
+                                        for w, k in share.items()))
+        return [self._session(w, r) for w, rows in zip(share, groups) for r in rows]
+
     async def restore_append_generate(self, name: str, suffix, max_new_tokens: int, sampling=None, *,
                                       keep: bool = False, timeout: float | None = None):
         """restore + append + generate in one actor call. Returns the tokens, or (session, tokens) with keep=True."""

@@ -271,6 +271,25 @@ class Orchestrator(Namespace):
             return await self._call(w.index, method)
         return list(await asyncio.gather(*(one(w) for w in self.workers)))
 
+    async def update_weights(self, weights, *, rebuild_pinned: bool = False) -> list[int]:
+        """New weights on every worker, in place: a checkpoint directory (each worker reads it) or a
+        mapping of HF names to tensors (sent once through the object store as safetensors bytes). Returns
+        each worker's new weights version. Capsules made before are stale until rebuilt (`rebuild(name)`,
+        or rebuild_pinned=True for the pinned ones). A worker Ray restarts afterwards comes back with the
+        configured weights: update it again."""
+        if isinstance(weights, (str, Path)):
+            payload = str(weights)
+        elif isinstance(weights, dict):
+            from safetensors.torch import save as st_save
+
+            payload = ray.put(st_save({k: v.detach().to("cpu").contiguous() for k, v in weights.items()}))
+        else:
+            from capsulert.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"update_weights takes a checkpoint path or a dict of tensors, got {type(weights).__name__}")
+        alive = [w.index for w in self.workers if w.lost is None]
+        return list(await asyncio.gather(*(self._call(w, "update_weights", payload, rebuild_pinned) for w in alive)))
+
     async def stats(self) -> list[dict]:
         return await self._each_worker("stats")
 

@@ -181,6 +181,11 @@ class CapsuleRouter:
         tier = None if tier is None else tier_arg(tier)
         await self._each_holder(name, "demote", tier)
 
+    async def rebuild(self, name: str) -> None:
+        """Re-derive capsule `name` under the workers' current weights, on every worker holding it (a
+        capsule made before update_weights is refused as stale until then)."""
+        await self._each_holder(name_arg(name), "rebuild")
+
     async def delete(self, name: str) -> None:
         """Delete capsule `name` on every worker holding it (and its persisted file). Waits for the
         snapshots, migrations and moves of that capsule in flight; a restore already queued on a worker

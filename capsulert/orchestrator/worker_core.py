@@ -239,6 +239,29 @@ class WorkerCore:
     def demote(self, name: str, tier: str | None = None, namespace: str = "default") -> None:
         self.engine.store.demote(name, tier, namespace)
 
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, source, rebuild_pinned: bool = False) -> int:
+        """New weights in place (a checkpoint path, or safetensors bytes: never pickle); the new version.
+        Pinned capsules rebuilt under them are persisted again."""
+        if isinstance(source, (bytes, bytearray)):
+            source = st_load(bytes(source))
+        version = self.engine.update_weights(source, rebuild_pinned=rebuild_pinned)
+        if rebuild_pinned:
+            for info in self.engine.store.list():
+                if info.pinned:
+                    self._unpersist(info.name, info.namespace)
+                    self._persist(info.name, info.namespace)
+        return version
+
+    def rebuild(self, name: str, namespace: str = "default") -> bool:
+        """Re-derive a stale capsule under the current weights; False when it was current."""
+        info = self.engine.store.info(name, namespace)
+        ref = self.engine.rebuild(name, namespace)
+        if ref is not None and info.pinned:
+            self._unpersist(name, namespace)
+            self._persist(name, namespace)
+        return ref is not None
+
     # ------------------------------------------------------------------ requests (step scheduler)
     def submit_request(self, request: Request, call_id=None) -> Any:
         """Run one typed request through the step scheduler (batched with every other request's decode);

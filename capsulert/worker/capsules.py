@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Mapping
 
 import torch
 
-from capsulert.capsule_store.capsule import CapsuleMeta, CapsuleRef, TensorSpec
+from capsulert.capsule_store.capsule import CapsuleMeta, CapsuleRef, TensorSpec, model_of, weights_version_of
 from capsulert.capsule_store.store import CapsuleStore
-from capsulert.errors import CapsuleError, IncompatibleCapsuleError, UnknownCapsuleError, UnsupportedStateModeError
+from capsulert.errors import CapsuleError, IncompatibleCapsuleError, StaleCapsuleError, UnknownCapsuleError, UnsupportedStateModeError
 from capsulert.worker.state import LAYOUT_VERSION
 
 if TYPE_CHECKING:
@@ -87,6 +87,10 @@ class CapsuleVerbs:
         """Refuse a capsule this engine cannot restore. Runs on metadata and tensor shapes alone, before
         the store moves the capsule between tiers, so a refused restore changes nothing."""
         eng = self.engine
+        if meta.fingerprint != eng.fingerprint and model_of(meta.fingerprint) == model_of(eng.fingerprint):
+            raise StaleCapsuleError(
+                f"capsule {meta.name!r} was made under weights version {weights_version_of(meta.fingerprint)}; "
+                f"the engine runs version {eng.weights_version}: rebuild it (engine.rebuild({meta.name!r}))")
         if meta.fingerprint != eng.fingerprint:
             raise IncompatibleCapsuleError(
                 f"capsule {meta.name!r} was made by model {meta.fingerprint[:16]}…, this engine runs {eng.fingerprint[:16]}…"

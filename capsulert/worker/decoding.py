@@ -28,7 +28,7 @@ class DecodeStream:
         self.seed = resolve_seed(self.params)
         self.rule = StopRule(self.params, engine.eos_token_ids, max_new_tokens)
         self.text = TextStream(engine.detokenize if engine.tokenizer is not None else None)
-        self.result = GenerateResult()
+        self.result = GenerateResult(weights_version=engine.weights_version)
         self.logits: torch.Tensor | None = None  # next-token logits row (fp32 [vocab])
         self.done = max_new_tokens == 0
         if self.done:

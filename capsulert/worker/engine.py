@@ -54,6 +54,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.codec = TokenCodec(tokenizer, model_cfg.vocab_size, config.max_seq)
         self.fingerprint = fingerprint
+        self.weights_version = 0  # bumped by update_weights; the fingerprint carries it
         # generate stops at these unless SamplingParams.ignore_eos (config.json + generation_config.json)
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else (
             () if model_cfg.eos_token_id is None else (model_cfg.eos_token_id,))
@@ -351,6 +352,47 @@ class Engine:
         self.state.load_grid(session.slot)
         self.state.pos[session.slot] = G - self.chunk
         self._run_prefill(session.slot, session.tokens[G - self.chunk:G], G - self.chunk)
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, weights, *, rebuild_pinned: bool = False) -> int:
+        """Replace the model's weights in place (a mapping of HF names to tensors, or a checkpoint
+        directory); returns the new weights version. Checked in full before the first byte is copied
+        (WeightUpdateError, engine unchanged); the buffers stay the same, so captured graphs stay valid.
+        Capsules made before are stale (StaleCapsuleError on restore) until rebuilt; rebuild_pinned=True
+        rebuilds the pinned ones now (RL start capsules)."""
+        from capsulert.capsule_store.capsule import WEIGHTS_MARK, model_of
+        from capsulert.worker.weights import check_update, read_update
+
+        new = check_update(self.model_weights, read_update(weights, self.model_cfg, self.dtype),
+                           self.model_cfg.tie_word_embeddings)
+        with self._lock:
+            with torch.inference_mode():
+                for name, t in new.items():
+                    self.model_weights[name].copy_(t)
+                self.model.refresh_derived()
+            self.weights_version += 1
+            self.fingerprint = f"{model_of(self.fingerprint)}{WEIGHTS_MARK}{self.weights_version}"
+            if rebuild_pinned:
+                for info in self.store.list():
+                    if info.pinned:
+                        self.rebuild(info.name, info.namespace)
+            return self.weights_version
+
+    def rebuild(self, name: str, namespace: str = "default"):
+        """Re-derive a capsule made under older weights: prefill its own tokens under the current weights
+        and replace it (same name, tier and pin). Returns the new CapsuleRef, or None when it is current."""
+        with self._lock:
+            info = self.store.info(name, namespace)
+            if info.meta.fingerprint == self.fingerprint:
+                return None
+            s = self.open()
+            try:
+                s.append(list(info.meta.tokens))  # the expensive, fallible part runs before anything changes
+                self.store.delete(name, namespace)
+                return self.capsules.snapshot(s, name, tier=info.tier, pin=info.pinned, mode="full",
+                                              namespace=namespace)
+            finally:
+                s.close()
 
     # ------------------------------------------------------------------ capsules
     @property

@@ -98,6 +98,13 @@ class HybridModel:
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
+    def refresh_derived(self) -> None:
+        """Recompute, in place, what __init__ derived from the weights (after the weights changed)."""
+        for layer in self.layers:
+            if layer.kind != FULL:
+                layer.w["neg_A"].copy_(-layer.w["linear_attn.A_log"].float().exp())
+
+    @torch.inference_mode()
     def forward(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, kv_len: int,
                 valid: torch.Tensor | None = None, decode: bool = False) -> None:
         """Run tokens [B, T] for slots [B] at positions state.pos[slots] + t; updates every state buffer

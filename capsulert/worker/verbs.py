@@ -97,10 +97,11 @@ class GenerateResult(list):
       SamplingParams.logprobs = k;
     - `stop_reason`: eos, stop_token, stop_string, length, max_seq or interrupted;
     - `text`: the detokenized output, cut before a matched stop string (None without a tokenizer);
-    - `length`: the session length afterwards; `session`: its id (scheduler / worker APIs)."""
+    - `length`: the session length afterwards; `session`: its id (scheduler / worker APIs);
+    - `weights_version`: the engine's weights version the tokens were sampled under (update_weights)."""
 
     def __init__(self, tokens=(), logprobs=None, top_logprobs=None, stop_reason: str | None = None,
-                 text: str | None = None, length: int = 0, session: int | None = None):
+                 text: str | None = None, length: int = 0, session: int | None = None, weights_version: int = 0):
         super().__init__(tokens)
         self.logprobs: list[float] = list(logprobs or [])
         self.top_logprobs: list[list[tuple[int, float]]] = list(top_logprobs or [])
@@ -108,6 +109,7 @@ class GenerateResult(list):
         self.text = text
         self.length = length
         self.session = session
+        self.weights_version = weights_version
 
     @property
     def tokens(self) -> list[int]:

@@ -46,6 +46,22 @@ async def test_capsule_made_on_a_continues_bitwise_on_b(orch2, tmp_path):
     assert await orch2.capsules() == []
 
 
+async def test_episode_envs_spread_over_every_worker(orch2):
+    from capsulert.orchestrator import EpisodeDriver
+    from capsulert.worker.sampler import SamplingParams
+
+    a = await orch2.open(PROMPT, worker=0)
+    await a.snapshot("env-c0")
+    await a.close()
+    sampling = SamplingParams(ignore_eos=True)
+    async with EpisodeDriver(orch2, "env-c0", n_envs=4, max_new_tokens=3, sampling=sampling) as drv:
+        assert sorted(s.worker for s in drv.sessions) == [0, 0, 1, 1]  # C0 copied to worker 1 once
+        trajs = await drv.run(lambda ep, step, action: None if step == 2 else f" obs {step}", episodes=4)
+    # the same observations give the same actions on either worker
+    assert len({tuple(tuple(a) for _, a in t.steps) for t in trajs}) == 1
+    await orch2.delete("env-c0")
+
+
 async def test_silent_worker_call_times_out_with_worker_lost(orch2):
     s = await orch2.open(PROMPT, worker=1)
     t0 = time.monotonic()

@@ -1,0 +1,39 @@
+"""update_weights through the orchestrator: every worker takes the new weights in place, capsules made
+before are refused as stale until rebuilt, and results equal an in-process engine with the new weights."""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from capsulert.errors import StaleCapsuleError, WeightUpdateError
+from capsulert.worker.sampler import SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+PROMPT = "The policy reads the board and chooses a move. "
+NOEOS = SamplingParams(ignore_eos=True)
+
+
+async def test_update_weights_on_every_worker_and_rebuild(orch, engine_cfg, default_model_dir):
+    from capsulert.worker.engine import Engine
+
+    fresh = Engine.from_config(engine_cfg)  # its own engine: the shared oracle keeps the original weights
+    s = await orch.open(PROMPT)
+    await s.snapshot("c0", pin=True)
+    await s.snapshot("c1")
+    await s.close()
+    weights = load_file(str(default_model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(5)
+    new = {k: v + 0.05 * v.abs().mean() * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+    with pytest.raises(WeightUpdateError):  # refused on the worker, nothing changed
+        await orch.update_weights({k: v for k, v in new.items() if "layers.0." not in k})
+    assert await orch.update_weights(new, rebuild_pinned=True) == [1] * len(orch.workers)
+    with pytest.raises(StaleCapsuleError):
+        await orch.restore("c1")
+    await orch.rebuild("c1")
+    fresh.update_weights(new)
+    for name in ("c0", "c1"):  # c0 was rebuilt with the update, c1 on demand
+        r = await orch.restore(name)
+        got = await r.generate(8, NOEOS)
+        ref = fresh.open()
+        ref.append(PROMPT)
+        assert got == ref.generate(8, NOEOS) and got.weights_version == 1
+        await r.close()

@@ -1,0 +1,113 @@
+"""Weight updates in place: same buffers, bitwise the engine a fresh load of the new weights gives,
+stale capsules refused until rebuilt, bad updates refused with the engine unchanged."""
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from capsulert.errors import StaleCapsuleError, WeightUpdateError
+from capsulert.worker.engine import Engine
+from capsulert.worker.sampler import SamplingParams
+
+
+def _config_path(name):
+    from pathlib import Path
+
+    import capsulert
+
+    return Path(capsulert.__file__).parent / "configs" / "models" / f"{name}.yaml"
+
+
+def perturbed(model_dir, tmp_path, scale=0.05):
+    """A copy of the checkpoint with every weight nudged (a 'training step')."""
+    out = tmp_path / "updated"
+    shutil.copytree(model_dir, out)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    new = {k: (v + scale * torch.randn(v.shape, generator=g) * v.abs().mean()).contiguous() for k, v in weights.items()}
+    save_file(new, str(out / "model.safetensors"))
+    return out, new
+
+
+def test_update_in_place_equals_a_fresh_load(default_model_dir, make_engine, tmp_path, text):
+    engine = make_engine()
+    before = engine.state.data_ptrs()
+    weight_ptrs = {k: v.data_ptr() for k, v in engine.model_weights.items()}
+    old = engine.open()
+    old_logits = old.append(text[:300])
+    new_dir, _ = perturbed(default_model_dir, tmp_path)
+    assert engine.update_weights(new_dir) == 1
+    assert engine.state.data_ptrs() == before
+    assert {k: v.data_ptr() for k, v in engine.model_weights.items()} == weight_ptrs
+    fresh = Engine.from_config(dict(model=str(new_dir), device=engine.device.type, slots=2, max_seq=2048,
+                                    prefill_chunk=128))
+    a, b = engine.open(), fresh.open()
+    got, want = a.append(text[:300]), b.append(text[:300])
+    assert torch.equal(got, want) and not torch.equal(got, old_logits)
+    assert a.generate(12, SamplingParams(ignore_eos=True)) == b.generate(12, SamplingParams(ignore_eos=True))
+    assert a.generate(1).weights_version == 1
+
+
+def test_stale_capsules_are_refused_until_rebuilt(default_model_dir, make_engine, tmp_path, text):
+    engine = make_engine()
+    s = engine.open()
+    s.append(text[:250])
+    s.snapshot("start", pin=True)
+    s.snapshot("other")
+    s.close()
+    _, new = perturbed(default_model_dir, tmp_path)
+    engine.update_weights(new)
+    listing = [(i.name, i.tier, i.pinned) for i in engine.store.list()]
+    with pytest.raises(StaleCapsuleError):
+        engine.restore("start")
+    assert [(i.name, i.tier, i.pinned) for i in engine.store.list()] == listing and engine.free_slots == 4
+    engine.rebuild("start")
+    assert engine.rebuild("start") is None  # already current
+    cold = engine.open()
+    want = cold.append(text[:250])
+    r = engine.restore("start")
+    assert torch.equal(r.logits(), want) and engine.store.info("start").pinned
+    r.close()
+    # rebuild_pinned: pinned capsules follow the next update, unpinned ones stay stale
+    engine.update_weights(load_file(str(default_model_dir / "model.safetensors")), rebuild_pinned=True)
+    engine.restore("start").close()
+    with pytest.raises(StaleCapsuleError):
+        engine.restore("other")
+
+
+@pytest.mark.parametrize("bad", ["missing", "extra", "shape", "dtype", "not-tensor", "architecture"])
+def test_bad_updates_change_nothing(default_model_dir, make_engine, tmp_path, text, bad):
+    engine = make_engine()
+    s = engine.open()
+    want = s.append(text[:200])
+    snapshot = {k: v.clone() for k, v in engine.model_weights.items()}
+    _, new = perturbed(default_model_dir, tmp_path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    if bad == "missing":
+        del new[name]
+    elif bad == "extra":
+        new["model.layers.99.mlp.down_proj.weight"] = new[name]
+    elif bad == "shape":
+        new[name] = new[name][:, :-1]
+    elif bad == "dtype":
+        new[name] = new[name].to(torch.int32)
+    elif bad == "not-tensor":
+        new[name] = [1.0]
+    else:  # a complete, consistent checkpoint of another architecture
+        import json
+
+        from capsulert.model_config import ModelConfig
+        from capsulert.worker.default_model import init_weights
+
+        cfg = ModelConfig.from_file(_config_path("test_a"))
+        new = tmp_path / "other"
+        new.mkdir()
+        save_file(init_weights(cfg, seed=3), str(new / "model.safetensors"))
+        (new / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    with pytest.raises(WeightUpdateError):
+        engine.update_weights(new)
+    assert engine.weights_version == 0
+    assert all(torch.equal(engine.model_weights[k], v) for k, v in snapshot.items())
+    t = engine.open()
+    assert torch.equal(t.append(text[:200]), want)
