@@ -1,0 +1,134 @@
+"""RL rollouts: episode resets/s and steps/s with E envs through the orchestrator (EpisodeDriver, envs
+spread over the workers, steps batched by each worker's step scheduler) against the same work in-process
+(Engine: restore in place, batched generate over the envs), plus the time of a weight update and of a
+start-capsule rebuild. Prints a table, writes bench/out/rl.json and bench/out/rl.png.
+
+    .venv/bin/python bench/rl.py --quick                 # CPU, default model
+    python bench/rl.py --device cuda --model random:capsulert/configs/models/qwen3_5-9b-shape.yaml
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from common import OUT_DIR, log, machine_info, plot_lines, print_table, write_json  # noqa: E402
+
+from capsulert.orchestrator import EpisodeDriver, Orchestrator  # noqa: E402
+from capsulert.worker.engine import Engine  # noqa: E402
+from capsulert.worker.sampler import SamplingParams  # noqa: E402
+
+PARAMS = SamplingParams(ignore_eos=True)
+
+
+def in_process(engine: Engine, envs: int, resets: int, steps: int, obs: list[int], gen: int) -> dict:
+    sessions = engine.fork("c0", envs)
+    t0 = time.perf_counter()
+    for i in range(resets):
+        sessions[i % envs].restore("c0")
+    reset_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        for s in sessions:
+            s.append(obs)
+        engine.generate(sessions, gen, [PARAMS] * envs)
+    step_s = time.perf_counter() - t0
+    for s in sessions:
+        s.close()
+    return {"resets_per_s": resets / reset_s, "steps_per_s": steps * envs / step_s}
+
+
+async def orchestrated(orch, envs: int, resets: int, steps: int, obs: list[int], gen: int) -> dict:
+    async with EpisodeDriver(orch, "c0", n_envs=envs, max_new_tokens=gen, sampling=PARAMS) as drv:
+        t0 = time.perf_counter()
+        for r in range(0, resets, envs):  # the envs reset concurrently, as a driver's env loops do
+            await asyncio.gather(*(drv.reset(i) for i in range(min(envs, resets - r))))
+        reset_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            await asyncio.gather(*(drv.step(i, obs) for i in range(envs)))
+        step_s = time.perf_counter() - t0
+    return {"resets_per_s": resets / reset_s, "steps_per_s": steps * envs / step_s}
+
+
+async def main(args) -> int:
+    torch.set_num_threads(args.threads)
+    cfg = dict(model=args.model, device=args.device, slots=max(args.envs) + 2, max_seq=args.max_seq,
+               prefill_chunk=args.prefill_chunk)
+    vocab = 4000
+    g = torch.Generator().manual_seed(0)
+    c0 = torch.randint(10, vocab, (args.context,), generator=g).tolist()
+    obs = torch.randint(10, vocab, (8,), generator=g).tolist()
+    log("in-process engine")
+    engine = Engine.from_config(cfg)
+    s = engine.open()
+    s.append(c0)
+    s.snapshot("c0", pin=True)
+    s.close()
+    weights = {k: v.detach().clone() for k, v in engine.model_weights.items()}
+    t0 = time.perf_counter()
+    engine.update_weights(weights)
+    update_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    engine.rebuild("c0")
+    rebuild_ms = (time.perf_counter() - t0) * 1e3
+    rows = []
+    orch = await Orchestrator.start(dict(engine=cfg, num_workers=args.workers, call_timeout_s=3600,
+                                         torch_threads=args.threads))
+    try:
+        s = await orch.open(c0)
+        await s.snapshot("c0", pin=True)
+        await s.close()
+        for envs in args.envs:
+            log(f"E={envs}")
+            local = in_process(engine, envs, args.resets, args.steps, obs, args.gen)
+            remote = await orchestrated(orch, envs, args.resets, args.steps, obs, args.gen)
+            rows.append({"envs": envs, "resets_per_s_inprocess": local["resets_per_s"],
+                         "resets_per_s_orch": remote["resets_per_s"],
+                         "resets_orch_over_inprocess": remote["resets_per_s"] / local["resets_per_s"],
+                         "steps_per_s_inprocess": local["steps_per_s"], "steps_per_s_orch": remote["steps_per_s"],
+                         "steps_orch_over_inprocess": remote["steps_per_s"] / local["steps_per_s"]})
+    finally:
+        await orch.close()
+    print_table(rows, list(rows[0]))
+    print(f"weight update (in place, {sum(t.numel() * t.element_size() for t in weights.values()) / 1e6:.0f} MB): "
+          f"{update_ms:.1f} ms; start-capsule rebuild ({args.context} tokens): {rebuild_ms:.1f} ms")
+    write_json(OUT_DIR / "rl.json", {"machine": machine_info(args.device), "args": vars(args), "rows": rows,
+                                      "update_weights_ms": update_ms, "rebuild_ms": rebuild_ms})
+    plot_lines(OUT_DIR / "rl.png", [r["envs"] for r in rows],
+               {"resets/s in-process": [r["resets_per_s_inprocess"] for r in rows],
+                "resets/s orchestrator": [r["resets_per_s_orch"] for r in rows],
+                "steps/s in-process": [r["steps_per_s_inprocess"] for r in rows],
+                "steps/s orchestrator": [r["steps_per_s_orch"] for r in rows]},
+               "envs", "per second", logx=True, logy=True, title=f"RL rollouts, {args.device}")
+    return 0
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--envs", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1000)
+    ap.add_argument("--resets", type=int, default=640)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--gen", type=int, default=8)
+    ap.add_argument("--max-seq", type=int, default=2048)
+    ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="CPU-sized: fewer resets and steps")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.resets, args.steps, args.context = 256, 2, 500
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(parse_args())))
