@@ -232,7 +232,7 @@ class Orchestrator(Namespace):
                 raise WorkerLost(f"worker {w} is gone for good: {why}") from None
             except _LOST as e:
                 if loop.time() >= deadline:
-                    raise WorkerLost(f"worker {w} did not come back within {timeout:g}s") from None
+                    raise WorkerLost(f"worker {w} did not come back within {timeout:g}s (last: {type(e).__name__})") from None
                 await asyncio.sleep(0.1)
         for space in self._spaces.values():
             for holders in space.where.values():

@@ -54,3 +54,14 @@ def test_prefill_buckets_cover_the_chunk():
 
     assert prefill_buckets(256) == [16, 32, 64, 128, 256]
     assert prefill_buckets(64) == [16, 32, 64]
+
+
+def test_decode_buckets_always_cover_the_largest_batch():
+    """Every decode batch up to min(slots, 64) has a captured graph (a batch above the largest bucket used
+    to crash with a bare StopIteration)."""
+    from capsulert.worker.graphs import decode_buckets
+
+    assert decode_buckets((1, 2, 4, 8), 12) == (1, 2, 4, 8, 12)
+    assert decode_buckets((1, 2, 4, 8, 16, 32, 64), 64) == (1, 2, 4, 8, 16, 32, 64)
+    assert decode_buckets((1, 2, 4, 8, 16, 32, 64), 5) == (1, 2, 4, 5)
+    assert decode_buckets((), 3) == (3,)
