@@ -93,8 +93,9 @@ class Namespace(CapsuleRouter):
         s.stop_reason = res["stop_reason"]
         return s, res["tokens"]
 
-    async def generate(self, sessions: list[RemoteSession], max_new_tokens: int, sampling=None) -> list[list[int]]:
-        """Generate for several sessions, one batched decode per worker (workers run concurrently)."""
+    async def generate(self, sessions: list[RemoteSession], max_new_tokens: int, sampling=None) -> list:
+        """Generate for several sessions at once: each is its own request, and each worker's step scheduler
+        decodes its share together (workers run concurrently). One GenerateResult per session."""
         n = int_arg(max_new_tokens, "max_new_tokens", 0)
         sessions = list(sessions)
         sps = samplings_arg(sampling, len(sessions))
@@ -104,28 +105,7 @@ class Namespace(CapsuleRouter):
             s._check()
             if s._orch is not self._orch:
                 raise InvalidRequestError(f"{s!r} belongs to another orchestrator")
-        groups: dict[int, list[int]] = {}
-        for i, s in enumerate(sessions):
-            groups.setdefault(s.worker, []).append(i)
-
-        async def run(w: int, idx: list[int]):
-            locks = sorted((sessions[i] for i in idx), key=lambda s: s.sid)
-            for s in locks:
-                await s._lock.acquire()
-            try:
-                res = await self._orch._call(w, "generate_many", [sessions[i].sid for i in idx], n, [sps[i] for i in idx])
-            finally:
-                for s in locks:
-                    s._lock.release()
-            for i, r in zip(idx, res):
-                sessions[i]._take(r)
-            return idx, [r["tokens"] for r in res]
-
-        out: list[list[int]] = [[] for _ in sessions]
-        for idx, toks in await asyncio.gather(*(run(w, idx) for w, idx in groups.items())):
-            for i, t in zip(idx, toks):
-                out[i] = t
-        return out
+        return list(await asyncio.gather(*(s.generate(n, sp) for s, sp in zip(sessions, sps))))
 
     async def _branch(self, name: str, suffixes: list, max_new_tokens: int, samplings: list,
                       snapshot_names: list[str] | None = None) -> list[dict]:

@@ -159,23 +159,15 @@ class RemoteSession:
         return await self._gen("submit_request", request, timeout=timeout)
 
     async def append_generate(self, tokens_or_text, max_new_tokens: int, sampling=None, *,
-                              timeout: float | None = None) -> list[int]:
-        """append + generate in one actor call (an agent turn, an RL step)."""
-        tokens = tokens_arg(tokens_or_text)
-        n = int_arg(max_new_tokens, "max_new_tokens", 0)
-        return (await self._gen("append_generate", tokens, n, sampling_arg(sampling), timeout=timeout)).tokens
+                              timeout: float | None = None) -> GenerateResult:
+        """append + generate in one request (an agent turn, an RL step): turn() without a restore."""
+        return await self.turn(tokens_arg(tokens_or_text), max_new_tokens, sampling, timeout=timeout)
 
     async def restore_append_generate(self, name: str, suffix, max_new_tokens: int, sampling=None, *,
-                                      timeout: float | None = None) -> list[int]:
-        """Roll this session back to capsule `name`, append `suffix` (None: nothing), generate: one call."""
-        name = name_arg(name)
-        suffix = None if suffix is None else tokens_arg(suffix, "suffix")
-        n = int_arg(max_new_tokens, "max_new_tokens", 0)
-        self._check()
-        await self._scope._ensure_on(name, self.worker)
-        res = await self._gen("restore_append_generate_into", name, suffix, n, sampling_arg(sampling), timeout=timeout,
-                              namespace=self._scope.ns)
-        return res.tokens
+                                      timeout: float | None = None) -> GenerateResult:
+        """Roll this session back to capsule `name`, append `suffix` (None: nothing), generate: turn() with
+        a restore."""
+        return await self.turn(suffix, max_new_tokens, sampling, restore=name, timeout=timeout)
 
     async def snapshot(self, name: str, tier: str = "gpu", pin: bool = False) -> dict:
         """A named capsule of this session's complete state; pin=True also persists it (with disk_dir)."""

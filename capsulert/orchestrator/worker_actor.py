@@ -17,8 +17,8 @@ from capsulert.orchestrator.worker_core import WorkerCore
 GPU, CONTROL, SERVE = "gpu", "control", "serve"
 SERVE_CONCURRENCY = 512  # requests in flight per worker (each waits on the scheduler in its own thread)
 
-_GPU_METHODS = ("open", "append", "generate", "generate_many", "append_generate", "restore", "restore_into",
-                "restore_append_generate", "restore_append_generate_into", "fork", "fork_append_generate", "snapshot", "close", "close_many",
+_GPU_METHODS = ("open", "append", "restore", "restore_into",
+                "restore_append_generate", "fork", "fork_append_generate", "snapshot", "close", "close_many",
                 "delete", "promote", "demote", "export_capsule", "import_capsule", "export_to_dir",
                 "import_from_file", "update_weights", "rebuild")
 _CONTROL_METHODS = ("ping", "last_call", "interrupt", "tokens", "list_capsules", "stats", "tokenize", "detokenize")

@@ -127,17 +127,6 @@ class WorkerCore:
         s.append(tokens)
         return {"len": len(s.tokens), "logits": self._logits(s, return_logits)}
 
-    def generate(self, sid: int, max_new: int, sampling: dict | None = None, call_id=None) -> dict:
-        return self._generate([self._get(sid)], max_new, [sampling], call_id)[0]
-
-    def generate_many(self, sids: list[int], max_new: int, sampling: list, call_id=None) -> list[dict]:
-        return self._generate([self._get(i) for i in sids], max_new, sampling, call_id)
-
-    def append_generate(self, sid: int, tokens, max_new: int, sampling: dict | None = None, call_id=None) -> dict:
-        s = self._get(sid)
-        s.append(tokens)
-        return self._generate([s], max_new, [sampling], call_id)[0]
-
     def restore(self, name: str, namespace: str = "default") -> dict:
         s = self.engine.restore(name, namespace)
         return {"sid": self._adopt(s), "len": len(s.tokens)}
@@ -168,11 +157,6 @@ class WorkerCore:
         if close:
             self.close(sid)
         return {**out, "sid": None if close else sid}
-
-    def restore_append_generate_into(self, sid: int, name: str, suffix, max_new: int, sampling: dict | None = None,
-                                     call_id=None, namespace: str = "default") -> dict:
-        return self.restore_append_generate(name, suffix, max_new, sampling, sid=sid, call_id=call_id,
-                                            namespace=namespace)
 
     def fork(self, name: str, n: int, namespace: str = "default") -> list[dict]:
         return [{"sid": self._adopt(s), "len": len(s.tokens)} for s in self.engine.fork(name, n, namespace)]
