@@ -8,7 +8,7 @@ the graph of the smallest batch bucket >= b, padding rows pointing at the scratc
 from __future__ import annotations
 
 import gc
-import sys
+import logging
 import time
 from dataclasses import dataclass
 
@@ -16,6 +16,8 @@ import torch
 
 from capsulert.worker.model import HybridModel
 from capsulert.worker.state import StateSet
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, order=True)
@@ -68,7 +70,7 @@ class GraphPlans:
             logits = self.model.logits(self.state, self.slots[:B])
             self.logits[:logits.shape[0]].copy_(logits)
 
-    def capture(self, progress: bool = True, prefill: bool = True) -> None:
+    def capture(self, prefill: bool = True) -> None:
         keys = [ShapeKey("decode", b, 1) for b in self.decode_batches]
         keys += [ShapeKey("prefill", 1, t) for t in self.prefill_sizes] if prefill else []
         t0 = time.perf_counter()
@@ -95,9 +97,7 @@ class GraphPlans:
                     self._run(key)
                 self.pool = g.pool()
                 self.graphs[key] = g
-                if progress:
-                    print(f"\rcapturing CUDA graphs {i + 1}/{len(keys)} ({key.phase} b={key.batch} t={key.tokens})",
-                          end="", file=sys.stderr, flush=True)
+                log.debug("captured CUDA graph %d/%d (%s b=%d t=%d)", i + 1, len(keys), key.phase, key.batch, key.tokens)
         finally:
             if gc_was_enabled:
                 gc.enable()
@@ -105,8 +105,7 @@ class GraphPlans:
         for n, b in saved.items():
             self.state.buffers[n].copy_(b)
         self.capture_s = time.perf_counter() - t0
-        if progress:
-            print(f"\rcaptured {len(keys)} CUDA graphs in {self.capture_s:.1f} s" + " " * 20, file=sys.stderr)
+        log.info("captured %d CUDA graphs in %.1f s", len(keys), self.capture_s)
 
     def prefill(self, slot: int, tokens: list[int]) -> None:
         n = len(tokens)

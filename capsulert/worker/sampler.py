@@ -144,7 +144,7 @@ def _draw(logits: torch.Tensor, rows: Sequence[RowDraw], R: int) -> torch.Tensor
     ).to(logits.device, non_blocking=True)
     temp, top_k, top_p, u, is_greedy = table[0].float(), table[1].long(), table[2].float(), table[3], table[4].bool()
     scores = logits / temp[:, None]
-    if bool((top_k < V).any()) or bool((top_p < 1.0).any()):
+    if any(0 < r.params.top_k < V or r.params.top_p < 1.0 for r in rows):  # decided on the host: no sync
         sorted_scores, _ = torch.sort(scores, dim=-1, descending=True)  # exact: a permutation
         kth = sorted_scores.gather(1, (top_k - 1)[:, None])
         sorted_probs = torch.softmax(sorted_scores, dim=-1)

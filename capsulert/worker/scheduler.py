@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from capsulert.errors import (CapsuleRTError, InvalidRequestError, NoFreeSlotError, QueueFullError,
+from capsulert.errors import (InvalidRequestError, NoFreeSlotError, QueueFullError,
                               SessionClosedError)
 from capsulert.worker.decoding import DecodeStream, advance
 from capsulert.worker.engine import Engine
@@ -181,10 +181,7 @@ class StepScheduler:
                 else:
                     job.sink.error(e)
                 continue
-            except CapsuleRTError as e:
-                job.sink.error(e)
-                continue
-            except Exception as e:  # untyped errors reach the caller too, never the loop
+            except Exception as e:  # typed refusals and untyped errors alike reach the caller, never the loop
                 job.sink.error(e)
                 continue
             if started and job.session is not None:

@@ -37,23 +37,30 @@ def eos_ids_from_checkpoint(path: Path | None, config_eos: int | None) -> tuple[
 
 
 class TextStream:
-    """Incremental detokenization of a generate's output."""
+    """Incremental detokenization of a generate's output. Each token decodes a short window (the tokens
+    since the text emitted before the last delta), not the whole output: the window starts at a token the
+    previous delta already covered, so decoders that treat a sequence's first token specially (a leading
+    space) do so on both sides of the difference."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str] | None):
         self._decode = decode
         self.tokens: list[int] = []
         self.text = ""
+        self._prefix = 0  # the window's first token
+        self._read = 0  # tokens whose text is in self.text
 
     def push(self, token: int) -> str | None:
         """The new text `token` completes ("" while a character is incomplete); None without a tokenizer."""
         self.tokens.append(token)
         if self._decode is None:
             return None
-        full = self._decode(self.tokens)
-        if full.endswith(_PARTIAL):
+        before = self._decode(self.tokens[self._prefix:self._read])
+        after = self._decode(self.tokens[self._prefix:])
+        if after.endswith(_PARTIAL) or len(after) <= len(before):
             return ""
-        delta = full[len(self.text):] if full.startswith(self.text) else full
-        self.text = full
+        delta = after[len(before):]
+        self._prefix, self._read = self._read, len(self.tokens)
+        self.text += delta
         return delta
 
 
