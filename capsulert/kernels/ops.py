@@ -1,8 +1,8 @@
 """Kernel sets: the entry points the model calls, as one frozen bundle chosen by the engine.
 
 `reference_kernels()` is plain torch (the CPU path and the oracle). `cuda_kernels()` swaps in the fast
-versions: our Triton kernels for the in-place recurrent step, the conv update and attention over the
-static KV, and flash-linear-attention's chunked gated delta rule for prefill when it is installed. Every
+versions: our Triton kernels for the fused layer stages (norms, gates and the in-place recurrent step, see
+kernels/fused.py), the conv update and attention over the static KV, and flash-linear-attention's chunked gated delta rule for prefill when it is installed. Every
 entry keeps the state-buffer contract: read a slot's state by `slots`, update it in place.
 """
 from __future__ import annotations
@@ -12,9 +12,10 @@ from typing import Callable
 
 import torch
 
+from capsulert.kernels import fused
 from capsulert.kernels.attention import attention_ref, write_kv_ref
 from capsulert.kernels.conv import causal_conv1d_ref, causal_conv1d_step_ref
-from capsulert.kernels.gated_delta import chunk_gated_delta_rule_ref, gated_delta_step_ref
+from capsulert.kernels.gated_delta import chunk_gated_delta_rule_ref
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,15 @@ class KernelSet:
     conv_prefill: Callable
     conv_step: Callable
     gated_delta_prefill: Callable
-    gated_delta_step: Callable
+    # the elementwise work around the GEMMs (kernels/fused.py), fused into one launch each on CUDA
+    add_rms_norm: Callable
+    gated_rms_norm: Callable
+    head_norm_rope: Callable
+    silu_mul: Callable
+    gated_delta_step_fused: Callable
+    # pack the projections that read one input into one GEMM (worker/packing.py); off on the CPU reference
+    # path, whose bits stay those of the unpacked model
+    packed_projections: bool = False
 
 
 def conv_prefill_ref(x, conv_buf, slots, weight, valid=None) -> torch.Tensor:
@@ -56,12 +65,6 @@ def gated_delta_prefill_ref(q, k, v, g, beta, ssm_buf, slots) -> torch.Tensor:
     return o
 
 
-def gated_delta_step_ref_inplace(q, k, v, g, beta, ssm_buf, slots) -> torch.Tensor:
-    o, new_state = gated_delta_step_ref(q, k, v, g, beta, ssm_buf[slots])
-    ssm_buf.index_copy_(0, slots, new_state)
-    return o
-
-
 def reference_kernels() -> KernelSet:
     return KernelSet(
         name="reference",
@@ -70,7 +73,11 @@ def reference_kernels() -> KernelSet:
         conv_prefill=conv_prefill_ref,
         conv_step=conv_step_ref,
         gated_delta_prefill=gated_delta_prefill_ref,
-        gated_delta_step=gated_delta_step_ref_inplace,
+        add_rms_norm=fused.add_rms_norm,
+        gated_rms_norm=fused.gated_rms_norm,
+        head_norm_rope=fused.head_norm_rope,
+        silu_mul=fused.silu_mul,
+        gated_delta_step_fused=fused.gated_delta_step_fused,
     )
 
 
@@ -97,7 +104,7 @@ def cuda_kernels(use_fla: bool = True) -> KernelSet:
     """Triton kernels of ours (+ fla's chunked prefill when installed and asked for)."""
     from capsulert.kernels.triton_attention import attention
     from capsulert.kernels.triton_conv import conv_step
-    from capsulert.kernels.triton_gated_delta import gated_delta_step
+    from capsulert.kernels import triton_fused
 
     fla = _fla_prefill() if use_fla else None
     return KernelSet(
@@ -107,5 +114,10 @@ def cuda_kernels(use_fla: bool = True) -> KernelSet:
         conv_prefill=conv_prefill_ref,
         conv_step=conv_step,
         gated_delta_prefill=fla or gated_delta_prefill_ref,
-        gated_delta_step=gated_delta_step,
+        add_rms_norm=triton_fused.add_rms_norm,
+        gated_rms_norm=triton_fused.gated_rms_norm,
+        head_norm_rope=triton_fused.head_norm_rope,
+        silu_mul=triton_fused.silu_mul,
+        gated_delta_step_fused=triton_fused.gated_delta_step_fused,
+        packed_projections=True,
     )

@@ -21,6 +21,17 @@ import triton.language as tl
 
 
 @triton.jit
+def delta_rule_update(S, q, k, v, g, beta):
+    """One token of the gated delta rule on a [K, BV] column tile of the state: returns (new S, o [BV])."""
+    S = S * tl.exp(g)
+    kv = tl.sum(S * k[:, None], axis=0)  # [BV]
+    delta = (v - kv) * beta
+    S = S + k[:, None] * delta[None, :]
+    o = tl.sum(S * q[:, None], axis=0)  # [BV]
+    return S, o
+
+
+@triton.jit
 def _gated_delta_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, slots_ptr, o_ptr,
     H, K, V,
@@ -55,11 +66,7 @@ def _gated_delta_step_kernel(
     g = tl.load(g_ptr + b * sg_b + h * sg_h).to(tl.float32)
     beta = tl.load(beta_ptr + b * sbt_b + h * sbt_h).to(tl.float32)
 
-    S = S * tl.exp(g)
-    kv = tl.sum(S * k[:, None], axis=0)  # [BV]
-    delta = (v - kv) * beta
-    S = S + k[:, None] * delta[None, :]
-    o = tl.sum(S * q[:, None], axis=0)  # [BV]
+    S, o = delta_rule_update(S, q, k, v, g, beta)
 
     # every load of this tile is done before any thread writes it back (in-place WAR safety)
     tl.debug_barrier()
@@ -67,7 +74,7 @@ def _gated_delta_step_kernel(
     tl.store(o_ptr + b * so_b + h * so_h + offs_v * so_v, o, mask=mv)
 
 
-def _step_launch_config(K: int, V: int) -> tuple[int, int, int]:
+def step_launch_config(K: int, V: int) -> tuple[int, int, int]:
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), 32 if BK >= 128 else 64)
     num_warps = 4 if BK * BV <= 4096 else 8
@@ -85,7 +92,7 @@ def gated_delta_step(q, k, v, g, beta, ssm_buf, slots) -> torch.Tensor:
     o = torch.empty(B, H, V, dtype=torch.float32, device=v.device)
     if B == 0:
         return o
-    BK, BV, num_warps = _step_launch_config(K, V)
+    BK, BV, num_warps = step_launch_config(K, V)
     grid = (B * H, triton.cdiv(V, BV))
     _gated_delta_step_kernel[grid](
         q, k, v, g, beta, ssm_buf, slots, o,

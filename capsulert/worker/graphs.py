@@ -58,6 +58,8 @@ class GraphPlans:
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.capture_s = 0.0
+        self.warmup_s = 0.0  # part of capture_s: first runs of every shape (Triton compiles and autotuning)
+        self.warmup_by_key: dict[ShapeKey, float] = {}
 
     def _run(self, key: ShapeKey) -> None:
         B, T = key.batch, key.tokens
@@ -80,9 +82,14 @@ class GraphPlans:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for key in keys:  # warm up every shape (allocator, Triton autotune) before capture
+            for key in keys:  # warm up every shape (allocator, Triton compiles and autotuning) before capture
+                t = time.perf_counter()
                 self._run(key)
+                torch.cuda.synchronize()
+                self.warmup_by_key[key] = time.perf_counter() - t
         torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.warmup_s = time.perf_counter() - t0
         # A dead engine still in a reference cycle is freed by the cyclic garbage collector whenever it runs;
         # if that happens mid-capture, destroying its CUDA graphs and freeing its blocks invalidates the
         # capture ("operation failed due to a previous error during capture"). torch no longer collects on
@@ -105,7 +112,8 @@ class GraphPlans:
         for n, b in saved.items():
             self.state.buffers[n].copy_(b)
         self.capture_s = time.perf_counter() - t0
-        log.info("captured %d CUDA graphs in %.1f s", len(keys), self.capture_s)
+        log.info("captured %d CUDA graphs in %.1f s (warm-up of every shape %.1f s)", len(keys), self.capture_s,
+                 self.warmup_s)
 
     def prefill(self, slot: int, tokens: list[int]) -> None:
         n = len(tokens)

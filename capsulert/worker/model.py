@@ -27,27 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from capsulert.model_config import FULL, ModelConfig
+from capsulert.kernels.fused import l2_normalize
 from capsulert.kernels.ops import KernelSet, reference_kernels
+from capsulert.worker.packing import PACKS, pack_layer, split_sizes
 from capsulert.worker.state import StateSet
-
-
-def rms_norm_1p(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm: normalise in fp32, scale by (1 + w)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + w.float())).to(x.dtype)
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with a plain weight, then multiplied by silu(gate)."""
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return ((w * xf.to(dtype)) * F.silu(gate.float())).to(dtype)
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -55,11 +38,6 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     if x.shape[0] == rows:
         return x
     return torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))])
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -91,6 +69,8 @@ class HybridModel:
             if kind != FULL:
                 w["conv"] = w["linear_attn.conv1d.weight"][:, 0, :]
                 w["neg_A"] = -w["linear_attn.A_log"].float().exp()
+            if self.kernels.packed_projections:
+                pack_layer(weights, prefix, w)
             state_index = attn_idx[i] if kind == FULL else lin_idx[i]
             self.layers.append(Layer(i, kind, state_index, w))
         rot = cfg.rotary_dim
@@ -132,19 +112,18 @@ class HybridModel:
         emb = torch.cat((freqs, freqs), dim=-1)
         rope = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
         eps = self.cfg.rms_norm_eps
+        add_rms_norm = self.kernels.add_rms_norm
+        delta = None  # the previous block's output, added to the residual stream by the next norm
         for layer in self.layers:
             w = layer.w
-            x = rms_norm_1p(h, w["input_layernorm.weight"], eps)
+            h, x = add_rms_norm(h, delta, w["input_layernorm.weight"], eps)
             if layer.kind == FULL:
                 x = self._attention(layer, x, state, slots, start, kv_len, rope)
             else:
                 x = self._gated_delta_net(layer, x, state, slots, decode, valid)
-            h = h + x
-            x = rms_norm_1p(h, w["post_attention_layernorm.weight"], eps)
-            x = F.linear(F.silu(F.linear(x, w["mlp.gate_proj.weight"])) * F.linear(x, w["mlp.up_proj.weight"]),
-                         w["mlp.down_proj.weight"])
-            h = h + x
-        h = h[:B]
+            h, x = add_rms_norm(h, x, w["post_attention_layernorm.weight"], eps)
+            delta = self._mlp(w, x)
+        h = (h + delta)[:B]
         if valid is None:
             state.last_hidden.index_copy_(0, slots, h[:, -1])
             state.pos.index_add_(0, slots, torch.full_like(slots, tokens.shape[1], dtype=torch.int32))
@@ -162,7 +141,7 @@ class HybridModel:
         h = state.last_hidden[slots]
         if self.decode_rows is not None:
             h = pad_rows(h, self.decode_rows)
-        h = rms_norm_1p(h, self.norm, self.cfg.rms_norm_eps)
+        h = self.kernels.add_rms_norm(h, None, self.norm, self.cfg.rms_norm_eps)[1]
         return F.linear(h, self.lm_head).float()
 
     # ------------------------------------------------------------------ mixers
@@ -171,15 +150,14 @@ class HybridModel:
         R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
         B = slots.shape[0]
         D = cfg.head_dim
-        q, gate = F.linear(x, w["self_attn.q_proj.weight"]).view(R, T, -1, 2 * D).chunk(2, dim=-1)
+        q_gate, k, v = self._project(w, "attn_in", x)
+        q, gate = q_gate.view(R, T, -1, 2 * D).chunk(2, dim=-1)
         gate = gate.reshape(R, T, -1)
-        q = rms_norm_1p(q, w["self_attn.q_norm.weight"], cfg.rms_norm_eps)
-        k = rms_norm_1p(F.linear(x, w["self_attn.k_proj.weight"]).view(R, T, -1, D), w["self_attn.k_norm.weight"], cfg.rms_norm_eps)
-        v = F.linear(x, w["self_attn.v_proj.weight"]).view(R, T, -1, D)
-        cos, sin = (t[:, :, None, :] for t in rope)
-        r = cfg.rotary_dim
-        q = torch.cat((q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]), dim=-1)
-        k = torch.cat((k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]), dim=-1)
+        cos, sin = rope
+        q = self.kernels.head_norm_rope(q, w["self_attn.q_norm.weight"], cos, sin, cfg.rotary_dim, cfg.rms_norm_eps)
+        k = self.kernels.head_norm_rope(k.view(R, T, -1, D), w["self_attn.k_norm.weight"], cos, sin, cfg.rotary_dim,
+                                        cfg.rms_norm_eps)
+        v = v.view(R, T, -1, D)
         kv_k, kv_v = state.kv_k[layer.state_index], state.kv_v[layer.state_index]
         self.kernels.write_kv(kv_k, kv_v, slots, start, k[:B], v[:B])
         o = self.kernels.attention(q[:B], kv_k, kv_v, slots, start, kv_len, D**-0.5)
@@ -191,23 +169,25 @@ class HybridModel:
         R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
         B = slots.shape[0]
         Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        mixed = F.linear(x, w["linear_attn.in_proj_qkv.weight"])
-        z = F.linear(x, w["linear_attn.in_proj_z.weight"]).view(R, T, Hv, Dv)
-        b = F.linear(x, w["linear_attn.in_proj_b.weight"])
-        a = F.linear(x, w["linear_attn.in_proj_a.weight"])
+        mixed, z, b, a = self._project(w, "gdn_in", x)
+        z = z.view(R, T, Hv, Dv)
         li = layer.state_index
         conv_buf, ssm_buf = state.conv[li], state.ssm[li]
-        if decode:
-            mixed = pad_rows(self.kernels.conv_step(mixed[:B, 0], conv_buf, slots, w["conv"]), R)[:, None]
-        else:
-            mixed = self.kernels.conv_prefill(mixed, conv_buf, slots, w["conv"], valid)
+        if decode:  # conv, gates, q/k norms and the recurrent step on the real rows only
+            mixed = self.kernels.conv_step(mixed[:B, 0], conv_buf, slots, w["conv"])
+            o = self.kernels.gated_delta_step_fused(mixed, a[:B, 0], b[:B, 0], w["neg_A"], w["linear_attn.dt_bias"],
+                                                    ssm_buf, slots, Hk, Dk, Dv)
+            o = pad_rows(o, R)[:, None]
+            o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
+            return F.linear(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
+        mixed = self.kernels.conv_prefill(mixed, conv_buf, slots, w["conv"], valid)
         q, k, v = torch.split(mixed, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
         q = q.reshape(R, T, Hk, Dk)
         k = k.reshape(R, T, Hk, Dk)
         v = v.reshape(R, T, Hv, Dv)
         beta = torch.sigmoid(b).float()
         g = w["neg_A"] * F.softplus(a.float() + w["linear_attn.dt_bias"])
-        if valid is not None and not decode:  # padding tokens neither decay nor write the state
+        if valid is not None:  # padding tokens neither decay nor write the state
             real = (torch.arange(T, device=x.device)[None, :] < valid[:, None]).float()[..., None]
             beta = beta * real
             g = g * real
@@ -217,10 +197,20 @@ class HybridModel:
         q = l2_normalize(q.float()) * Dk**-0.5
         k = l2_normalize(k.float())
         v = v.float()
-        if decode:
-            o = self.kernels.gated_delta_step(*(t[:B, 0] for t in (q, k, v, g, beta)), ssm_buf, slots)
-            o = pad_rows(o, R)[:, None]
-        else:
-            o = self.kernels.gated_delta_prefill(q, k, v, g, beta, ssm_buf, slots)
-        o = gated_rms_norm(o.to(x.dtype), z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
+        o = self.kernels.gated_delta_prefill(q, k, v, g, beta, ssm_buf, slots)
+        o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
         return F.linear(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
+
+    def _project(self, w: dict[str, torch.Tensor], pack: str, x: torch.Tensor) -> list[torch.Tensor]:
+        """The projections of group `pack` of x: one GEMM over the packed weight when packed, else one each."""
+        if pack in w:
+            return list(F.linear(x, w[pack]).split(split_sizes(w, pack), dim=-1))
+        return [F.linear(x, w[n]) for n in PACKS[pack]]
+
+    def _mlp(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if "mlp_in" in w:
+            y = self.kernels.silu_mul(F.linear(x, w["mlp_in"]))
+        else:
+            gate, up = self._project(w, "mlp_in", x)
+            y = F.silu(gate) * up
+        return F.linear(y, w["mlp.down_proj.weight"])
