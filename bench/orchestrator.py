@@ -27,6 +27,7 @@ from common import OUT_DIR, log, machine_info, percentile, print_table, write_js
 from capsulert.orchestrator import EpisodeDriver, Orchestrator, best_of_n  # noqa: E402
 from capsulert.worker.engine import Engine  # noqa: E402
 from capsulert.worker.sampler import SamplingParams  # noqa: E402
+from capsulert.worker.verbs import LastCall, Ping  # noqa: E402
 
 PREFIX = ("You are a coding agent working in a large repository. The capsule runtime keeps the complete state "
           "of a session at a committed boundary, so the agent returns to it in milliseconds. ") * 6
@@ -99,14 +100,14 @@ async def main(args) -> None:
             return (a - t) * 1e3, (b - a) * 1e3, await inside()
 
         async def inside():
-            return await orch._call(0, "last_call")
+            return await orch.call(0, LastCall())
 
         verbs = {
             "restore+append+first token": lambda: pair(rag_local, lambda: orch.restore_append_generate("c0", SUFFIX, 1)),
             "append (4 tokens)": restored_append,
             "generate 1 token": lambda: pair(lambda: s.generate(1), lambda: rs.generate(1)),
             "restore in place": lambda: pair(lambda: s.restore("c0"), lambda: rs.restore("c0")),
-            "control round trip": lambda: pair(lambda: None, lambda: orch._call(0, "ping")),
+            "control round trip": lambda: pair(lambda: None, lambda: orch.call(0, Ping())),
         }
         for name, measure in verbs.items():  # the two sides interleaved, so machine noise hits both alike
             lt, rt, tt = [], [], []

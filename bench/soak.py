@@ -45,8 +45,10 @@ from common import OUT_DIR, log, machine_info, percentile, print_table, write_js
 from capsulert.capsule_store import tensors_checksum  # noqa: E402
 from capsulert.errors import UnknownCapsuleError, WorkerLost  # noqa: E402
 from capsulert.orchestrator import Orchestrator  # noqa: E402
+from capsulert.orchestrator.worker_actor import send  # noqa: E402
 from capsulert.worker.engine import Engine  # noqa: E402
 from capsulert.worker.sampler import SamplingParams  # noqa: E402
+from capsulert.worker.verbs import ExportCapsule, Ping  # noqa: E402
 
 TEXTS = [
     "You are a coding agent. The failing test is in the orchestrator; read it first. ",
@@ -176,8 +178,8 @@ class Client:
         except WorkerLost:
             self.maybe_made.add(name)  # never used by the client; cleaned up at the end if it exists
             raise
-        self.caps[name] = {"pinned": pin, "pid": ref["pid"], "worker": ref["worker"], "uncertain": False}
-        return {"op": "snapshot", "sid": self.sid, "name": name, "pin": pin, "boundary": ref["boundary"]}
+        self.caps[name] = {"pinned": pin, "pid": self.sess.pid, "worker": self.sess.worker, "uncertain": False}
+        return {"op": "snapshot", "sid": self.sid, "name": name, "pin": pin, "boundary": ref.boundary}
 
     async def op_restore(self) -> dict:
         name = self._capsule()
@@ -295,7 +297,7 @@ class Client:
                 self.pinned_from_killed += 1
             checks = []
             for w in row["workers"]:
-                _, checksum, _ = await orch._call(w, "export_capsule", name, namespace=self.ns.ns)
+                _, checksum, _ = await orch.call(w, ExportCapsule(name, self.ns.ns))
                 checks.append(checksum)
             probe = await self.ns.restore_append_generate(name, PROBE, PROBE_TOKENS)
             self.final[name] = {"checksums": checks, "probe": probe, "pinned": info["pinned"]}
@@ -409,7 +411,7 @@ async def run_soak(clients: int = 200, ops: int = 10, seed: int = 0, kill: bool 
             ray.kill(orch.workers[victim].handle, no_restart=False)
             while True:
                 try:
-                    pong = await asyncio.wait_for(orch.workers[victim].handle.ping.remote(), 5.0)
+                    pong = await asyncio.wait_for(send(orch.workers[victim].handle, Ping()), 5.0)
                     if pong["pid"] != run.killed_pid:
                         break
                 except Exception:  # noqa: BLE001 - still restarting

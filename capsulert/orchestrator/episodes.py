@@ -1,10 +1,10 @@
 """EpisodeDriver: RL rollouts against one start capsule C0.
 
-n_envs sessions are forked from C0 once, spread over every worker (C0 is copied to each once), and reused: reset(i) restores C0 into env i's session in place
-(no slot is taken or given back, no capsule is made), step(i, observation) appends the observation and
-generates the action in one request. Each env submits its own requests (an episode's first step also
-restores C0); the worker's step scheduler batches the envs' decodes, one batched step per token, without
-the driver batching anything. Thousands of resets leave slot and capsule counts unchanged.
+n_envs sessions are forked from C0 once, spread over every worker (C0 is copied to each once), and
+reused: reset(i) restores C0 into env i's session in place (no slot is taken or given back, no capsule is
+made), step(i, observation) appends the observation and generates the action in one request (a Turn).
+Each env submits its own requests (an episode's first step also restores C0); the worker's step
+scheduler batches the envs' decodes, one batched step per token, without the driver batching anything. Thousands of resets leave slot and capsule counts unchanged.
 
 The sampling callable gets the real (episode, step); an action is a GenerateResult: the tokens, with
 their logprobs under the raw model distribution and the stop reason.
@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from capsulert.errors import InvalidRequestError
 from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, sampling_arg, tokens_arg
-from capsulert.orchestrator.schedulers import _maybe_await
+from capsulert.orchestrator.schedulers import maybe_await
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.verbs import GenerateResult
 
@@ -110,7 +110,7 @@ class EpisodeDriver:
                 except asyncio.QueueEmpty:
                     return
                 traj = out[ep] = Trajectory(ep, i)
-                obs = await _maybe_await(policy_fn(ep, 0, None))
+                obs = await maybe_await(policy_fn(ep, 0, None))
                 if obs is None:
                     await self.reset(i)
                     continue
@@ -122,7 +122,7 @@ class EpisodeDriver:
                     traj.steps.append((obs, action))
                     if t == max_steps:
                         break
-                    obs = await _maybe_await(policy_fn(ep, t, action))
+                    obs = await maybe_await(policy_fn(ep, t, action))
                     if obs is None:
                         break
                     action = await sess.turn(tokens_arg(obs, "observation"), n, self._sampling(None, ep, t))

@@ -6,42 +6,37 @@ generate, capsules, promote, demote, delete, migrate; the schedulers best_of_n, 
 EpisodeDriver accept a handle wherever they accept the orchestrator). Capsules live in the handle's
 namespace: sessions opened through it snapshot into it, and it cannot list, restore, fork, promote,
 demote or delete another namespace's capsules: names are looked up in its own namespace only (a name
-of another namespace is UnknownCapsuleError), every worker call carries the namespace, and a name is
+of another namespace is UnknownCapsuleError), every request carries the namespace, and a name is
 never a path (validate_name refuses '/', '..' and the like; disk file names are a hash of namespace and
 name, so guessing a file name gets you an unknown capsule name, nothing more).
 
-A handle has no lifecycle verbs (close, stats, health, namespace): those are the operator's, on the
-Orchestrator.
+Every verb is one typed request (worker/verbs.py) to one worker. A handle has no lifecycle verbs (close,
+stats, health, namespace): those are the operator's, on the Orchestrator.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
-from capsulert.errors import InvalidRequestError
-from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, sampling_arg, samplings_arg, tokens_arg
-from capsulert.orchestrator.router import CapsuleRouter, _Space
+from capsulert.errors import InvalidRequestError, SessionClosedError
+from capsulert.orchestrator.capsule_map import CapsuleMap
+from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, sampling_params, samplings_arg, tokens_arg
 from capsulert.orchestrator.remote_session import RemoteSession
-
-if TYPE_CHECKING:
-    from capsulert.orchestrator.orchestrator import Orchestrator
+from capsulert.orchestrator.router import CapsuleRouter
+from capsulert.orchestrator.worker_pool import WorkerPool
+from capsulert.worker.verbs import Detokenize, Fork, GenerateResult, Open, Restore, SessionInfo, Tokenize, Turn
 
 
 class Namespace(CapsuleRouter):
-    def __init__(self, orch: "Orchestrator", ns: str):
-        self._orch, self.ns = orch, ns
-        self._space = orch._spaces.setdefault(ns, _Space())
+    def __init__(self, pool: WorkerPool, capsule_map: CapsuleMap, ns: str):
+        self.pool, self.ns = pool, ns
+        self.space = capsule_map.space(ns)
 
     def __repr__(self) -> str:
         return f"Namespace({self.ns!r})"
 
-    # plumbing used by the schedulers and sessions (delegated to the orchestrator)
-    async def _call(self, w: int, method: str, *args, timeout: float | None = None, **kwargs):
-        return await self._orch._call(w, method, *args, timeout=timeout, **kwargs)
-
-    def _session(self, w: int, res: dict) -> RemoteSession:
-        s = RemoteSession(self, w, res["sid"], res["len"])
-        self._orch._register(s)
+    def _session(self, w: int, info: SessionInfo | GenerateResult) -> RemoteSession:
+        s = RemoteSession(self, w, info.session, info.length)
+        self.pool.opened(s)
         return s
 
     # ------------------------------------------------------------------ verbs
@@ -49,49 +44,47 @@ class Namespace(CapsuleRouter):
         """A new session (on the least loaded worker), prefilled with `prompt` when given. Its snapshots
         go into this namespace."""
         prompt = None if prompt is None else tokens_arg(prompt, "prompt")
-        n = len(self._orch.workers)
-        w = self._least_loaded(range(n)) if worker is None else self._worker_arg(worker)
-        return self._session(w, await self._orch._call(w, "open", prompt))
+        w = self.pool.least_loaded(range(len(self.pool))) if worker is None else self.pool.worker_arg(worker)
+        return self._session(w, await self.pool.call(w, Open(prompt)))
 
     async def restore(self, name: str) -> RemoteSession:
         """A new session holding capsule `name`, on a worker that has it."""
         name = name_arg(name)
-        w = self._least_loaded(self._holders(name))
-        return self._session(w, await self._orch._call(w, "restore", name, namespace=self.ns))
+        return self._session(*await self._on_holder(name, Restore(name, self.ns)))
 
     async def fork(self, name: str, n: int) -> list[RemoteSession]:
         """n independent sessions from capsule `name` (on one worker, so they can decode batched)."""
         name, n = name_arg(name), int_arg(n, "n", 1)
-        w = self._least_loaded(self._holders(name))
-        return [self._session(w, r) for r in await self._orch._call(w, "fork", name, n, namespace=self.ns)]
+        w, infos = await self._on_holder(name, Fork(name, n, self.ns))
+        return [self._session(w, i) for i in infos]
 
     async def fork_spread(self, name: str, n: int) -> list[RemoteSession]:
         """n sessions from capsule `name`, spread evenly over every live worker (the capsule is copied to a
         worker that lacks it, once): RL envs, independent agents that need not decode together."""
         name, n = name_arg(name), int_arg(n, "n", 1)
         self._holders(name)
-        alive = [w.index for w in self._orch.workers if w.lost is None]
+        alive = self.pool.alive()
         share = {w: n // len(alive) + (i < n % len(alive)) for i, w in enumerate(alive)}
         share = {w: k for w, k in share.items() if k}
-        await asyncio.gather(*(self._ensure_on(name, w) for w in share))
-        groups = await asyncio.gather(*(self._orch._call(w, "fork", name, k, namespace=self.ns)
-                                        for w, k in share.items()))
-        return [self._session(w, r) for w, rows in zip(share, groups) for r in rows]
+        await asyncio.gather(*(self.ensure_on(name, w) for w in share))
+        groups = await asyncio.gather(*(self.pool.call(w, Fork(name, k, self.ns)) for w, k in share.items()))
+        return [self._session(w, i) for w, infos in zip(share, groups) for i in infos]
 
     async def restore_append_generate(self, name: str, suffix, max_new_tokens: int, sampling=None, *,
                                       keep: bool = False, timeout: float | None = None):
-        """restore + append + generate in one actor call. Returns the tokens, or (session, tokens) with keep=True."""
+        """Restore capsule `name` into a NEW session (on a worker holding it), append `suffix` (None:
+        nothing) and generate: one Turn request, the same verb as RemoteSession.restore_append_generate
+        (which rolls an existing session back in place instead), with the same GenerateResult. The new
+        session is closed afterwards; with keep=True it stays open and (session, result) is returned."""
         name, n = name_arg(name), int_arg(max_new_tokens, "max_new_tokens", 0)
         suffix = None if suffix is None else tokens_arg(suffix, "suffix")
-        sp = sampling_arg(sampling)
-        w = self._least_loaded(self._holders(name))
-        res = await self._orch._call(w, "restore_append_generate", name, suffix, n, sp, close=not keep,
-                                     timeout=timeout, namespace=self.ns)
+        request = Turn(None, name, suffix, n, sampling_params(sampling), self.ns, close=not keep)
+        w, res = await self._on_holder(name, request, timeout=timeout)
         if not keep:
-            return res["tokens"]
+            return res
         s = self._session(w, res)
-        s.stop_reason = res["stop_reason"]
-        return s, res["tokens"]
+        s.stop_reason = res.stop_reason
+        return s, res
 
     async def generate(self, sessions: list[RemoteSession], max_new_tokens: int, sampling=None) -> list:
         """Generate for several sessions at once: each is its own request, and each worker's step scheduler
@@ -102,30 +95,15 @@ class Namespace(CapsuleRouter):
         if len({id(s) for s in sessions}) != len(sessions):
             raise InvalidRequestError("a session appears twice in one generate call")
         for s in sessions:
-            s._check()
-            if s._orch is not self._orch:
+            if s.closed:
+                raise SessionClosedError(f"session {s.sid} is closed; open or restore a new one")
+            if s.pool is not self.pool:
                 raise InvalidRequestError(f"{s!r} belongs to another orchestrator")
         return list(await asyncio.gather(*(s.generate(n, sp) for s, sp in zip(sessions, sps))))
 
-    async def _branch(self, name: str, suffixes: list, max_new_tokens: int, samplings: list,
-                      snapshot_names: list[str] | None = None) -> list[dict]:
-        """fork len(suffixes) + append + batched generate (+ snapshot each) + close: one actor call."""
-        names = [name_arg(nm) for nm in snapshot_names or []]
-        w = self._least_loaded(self._holders(name))
-        if not names:
-            return await self._orch._call(w, "fork_append_generate", name, suffixes, max_new_tokens, samplings,
-                                          None, True, True, namespace=self.ns)
-        async with self._space.locks.hold(*names):
-            for nm in names:
-                self._check_new_name(nm)
-            res = await self._orch._call(w, "fork_append_generate", name, suffixes, max_new_tokens, samplings,
-                                         names, True, True, namespace=self.ns)
-            for nm in names:
-                self._add_holder(nm, w)
-        return res
-
     async def tokenize(self, text: str) -> list[int]:
-        return await self._orch._call(0, "tokenize", tokens_arg(text, "text"))
+        text = tokens_arg(text, "text")
+        return await self.pool.call(self.pool.least_loaded(range(len(self.pool))), Tokenize(text))
 
     async def detokenize(self, tokens: list[int]) -> str:
-        return await self._orch._call(0, "detokenize", list(tokens))
+        return await self.pool.call(self.pool.least_loaded(range(len(self.pool))), Detokenize(list(tokens)))

@@ -31,7 +31,7 @@ class OrchestratorConfig(BaseModel):
     persist_pinned: bool = True
 
 
-_Tier = TypeAdapter(Literal["gpu", "host", "disk"])
+_Tier = TypeAdapter(Literal["device", "gpu", "host", "disk"])  # "gpu": the older name of "device"
 
 
 def _fail(err: type[CapsuleRTError], what: str, value: Any, e: ValidationError) -> CapsuleRTError:
@@ -98,6 +98,12 @@ def sampling_arg(value: Any) -> dict | None:
     except ValidationError as e:
         raise _fail(InvalidRequestError, "sampling", value, e) from None
     return sp.model_dump()
+
+
+def sampling_params(value: Any) -> SamplingParams | None:
+    """SamplingParams | dict | None -> validated SamplingParams for a request (None = greedy)."""
+    d = sampling_arg(value)
+    return None if d is None else SamplingParams(**d)
 
 
 def samplings_arg(value: Any, n: int) -> list[dict | None]:

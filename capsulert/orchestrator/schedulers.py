@@ -1,10 +1,12 @@
-"""Schedulers: async tasks against named capsules.
+"""Schedulers: async tasks against named capsules, written on the public verbs only.
 
-- best_of_n: fork n branches of a capsule, append a suffix, decode them together (one actor call, one
-  batched decode step per token), score each (sync or async callable), rank.
-- tree_search: beam search where every node is a capsule. Each beam node is expanded in one actor call
-  (fork k children, append each child's suffix, decode them batched, snapshot each child); children are
-  scored, the best `width` kept, and the capsules of dropped and superseded nodes are deleted.
+- best_of_n: n independent turns (restore the capsule into a new session, append a suffix, generate),
+  submitted at once; the worker's step scheduler decodes them together (one batched step per token) and
+  each equals its solo run. Candidates are scored (sync or async callable) and ranked.
+- tree_search: beam search where every node is a capsule. Every child of every beam node is its own turn
+  (restore the parent, append the child's suffix, generate), snapshot as the child's capsule, then closed;
+  all of a level's children are submitted at once and batched by the scheduler the same way. Children
+  are scored, the best `width` kept, and the capsules of dropped and superseded nodes are deleted.
 """
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 from capsulert.errors import InvalidRequestError
-from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, sampling_arg, samplings_arg, seeded, tokens_arg
+from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, samplings_arg, seeded, tokens_arg
 from capsulert.worker.sampler import SamplingParams
 
 
-async def _maybe_await(v):
+async def maybe_await(v):
     return await v if inspect.isawaitable(v) else v
 
 
@@ -46,10 +48,11 @@ async def best_of_n(orch, capsule: str, suffix, n: int, max_new_tokens: int,
     max_new = int_arg(max_new_tokens, "max_new_tokens", 0)
     suffix = None if suffix is None else tokens_arg(suffix, "suffix")
     sps = samplings_arg(sampling, n) if isinstance(sampling, (list, tuple)) else seeded(sampling, n)
-    res = await orch._branch(capsule, [suffix] * n, max_new, sps)
-    cands = [Candidate(i, r["tokens"], r.get("text"), 0.0, r["stop_reason"], sps[i]) for i, r in enumerate(res)]
+    # independent requests: the worker's step scheduler batches their decodes
+    res = await _all(orch.restore_append_generate(capsule, suffix, max_new, sp) for sp in sps)
+    cands = [Candidate(i, list(r), r.text, 0.0, r.stop_reason, sps[i]) for i, r in enumerate(res)]
     if score is not None:
-        scores = await asyncio.gather(*(_maybe_await(score(c)) for c in cands))
+        scores = await asyncio.gather(*(maybe_await(score(c)) for c in cands))
         for c, s in zip(cands, scores):
             c.score = float(s)
         cands.sort(key=lambda c: (-c.score, c.index))
@@ -97,7 +100,7 @@ async def tree_search(orch, capsule: str, expand: Callable[[Node], Any], score: 
     capsule = name_arg(capsule)
     width, depth = int_arg(width, "width", 1), int_arg(depth, "depth", 1)
     max_new = int_arg(max_new_tokens, "max_new_tokens", 0)
-    orch._holders(capsule)
+    orch.holders(capsule)  # an unknown root fails before expand is called
     prefix = prefix or f"tot-{uuid.uuid4().hex[:10]}"
     counter = itertools.count()
     root = Node(capsule, 0)
@@ -105,24 +108,31 @@ async def tree_search(orch, capsule: str, expand: Callable[[Node], Any], score: 
     live: list[str] = []  # node capsules this search created and still holds
 
     async def expand_one(node: Node) -> list[Node]:
-        items = list(await _maybe_await(expand(node)) or [])
+        items = list(await maybe_await(expand(node)) or [])
         thoughts = [i if isinstance(i, Thought) else Thought(i) for i in items]
         if not thoughts:
             return []
         suffixes = [None if t.suffix is None else tokens_arg(t.suffix, "suffix") for t in thoughts]
-        sps = [sampling_arg(t.sampling) for t in thoughts]
         names = [f"{prefix}.{node.depth + 1}.{next(counter)}" for _ in thoughts]
-        res = await orch._branch(node.name, suffixes, max_new, sps, names)
-        live.extend(names)
-        return [Node(nm, node.depth + 1, node, t.suffix, r["tokens"], r.get("text"))
-                for nm, t, r in zip(names, thoughts, res)]
+        results = await _all(grow(node, nm, suf, t.sampling) for nm, suf, t in zip(names, suffixes, thoughts))
+        return [Node(nm, node.depth + 1, node, t.suffix, list(r), r.text) for nm, t, r in zip(names, thoughts, results)]
+
+    async def grow(parent: Node, name: str, suffix, sampling):
+        """One child: a turn from the parent's capsule in a new session, snapshot as `name`, closed."""
+        session, res = await orch.restore_append_generate(parent.name, suffix, max_new, sampling, keep=True)
+        try:
+            await session.snapshot(name)
+            live.append(name)
+        finally:
+            await session.close()
+        return res
 
     try:
         for _ in range(depth):
-            children = [c for group in await asyncio.gather(*(expand_one(n) for n in beam)) for c in group]
+            children = [c for group in await _all(expand_one(n) for n in beam) for c in group]
             if not children:
                 break
-            scores = await asyncio.gather(*(_maybe_await(score(c)) for c in children))
+            scores = await asyncio.gather(*(maybe_await(score(c)) for c in children))
             for c, s in zip(children, scores):
                 c.score = float(s)
             order = sorted(range(len(children)), key=lambda i: (-children[i].score, i))
@@ -139,6 +149,16 @@ async def tree_search(orch, capsule: str, expand: Callable[[Node], Any], score: 
     if beam == [root]:
         raise InvalidRequestError("expand produced no children for the root")
     return beam
+
+
+async def _all(coros) -> list:
+    """Await every coroutine, then raise the first failure: nothing is left running (and making capsules)
+    behind the caller's clean-up."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
 
 
 async def _delete(orch, names: list[str], live: list[str]) -> None:

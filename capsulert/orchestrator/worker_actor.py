@@ -1,60 +1,61 @@
-"""WorkerActor: the Ray actor that owns one Engine (a WorkerCore).
+"""WorkerActor: the Ray actor that owns one Engine (a WorkerCore), and how a typed request reaches it.
 
-Typed requests (worker/verbs.py) run in the group "serve": each call hands its request to the worker's
-step scheduler and waits, so many callers' generates share decode steps (the scheduler's loop thread is
-the one that drives the engine). The one-call chained verbs run in "gpu" (size 1, so they never
-interleave with each other); stats, listing, health, token reads and interrupts run in "control", so they
-answer while a long prefill or decode runs (interrupt reaches a running generate at its next token).
+The actor has one entry point, `execute(request, call_id)`, and its streaming twin `stream` (a Ray
+streaming generator). Which Ray concurrency group a call runs in follows from the request's lane:
+session requests wait on the step scheduler in a group of many threads (the scheduler's loop thread is
+the one that drives the engine, batching every caller's decode); store requests run one at a time; control
+requests (stats, listing, health, token reads, interrupts) have their own group, so they answer while a
+long prefill, decode or capsule copy runs. Callers use `send` and `send_stream`, never a method name.
 """
 from __future__ import annotations
 
-import time
+from dataclasses import fields, replace
 
 import ray
 
+from capsulert.errors import InvalidRequestError
 from capsulert.orchestrator.worker_core import WorkerCore
+from capsulert.worker.verbs import CONTROL, SESSION, STORE, Request
 
-GPU, CONTROL, SERVE = "gpu", "control", "serve"
-SERVE_CONCURRENCY = 512  # requests in flight per worker (each waits on the scheduler in its own thread)
-
-_GPU_METHODS = ("open", "append", "restore", "restore_into",
-                "restore_append_generate", "fork", "fork_append_generate", "snapshot", "close", "close_many",
-                "delete", "promote", "demote", "export_capsule", "import_capsule", "export_to_dir",
-                "import_from_file", "update_weights", "rebuild")
-_CONTROL_METHODS = ("ping", "last_call", "interrupt", "tokens", "list_capsules", "stats", "tokenize", "detokenize")
+SESSION_GROUP, STORE_GROUP, CONTROL_GROUP = "session", "store", "control"
+SESSION_CONCURRENCY = 512  # requests in flight per worker (each waits on the scheduler in its own thread)
+_GROUP = {SESSION: SESSION_GROUP, STORE: STORE_GROUP, CONTROL: CONTROL_GROUP}
 
 
-def _grouped(name: str, group: str):
-    fn = getattr(WorkerCore, name)
-
-    if name == "stream_request":
-        def method(self, *args, **kwargs):
-            yield from fn(self, *args, **kwargs)
-        method.__name__ = name
-        method.__doc__ = fn.__doc__
-        return ray.method(concurrency_group=group, num_returns="streaming")(method)
-    if group == GPU:
-        def method(self, *args, **kwargs):  # remember how long the engine work took (bench: transport cost)
-            t0 = time.perf_counter()
-            try:
-                return fn(self, *args, **kwargs)
-            finally:
-                self.last_call_ms = (time.perf_counter() - t0) * 1e3
-    else:
-        def method(self, *args, **kwargs):
-            return fn(self, *args, **kwargs)
-
-    method.__name__ = name
-    method.__doc__ = fn.__doc__
-    return ray.method(concurrency_group=group)(method)
+def _fetch_inputs(request: Request) -> Request:
+    """Fields that arrive as object-store references (another worker's export, weights put once for every
+    worker) are fetched here, on the worker: the bytes never pass through the caller."""
+    if not isinstance(request, Request):
+        return request  # refused by WorkerCore.execute
+    refs = {f.name: getattr(request, f.name) for f in fields(request)
+            if isinstance(getattr(request, f.name), ray.ObjectRef)}
+    return replace(request, **{k: ray.get(v) for k, v in refs.items()}) if refs else request
 
 
-_body = {n: _grouped(n, GPU) for n in _GPU_METHODS}
-_body.update({n: _grouped(n, CONTROL) for n in _CONTROL_METHODS})
-_body.update({n: _grouped(n, SERVE) for n in ("submit_request", "stream_request")})
-_GroupedCore = type("WorkerActor", (WorkerCore,), _body)
-_GroupedCore.__module__ = __name__
-_GroupedCore.__qualname__ = "_GroupedCore"  # pickled by reference
+class WorkerActorBody(WorkerCore):
+    """WorkerCore with its entry points as Ray actor methods (the class Ray wraps; pickled by reference)."""
+
+    @ray.method(concurrency_group=SESSION_GROUP)
+    def execute(self, request: Request, call_id=None):
+        return super().execute(_fetch_inputs(request), call_id)
+
+    @ray.method(concurrency_group=SESSION_GROUP, num_returns="streaming")
+    def stream(self, request: Request, call_id=None):
+        yield from super().stream(request, call_id)
+
 
 #: The Ray actor class. Spawn with WorkerActor.options(num_gpus=..., max_restarts=...).remote(engine_config, ...)
-WorkerActor = ray.remote(concurrency_groups={GPU: 1, CONTROL: 4, SERVE: SERVE_CONCURRENCY})(_GroupedCore)
+WorkerActor = ray.remote(concurrency_groups={SESSION_GROUP: SESSION_CONCURRENCY, STORE_GROUP: 1,
+                                             CONTROL_GROUP: 4})(WorkerActorBody)
+
+
+def send(handle, request: Request, call_id=None) -> ray.ObjectRef:
+    """Submit a typed request to a worker actor; the reference to its reply."""
+    if not isinstance(request, Request):
+        raise InvalidRequestError(f"a worker runs typed requests (capsulert.worker.verbs), not {request!r:.80}")
+    return handle.execute.options(concurrency_group=_GROUP[request.lane]).remote(request, call_id)
+
+
+def send_stream(handle, request: Request, call_id=None):
+    """Submit a Generate or Turn as a stream; a Ray generator of references to its events."""
+    return handle.stream.remote(request, call_id)

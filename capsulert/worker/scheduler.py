@@ -4,8 +4,9 @@ Requests (typed verbs, worker/verbs.py) from any thread enter one bounded queue;
 the engine and runs steps. Each step:
 1. starts the requests that can start, in arrival order (a session's requests run one after another, in
    order; requests on different sessions do not wait for each other). Capsule verbs (snapshot, restore,
-   fork, close) run here, between decode steps. A request that needs a free slot waits without blocking
-   anything, up to `slot_wait_s`, then fails with NoFreeSlotError;
+   fork, close, delete) run here, between decode steps, so a delete never meets a restore mid-copy. A
+   request that needs a free slot waits without blocking anything, up to `slot_wait_s`, then fails with
+   NoFreeSlotError;
 2. runs prefill work under a token budget (`step_prefill_tokens`, default one chunk): appends are cut at
    grid points, so a long prefill advances one chunk per step while decoding sessions keep producing
    tokens, and the pieces give bitwise the same state as one append;
@@ -31,8 +32,8 @@ from capsulert.errors import (InvalidRequestError, NoFreeSlotError, QueueFullErr
 from capsulert.worker.decoding import DecodeStream, advance
 from capsulert.worker.engine import Engine
 from capsulert.worker.session import Session
-from capsulert.worker.verbs import (Append, Close, FinalEvent, Fork, Generate, GenerateResult, Open, Request,
-                                    Restore, SessionInfo, Snapshot, TokenEvent, Turn)
+from capsulert.worker.verbs import (SESSION, Append, Close, Delete, FinalEvent, Fork, Generate, GenerateResult,
+                                    Open, Request, Restore, SessionInfo, Snapshot, TokenEvent, Turn)
 
 
 @dataclass
@@ -93,14 +94,14 @@ class StepScheduler:
 
     # ------------------------------------------------------------------ caller side (any thread)
     def submit(self, request: Request, sink: Sink) -> _Job:
-        if not isinstance(request, (Open, Append, Generate, Snapshot, Restore, Fork, Close, Turn)):
-            raise InvalidRequestError(f"not a request: {type(request).__name__}")
+        if not isinstance(request, Request) or request.lane != SESSION:
+            raise InvalidRequestError(f"not a session request: {type(request).__name__}")
         with self._cv:
             if self._stopped:
                 raise SessionClosedError("the scheduler is stopped")
             if len(self._incoming) + len(self._waiting) >= self.max_queue:
                 raise QueueFullError(f"{self.max_queue} requests are already waiting; retry later or raise max_queue")
-            job = _Job(request, sink, getattr(request, "session", None) if not isinstance(request, Turn) else request.session)
+            job = _Job(request, sink, request.target)
             job.deadline = time.monotonic() + self.engine.config.slot_wait_s
             self._incoming.append(job)
             self._cv.notify()
@@ -116,19 +117,9 @@ class StepScheduler:
             self._cv.notify()
         self._thread.join(timeout=30)
 
-    # the session registry, shared with callers that also drive the engine directly (the worker's
-    # one-call verbs): ids are handed out here only
     def session(self, sid: int) -> Session:
-        """The engine session behind an id."""
+        """The engine session behind an id (SessionClosedError when it is closed or unknown)."""
         return self._session(sid)
-
-    def adopt(self, session: Session) -> int:
-        """Register a session opened on the engine directly; its id."""
-        return self._adopt(session)
-
-    def release(self, sid: int) -> Session | None:
-        """Forget a session (the caller closes it); None when unknown."""
-        return self._sessions.pop(sid, None)
 
     @property
     def session_count(self) -> int:
@@ -215,15 +206,19 @@ class StepScheduler:
             job.sink.done(eng.snapshot(s, r.name, tier=r.tier, pin=r.pin, namespace=r.namespace))
             return False
         elif isinstance(r, Restore):
-            if r.into is None:
+            if job.session is None:
                 job.session = self._adopt(eng.restore(r.name, r.namespace, wait_s=0))
             else:
-                eng.restore_into(self._session(r.into), r.name, r.namespace)
+                eng.restore_into(self._session(job.session), r.name, r.namespace)
             job.sink.done(SessionInfo(job.session, len(self._session(job.session).tokens)))
             return False
         elif isinstance(r, Fork):
             sessions = eng.fork(r.name, r.n, r.namespace, wait_s=0)
             job.sink.done([SessionInfo(self._adopt(s), len(s.tokens)) for s in sessions])
+            return False
+        elif isinstance(r, Delete):
+            eng.store.delete(r.name, r.namespace)
+            job.sink.done(None)
             return False
         elif isinstance(r, Close):
             s = self._sessions.pop(r.session, None)
@@ -288,7 +283,8 @@ class StepScheduler:
                 res.session = None
             job.sink.done(res)
         else:
-            job.sink.done(SessionInfo(job.session, len(s.tokens)))
+            want_logits = isinstance(r, Append) and r.logits
+            job.sink.done(SessionInfo(job.session, len(s.tokens), _host_logits(s) if want_logits else None))
 
     def _fail(self, job: _Job, e: BaseException) -> None:
         if job in self._active:
@@ -331,3 +327,8 @@ class StepScheduler:
         for j in jobs:
             if j.stream.done:
                 self._finish(j)
+
+
+def _host_logits(s: Session):
+    """The next-token logits as a float32 numpy array of their own (plain data for any caller)."""
+    return s.logits().float().cpu().numpy().copy()

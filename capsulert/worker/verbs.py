@@ -1,13 +1,17 @@
 """The verbs of a worker as typed requests, and what they return, defined once.
 
-The step scheduler executes these; the in-process async engine builds them from method calls, and the
-Ray worker receives them as they are (plain frozen dataclasses pickle by value: no dispatch by method-name
-strings). Sessions are named by integer ids the scheduler hands out.
+Every layer passes these objects as they are: the in-process async engine builds them from method calls,
+the orchestrator's RemoteSession / Namespace build them from theirs, the Ray worker receives them (plain
+frozen dataclasses pickle by value) and runs each by its type: no dispatch by method-name strings, no verb
+written again per layer. Sessions are named by integer ids the worker's step scheduler hands out.
+
+Each request type says who executes it (`lane`) and whether a call may be run again on a restarted
+worker (`rerunnable`), so the transport and the retry rules follow from the type alone.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence, Union
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence, Union
 
 from capsulert.worker.sampler import SamplingParams
 
@@ -15,29 +19,74 @@ Tokens = Union[str, Sequence[int]]
 
 STOP_REASONS = ("eos", "stop_token", "stop_string", "length", "max_seq", "interrupted")
 
+# who executes a request:
+SESSION = "session"  # the worker's step scheduler: ordered per session, decodes batched across sessions
+STORE = "store"  # the capsule store and the weights outside the scheduler: one at a time per worker
+CONTROL = "control"  # reads and interrupts: answer while anything else runs
+LANES = (SESSION, STORE, CONTROL)
 
-# ---------------------------------------------------------------------- requests
+
 @dataclass(frozen=True)
-class Open:
+class Request:
+    """The base of every verb (session verbs subclass it directly)."""
+
+    lane: ClassVar[str] = SESSION
+    # every effect lives in the worker's memory (sessions, unpinned capsules, reads): a call the worker
+    # died under may run once more on the restarted process
+    memory_only: ClassVar[bool] = True
+
+    @property
+    def target(self) -> int | None:
+        """The existing session this request works on; None when it works on none (or makes a new one)."""
+        return getattr(self, "session", None)
+
+    @property
+    def rerunnable(self) -> bool:
+        """Whether running it again on a restarted worker equals running it once: its effects live in
+        worker memory and it names no existing session (those died with the old process)."""
+        return self.memory_only and self.target is None
+
+
+@dataclass(frozen=True)
+class StoreRequest(Request):
+    """A capsule store or weights verb: files and moves that may outlive the call, so never rerun."""
+    lane: ClassVar[str] = STORE
+    memory_only: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class ControlRequest(Request):
+    """A read or an interrupt."""
+    lane: ClassVar[str] = CONTROL
+
+
+# ---------------------------------------------------------------------- session verbs (step scheduler)
+@dataclass(frozen=True)
+class Open(Request):
     """A new session, optionally prefilled with `prompt`."""
     prompt: Tokens | None = None
 
 
 @dataclass(frozen=True)
-class Append:
+class Append(Request):
+    """Prefill more tokens; with `logits`, the reply carries the next-token logits."""
     session: int
     tokens: Tokens
+    logits: bool = False
 
 
 @dataclass(frozen=True)
-class Generate:
+class Generate(Request):
     session: int
     max_new_tokens: int
     sampling: SamplingParams | None = None
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class Snapshot(Request):
+    """A named capsule of the session's complete state; `pin` keeps it from eviction and, on a worker with
+    a persist directory, on disk across restarts."""
+    memory_only: ClassVar[bool] = False
     session: int
     name: str
     tier: str = "device"
@@ -46,29 +95,44 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
-class Restore:
+class Restore(Request):
     """Restore capsule `name` into a new session, or into `into` in place (rollback, episode reset)."""
     name: str
     namespace: str = "default"
     into: int | None = None
 
+    @property
+    def target(self) -> int | None:
+        return self.into
+
 
 @dataclass(frozen=True)
-class Fork:
+class Fork(Request):
     name: str
     n: int
     namespace: str = "default"
 
 
 @dataclass(frozen=True)
-class Close:
+class Close(Request):
+    """Close a session; closing one the worker does not hold (any more) does nothing."""
     session: int
 
 
 @dataclass(frozen=True)
-class Turn:
-    """A chained turn in one round trip: [restore `restore` (into `session`, or a new session)], append
-    `suffix`, generate; `close` closes the session afterwards."""
+class Delete(Request):
+    """Delete a capsule (and its persisted file). It runs between decode steps in arrival order with the
+    restores, so a restore submitted before it reads the whole capsule and one after fails with
+    UnknownCapsuleError (never CapsuleInUseError)."""
+    memory_only: ClassVar[bool] = False
+    name: str
+    namespace: str = "default"
+
+
+@dataclass(frozen=True)
+class Turn(Request):
+    """A chained turn in one round trip: [restore capsule `restore` (into `session` in place, or into a new
+    session when `session` is None)], append `suffix`, generate; `close` closes the session afterwards."""
     session: int | None = None
     restore: str | None = None
     suffix: Tokens | None = None
@@ -78,14 +142,125 @@ class Turn:
     close: bool = False
 
 
-Request = Union[Open, Append, Generate, Snapshot, Restore, Fork, Close, Turn]
+# ---------------------------------------------------------------------- capsule store and weights verbs
+@dataclass(frozen=True)
+class Promote(StoreRequest):
+    name: str
+    tier: str
+    namespace: str = "default"
+
+
+@dataclass(frozen=True)
+class Demote(StoreRequest):
+    name: str
+    tier: str | None = None
+    namespace: str = "default"
+
+
+@dataclass(frozen=True)
+class Rebuild(StoreRequest):
+    """Re-derive a stale capsule under the current weights; the reply says whether it was stale."""
+    name: str
+    namespace: str = "default"
+
+
+@dataclass(frozen=True)
+class ExportCapsule(StoreRequest):
+    """A capsule as host bytes for another worker: (meta JSON, checksum, safetensors bytes)."""
+    memory_only: ClassVar[bool] = True  # a read
+    name: str
+    namespace: str = "default"
+
+
+@dataclass(frozen=True)
+class ImportCapsule(StoreRequest):
+    """Store a capsule exported by ExportCapsule. `payload` is its reply, or a reference to it in the
+    transport's object store (fetched on the worker: the bytes go worker to worker). With `namespace`,
+    a capsule of another namespace is refused."""
+    payload: Any
+    tier: str = "device"
+    pin: bool = False
+    namespace: str | None = None
+
+
+@dataclass(frozen=True)
+class ExportToDir(StoreRequest):
+    """Write a capsule as a verified capsule file into `directory`; the reply is its path."""
+    name: str
+    directory: str
+    namespace: str = "default"
+
+
+@dataclass(frozen=True)
+class ImportFromFile(StoreRequest):
+    path: str
+    tier: str = "device"
+    pin: bool = False
+    namespace: str | None = None
+
+
+@dataclass(frozen=True)
+class UpdateWeights(StoreRequest):
+    """New weights in place: a checkpoint path, or safetensors bytes (or a reference to them in the
+    transport's object store); never pickle. The reply is the new weights version."""
+    source: Any
+    rebuild_pinned: bool = False
+
+
+# ---------------------------------------------------------------------- control verbs
+@dataclass(frozen=True)
+class Ping(ControlRequest):
+    """The worker's index, process id and the pinned capsules it reloaded at start."""
+
+
+@dataclass(frozen=True)
+class Stats(ControlRequest):
+    """Slots, sessions, queue, decode steps and capsule store figures of the worker."""
+
+
+@dataclass(frozen=True)
+class ListCapsules(ControlRequest):
+    """The capsules of `namespace` (None: of every namespace)."""
+    namespace: str | None = None
+
+
+@dataclass(frozen=True)
+class ReadTokens(ControlRequest):
+    """Every token id the session has committed (answers while it generates)."""
+    session: int
+
+
+@dataclass(frozen=True)
+class Tokenize(ControlRequest):
+    text: str
+
+
+@dataclass(frozen=True)
+class Detokenize(ControlRequest):
+    tokens: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Interrupt(ControlRequest):
+    """Stop the generate of call `call_id` on `session` at its next token boundary (tokens committed); an
+    interrupt may overtake the call it names. The reply says whether the session exists."""
+    session: int
+    call_id: Any = None
+
+
+@dataclass(frozen=True)
+class LastCall(ControlRequest):
+    """Milliseconds the worker's last session or store request spent inside it (transport cost probes)."""
 
 
 # ---------------------------------------------------------------------- results
 @dataclass(frozen=True)
 class SessionInfo:
+    """A session's id and length after a request; `logits`: its next-token logits (a float32 numpy array)
+    when the request asked for them (Append(logits=True))."""
     session: int
     length: int
+    logits: Any = field(default=None, compare=False)
 
 
 class GenerateResult(list):

@@ -14,6 +14,7 @@ from capsulert.capsule_store.capsule import capsule_key_hash
 from capsulert.errors import (CapsuleError, DuplicateCapsuleError, InvalidCapsuleNameError, UnknownCapsuleError,
                               WorkerLost)
 from capsulert.orchestrator import EpisodeDriver, Namespace, Orchestrator, best_of_n, tree_search
+from capsulert.worker.verbs import ExportCapsule, ExportToDir, ImportCapsule, ImportFromFile, ListCapsules, Restore
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 ACME = "Acme keeps its trade secrets in a capsule that nobody else may open. "
@@ -76,9 +77,9 @@ async def test_a_tenant_cannot_reach_another_tenants_capsules(orch_ns):
             await coro
     # ... also when a worker is asked directly under the wrong namespace
     with pytest.raises(UnknownCapsuleError):
-        await orch._call(0, "restore", "secret", namespace="globex")
+        await orch.call(0, Restore("secret", "globex"))
     with pytest.raises(UnknownCapsuleError):
-        await orch._call(0, "export_capsule", "secret")
+        await orch.call(0, ExportCapsule("secret"))
 
     # by guessing file names: the persisted file exists, but its name (or hash, or a path) is no capsule
     files = sorted(p.name for p in (orch.disk / "worker-0" / "pinned").iterdir())
@@ -124,9 +125,9 @@ async def test_routing_and_migration_stay_inside_the_namespace(orch_ns, tmp_path
     # an acme session on worker 1 restores "c": migrated within acme, byte-exact
     a1 = await acme.open(" filler", worker=1)
     await a1.restore("c")
-    assert acme._where["c"] == {0, 1} and "c" not in orch._where and "c" not in globex._where
-    pa = await orch._call(0, "export_capsule", "c", namespace="acme")
-    pb = await orch._call(1, "export_capsule", "c", namespace="acme")
+    assert acme.placement()["c"] == {0, 1} and "c" not in orch.placement() and "c" not in globex.placement()
+    pa = await orch.call(0, ExportCapsule("c", "acme"))
+    pb = await orch.call(1, ExportCapsule("c", "acme"))
     assert pa == pb
     assert await a1.append_generate(" then", 5) == ref
     # globex, on the same two workers, still cannot reach it; and a worker refuses to import it as globex's
@@ -134,15 +135,15 @@ async def test_routing_and_migration_stay_inside_the_namespace(orch_ns, tmp_path
     with pytest.raises(UnknownCapsuleError):
         await g1.restore("c")
     with pytest.raises(CapsuleError, match="belongs to namespace 'acme'"):
-        await orch._call(1, "import_capsule", pa, "gpu", namespace="globex")
-    path = await orch._call(0, "export_to_dir", "c", str(tmp_path), namespace="acme")
+        await orch.call(1, ImportCapsule(pa, "gpu", namespace="globex"))
+    path = await orch.call(0, ExportToDir("c", str(tmp_path), "acme"))
     with pytest.raises(CapsuleError, match="belongs to namespace 'acme'"):
-        await orch._call(1, "import_from_file", path, "gpu", namespace="globex")
+        await orch.call(1, ImportFromFile(path, "gpu", namespace="globex"))
     assert await _names(globex) == []
     # a globex capsule of the same name migrates by disk inside globex and does not disturb acme's
     await g1.snapshot("c")
     await globex.migrate("c", 0, via="disk", directory=str(tmp_path / "mig"))
-    assert globex._where["c"] == {0, 1} and acme._where["c"] == {0, 1}
+    assert globex.placement()["c"] == {0, 1} and acme.placement()["c"] == {0, 1}
     assert await globex.restore_append_generate("c", " then", 5) == await g1.append_generate(" then", 5)
     assert await acme.restore_append_generate("c", " then", 5) == ref
     await globex.promote("c", "gpu")
@@ -154,13 +155,13 @@ async def test_routing_and_migration_stay_inside_the_namespace(orch_ns, tmp_path
     await d.snapshot("c")
     rows = await orch.capsules()
     assert [(r["name"], r["namespace"], r["workers"]) for r in rows] == [("c", "default", [1])]
-    assert orch._where["c"] == {1}
+    assert orch.placement()["c"] == {1}
     assert await orch.restore_append_generate("c", " then", 5) == ref  # same prompt as acme's "c"
     await asyncio.gather(a.close(), a1.close(), g1.close(), d.close())
     await asyncio.gather(acme.delete("c"), globex.delete("c"), orch.delete("c"))
     assert await _names(acme) == ["secret"] and await _names(globex) == [] and await orch.capsules() == []
     for w in (0, 1):
-        rows = await orch._call(w, "list_capsules")
+        rows = await orch.call(w, ListCapsules())
         assert [(r["namespace"], r["name"]) for r in rows] == ([("acme", "secret")] if w == 0 else [])
 
 

@@ -25,6 +25,7 @@ from safetensors.torch import load as st_load
 from capsulert.capsule_store import tensors_checksum
 from capsulert.errors import (CapsuleInUseError, DuplicateCapsuleError, InvalidRequestError, UnknownCapsuleError)
 from capsulert.orchestrator import Orchestrator
+from capsulert.worker.verbs import ExportCapsule, ListCapsules, Restore, Stats, Turn
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 BASE = "Race number {k}: the capsule of this prompt must never be seen half written. "
@@ -80,7 +81,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 async def _check_bytes(orch, name: str, w: int, ref: dict) -> None:
-    meta_json, checksum, blob = await orch._call(w, "export_capsule", name)
+    meta_json, checksum, blob = await orch.call(w, ExportCapsule(name))
     tensors = st_load(blob)
     assert checksum == ref["checksum"] == tensors_checksum(tensors), (name, w)
     assert set(tensors) == set(ref["tensors"])
@@ -180,27 +181,27 @@ async def test_concurrent_verbs_keep_every_invariant(orch_r, refs):
     # continues like the reference on every worker holding it
     listing = {}
     for w in range(2):
-        for row in await orch._call(w, "list_capsules"):
+        for row in await orch.call(w, ListCapsules()):
             listing.setdefault(row["name"], set()).add(w)
-    assert listing == {n: h for n, h in orch._where.items()}
+    assert listing == orch.placement()
     for name, holders in listing.items():
         k = int(name.removeprefix("race-c"))
         for w in holders:
             await _check_bytes(orch, name, w, refs[k])
-            res = await orch._call(w, "restore_append_generate", name, SUFFIX, N, None, close=True)
-            assert res["tokens"] == refs[k]["cont"]
+            res = await orch.call(w, Turn(None, name, SUFFIX, N, close=True))
+            assert res == refs[k]["cont"]
     for st in await orch.stats():
         assert st["store"]["gpu"]["bytes"] <= GPU_BUDGET and st["store"]["host"]["bytes"] <= HOST_BUDGET
         assert st["sessions"] == 3 and st["free_slots"] == 48 - 3  # only the makers are left open
-    assert sum(len(s.locks) for s in orch._spaces.values()) == 0  # no lock leaked
+    assert orch.capsule_map.held_locks() == 0  # no lock leaked
 
     # deleted everywhere: no worker keeps a copy
     await asyncio.gather(*(orch.delete(n) for n in list(listing)), *(m.close() for m in makers))
     for w in range(2):
-        assert await orch._call(w, "list_capsules") == []
+        assert await orch.call(w, ListCapsules()) == []
         for k in range(len(PROMPTS)):
             with pytest.raises(UnknownCapsuleError):
-                await orch._call(w, "restore", _name(k))
+                await orch.call(w, Restore(_name(k)))
 
 
 async def test_delete_waits_for_the_restore_reading_the_capsule(orch_r, refs):
@@ -209,16 +210,16 @@ async def test_delete_waits_for_the_restore_reading_the_capsule(orch_r, refs):
     await s.snapshot("busy")
     await s.close()
     long_ref = await orch.restore_append_generate("busy", SUFFIX, 120)
-    before = (await orch._call(0, "stats"))["sessions"]
+    before = (await orch.call(0, Stats()))["sessions"]
     reader = asyncio.create_task(orch.restore_append_generate("busy", SUFFIX, 120))
-    while (await orch._call(0, "stats"))["sessions"] == before:  # the restore is running on worker 0
+    while (await orch.call(0, Stats()))["sessions"] == before:  # the restore is running on worker 0
         await asyncio.sleep(0.002)
     await orch.delete("busy")  # queued behind the running restore: returns after it
     assert await reader == long_ref
     with pytest.raises(UnknownCapsuleError):
         await orch.restore_append_generate("busy", SUFFIX, 2)
     with pytest.raises(UnknownCapsuleError):
-        await orch._call(0, "restore", "busy")
+        await orch.call(0, Restore("busy"))
 
     # a restore submitted while the delete is queued is served in order: it either read the whole
     # capsule before the delete, or fails with UnknownCapsuleError; never a partial capsule
@@ -232,8 +233,8 @@ async def test_delete_waits_for_the_restore_reading_the_capsule(orch_r, refs):
     await deleter
     for r in results:
         assert r == ref2 or isinstance(r, UnknownCapsuleError), r
-    assert "busy2" not in orch._where and await orch.capsules() == []
-    for sess in list(orch._open):
+    assert "busy2" not in orch.placement() and await orch.capsules() == []
+    for sess in orch.sessions():
         await sess.close()
 
 
@@ -245,7 +246,7 @@ async def test_concurrent_snapshots_of_one_name_make_exactly_one_capsule(orch_r,
     assert len(winners) == 1
     assert all(isinstance(r, DuplicateCapsuleError) for k, r in enumerate(results) if k != winners[0])
     k = winners[0]
-    assert orch._where["dup"] == {k % 2}
+    assert orch.placement()["dup"] == {k % 2}
     await _check_bytes(orch, "dup", k % 2, refs[k])
     assert await orch.restore_append_generate("dup", SUFFIX, N) == refs[k]["cont"]
     # the same name in several namespaces at once: each namespace gets its own capsule
@@ -257,11 +258,11 @@ async def test_concurrent_snapshots_of_one_name_make_exactly_one_capsule(orch_r,
     # a delete racing a migration of the same capsule: never a copy left behind on the target
     for _ in range(4):
         await asyncio.gather(orch.migrate("dup", 1 - k % 2), orch.delete("dup"), return_exceptions=True)
-        listing = [{r["name"] for r in await orch._call(w, "list_capsules", "default")} for w in range(2)]
-        assert all(("dup" in names) == (w in orch._where.get("dup", set())) for w, names in enumerate(listing))
-        if "dup" not in orch._where:
+        listing = [{r["name"] for r in await orch.call(w, ListCapsules("default"))} for w in range(2)]
+        assert all(("dup" in names) == (w in orch.placement().get("dup", set())) for w, names in enumerate(listing))
+        if "dup" not in orch.placement():
             await sessions[k].snapshot("dup")
     await asyncio.gather(*(s.close() for s in sessions + sess), *(sp.delete("dup") for sp in spaces))
-    if "dup" in orch._where:
+    if "dup" in orch.placement():
         await orch.delete("dup")
     assert await orch.capsules() == []

@@ -11,6 +11,7 @@ import ray
 
 from capsulert.errors import WorkerLost
 from capsulert.orchestrator import Orchestrator
+from capsulert.worker.verbs import ExportCapsule
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 PROMPT = "Two workers share the load; a capsule made on one continues on the other. "
@@ -31,15 +32,15 @@ async def test_capsule_made_on_a_continues_bitwise_on_b(orch2, tmp_path):
     await a.snapshot("mig-c0")
     b = await orch2.open(" unrelated", worker=1)
     await b.restore("mig-c0")  # router migrates the capsule to worker 1 through the object store
-    assert orch2._where["mig-c0"] == {0, 1}
+    assert orch2.placement()["mig-c0"] == {0, 1}
     la, lb = await a.append(" Next", logits=True), await b.append(" Next", logits=True)
     assert np.array_equal(la, lb)
     assert await a.generate(8) == await b.generate(8)
-    pa, pb = await orch2._call(0, "export_capsule", "mig-c0"), await orch2._call(1, "export_capsule", "mig-c0")
+    pa, pb = await orch2.call(0, ExportCapsule("mig-c0")), await orch2.call(1, ExportCapsule("mig-c0"))
     assert pa == pb  # same meta, checksum and bytes
     await a.snapshot("mig-c1")
     await orch2.migrate("mig-c1", 1, via="disk", directory=str(tmp_path))
-    assert await orch2._call(1, "export_capsule", "mig-c1") == await orch2._call(0, "export_capsule", "mig-c1")
+    assert await orch2.call(1, ExportCapsule("mig-c1")) == await orch2.call(0, ExportCapsule("mig-c1"))
     r = await orch2.restore("mig-c1")
     assert await r.generate(4) == await a.generate(4)
     await asyncio.gather(a.close(), b.close(), r.close(), orch2.delete("mig-c0"), orch2.delete("mig-c1"))

@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 
-from capsulert.errors import NoFreeSlotError, QueueFullError
+from capsulert.errors import InvalidRequestError, NoFreeSlotError, QueueFullError, UnknownCapsuleError
 from capsulert.worker.async_engine import AsyncEngine
 from capsulert.worker.sampler import SamplingParams
-from capsulert.worker.verbs import FinalEvent, Open, TokenEvent
+from capsulert.worker.verbs import Append, Delete, FinalEvent, Generate, Open, Ping, Promote, Restore, TokenEvent
 
 NOEOS = SamplingParams(ignore_eos=True)
 
@@ -118,11 +118,17 @@ async def test_stop_strings_eos_and_stop_ids(make_engine, corpus):
         assert res.stop_reason == "stop_token" and res.tokens[-1] == free.tokens[9]
 
 
+def _cold_logits(engine, tokens) -> torch.Tensor:
+    """The next-token logits of a cold prefill of `tokens`, on a session of its own."""
+    ref = engine.open()
+    logits = ref.append(tokens)
+    ref.close()
+    return logits
+
+
 async def test_logprobs_are_log_softmax_of_the_logits(make_engine, corpus):
     engine = make_engine()
-    ref = engine.open()
-    logits = ref.append(corpus[:30])
-    ref.close()
+    logits = _cold_logits(engine, corpus[:30])
     async with AsyncEngine(engine) as aeng:
         s = await aeng.open(corpus[:30])
         res = await s.generate(2, SamplingParams(logprobs=3, ignore_eos=True))
@@ -179,3 +185,47 @@ async def test_long_prefill_does_not_stall_decoding(make_engine, corpus):
         ref = aeng.engine.open()
         ref.append(corpus[:1500])
         assert torch.equal(ref.logits(), aeng.engine.logits(aeng.scheduler.session(long.id)))
+
+
+async def test_an_in_place_restore_waits_for_the_sessions_running_generate(make_engine, corpus):
+    """A restore into a session is one of that session's requests: it runs after the generate submitted
+    before it, which therefore equals its solo run."""
+    async with AsyncEngine(make_engine()) as aeng:
+        s = await aeng.open(corpus[:30])
+        await s.snapshot("back")
+        running = asyncio.ensure_future(aeng.submit(Generate(s.id, 40, NOEOS)))
+        await asyncio.sleep(0.01)
+        info = await aeng.submit(Restore("back", into=s.id))
+        assert running.done()
+        res = await running
+        assert info.length == 30 and res.length == 70
+        ref = aeng.engine.open()
+        ref.append(corpus[:30])
+        assert res.tokens == ref.generate(40, NOEOS).tokens
+
+
+async def test_append_with_logits_and_non_session_requests(make_engine, corpus):
+    engine = make_engine()
+    want = _cold_logits(engine, corpus[:25])
+    async with AsyncEngine(engine) as aeng:
+        s = await aeng.open()
+        info = await aeng.submit(Append(s.id, corpus[:25], logits=True))
+        assert info.length == 25 and torch.equal(torch.from_numpy(info.logits), want)
+        assert (await aeng.submit(Append(s.id, corpus[25:30]))).logits is None
+        for request in (Promote("x", "host"), Ping(), "open"):  # the scheduler runs session requests only
+            with pytest.raises(InvalidRequestError):
+                await aeng.submit(request)
+
+
+async def test_a_delete_runs_in_arrival_order_with_the_restores(make_engine, corpus):
+    """Restores submitted before a delete read the whole capsule; one submitted after finds none."""
+    async with AsyncEngine(make_engine(slots=8)) as aeng:
+        s = await aeng.open(corpus[:300])
+        await s.snapshot("c")
+        before = [asyncio.ensure_future(aeng.restore("c")) for _ in range(4)]
+        deleted = asyncio.ensure_future(aeng.submit(Delete("c")))
+        after = asyncio.ensure_future(aeng.restore("c"))
+        assert [r.length for r in await asyncio.gather(*before)] == [300] * 4
+        assert await deleted is None
+        with pytest.raises(UnknownCapsuleError):
+            await after

@@ -1,0 +1,229 @@
+"""WorkerPool: the orchestrator's workers, the typed requests sent to them, and what it knows of each.
+
+Every failure becomes a typed error: engine refusals keep their capsulert class, a dead or silent worker
+is WorkerLost within the timeout. A worker Ray restarts under a call is waited for (bounded by
+call_timeout_s), and the call runs once more on the new process when its request is rerunnable (its
+type says so: verbs.Request.rerunnable); otherwise it is WorkerLost. A worker that comes back has its
+capsules re-listed into the CapsuleMap.
+"""
+from __future__ import annotations
+
+import asyncio
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import ray
+from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutError, ObjectLostError, RayActorError,
+                            RayTaskError, WorkerCrashedError)
+
+from capsulert.errors import CapsuleRTError, ConfigError, WorkerLost
+from capsulert.orchestrator.capsule_map import CapsuleMap
+from capsulert.orchestrator.worker_actor import send, send_stream
+from capsulert.worker.verbs import FinalEvent, ListCapsules, Ping, Request, Stats, TokenEvent
+
+if TYPE_CHECKING:
+    from capsulert.orchestrator.remote_session import RemoteSession
+
+_LOST = (RayActorError, WorkerCrashedError, ObjectLostError, GetTimeoutError)
+
+
+class _Restarting(Exception):
+    """Internal: the worker died under a call and Ray is restarting it (surfaces as WorkerLost)."""
+
+
+@dataclass
+class WorkerRecord:
+    index: int
+    handle: Any  # the Ray actor handle
+    sessions: int = 0
+    pending: int = 0  # calls in flight (so concurrent opens spread out before any reply counts a session)
+    stale: bool = False  # the next call first waits for the worker and re-lists its capsules
+    resync: Any = None  # the task doing that
+    pid: int | None = None  # the process answering now: a new pid after a resync means Ray restarted it
+    lost: str | None = None  # why the worker is gone for good (Ray will not restart it); calls fail at once
+
+
+class WorkerPool:
+    def __init__(self, handles: list, capsule_map: CapsuleMap, call_timeout_s: float):
+        self.workers = [WorkerRecord(i, h) for i, h in enumerate(handles)]
+        self.capsule_map = capsule_map
+        self.call_timeout_s = call_timeout_s
+        self.closed = False
+        self.sessions: weakref.WeakSet[RemoteSession] = weakref.WeakSet()  # open sessions handed out
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    # ------------------------------------------------------------------ choosing a worker
+    def alive(self) -> list[int]:
+        return [w.index for w in self.workers if w.lost is None]
+
+    def least_loaded(self, among) -> int:
+        among = list(among)
+        alive = [i for i in among if self.workers[i].lost is None]
+        if not alive:
+            raise WorkerLost(f"every worker that could serve this is gone for good: "
+                             f"{'; '.join(f'worker {i}: {self.workers[i].lost}' for i in among)}")
+        return min(alive, key=lambda i: (self.workers[i].sessions + self.workers[i].pending, i))
+
+    def worker_arg(self, worker) -> int:
+        n = len(self.workers)
+        if not isinstance(worker, int) or isinstance(worker, bool) or not 0 <= worker < n:
+            raise ConfigError(f"no worker {worker!r}; there are {n}")
+        return worker
+
+    # ------------------------------------------------------------------ sessions
+    def opened(self, session: "RemoteSession") -> None:
+        self.workers[session.worker].sessions += 1
+        self.sessions.add(session)
+
+    def closed_session(self, session: "RemoteSession") -> None:
+        self.sessions.discard(session)
+        w = self.workers[session.worker]
+        w.sessions = max(0, w.sessions - 1)
+
+    # ------------------------------------------------------------------ requests
+    async def call(self, w: int, request: Request, *, timeout: float | None = None, call_id=None) -> Any:
+        """Send `request` to worker w and await its reply."""
+        worker = self.workers[w]
+        worker.pending += 1
+        try:
+            await self.check(w)
+            incarnation = worker.pid
+            try:
+                return await self._wait_or_restarting(w, send(worker.handle, request, call_id), request, timeout)
+            except _Restarting as e:
+                if not request.rerunnable:
+                    raise WorkerLost(str(e)) from None
+            # the worker died under the call (or before it, idle): hold it until the restart is done
+            # (bounded by call_timeout_s), then run it once on the new process
+            await self.check(w)
+            if worker.pid == incarnation:  # the same process: the call may have run there after all
+                raise WorkerLost(f"worker {w} was unavailable during {_what(request)}; the call may or may not have run")
+            return await self.wait(w, send(worker.handle, request, call_id), request, timeout)
+        finally:
+            worker.pending -= 1
+
+    def send(self, w: int, request: Request, call_id=None) -> ray.ObjectRef:
+        """Submit `request` without waiting (the caller awaits it with `wait`, or hands the reference to
+        another worker's request); call `check(w)` first."""
+        return send(self.workers[w].handle, request, call_id)
+
+    async def wait(self, w: int, ref, request: Request, timeout: float | None = None) -> Any:
+        """The reply behind `ref` (a request sent to worker w), or the typed error."""
+        try:
+            return await self._wait_or_restarting(w, ref, request, timeout)
+        except _Restarting as e:
+            raise WorkerLost(str(e)) from None
+
+    async def stream(self, w: int, request: Request, call_id) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """The events of a streamed Generate or Turn on worker w; call `check(w)` first."""
+        try:
+            async for ref in send_stream(self.workers[w].handle, request, call_id):
+                yield await ref
+        except RayTaskError as e:
+            if isinstance(e.cause, CapsuleRTError):
+                raise e.cause from None
+            raise
+
+    async def each(self, request: Request) -> list[dict]:
+        """`request` on every worker; a worker gone for good answers {"worker": i, "lost": why}."""
+        async def one(w: WorkerRecord) -> dict:
+            if w.lost is not None:
+                return {"worker": w.index, "lost": w.lost}
+            return await self.call(w.index, request)
+        return list(await asyncio.gather(*(one(w) for w in self.workers)))
+
+    async def _wait_or_restarting(self, w: int, ref, request: Request, timeout: float | None):
+        """wait, except that a worker Ray is restarting raises _Restarting (the caller may rerun the call)."""
+        t = timeout if timeout is not None else self.call_timeout_s
+        what = _what(request)
+        try:
+            return await asyncio.wait_for(ref, t)
+        except asyncio.TimeoutError:
+            self.workers[w].stale = True
+            raise WorkerLost(f"worker {w} did not answer {what} within {t:g}s") from None
+        except RayTaskError as e:
+            if isinstance(e.cause, CapsuleRTError):
+                raise e.cause from None
+            if isinstance(e.cause, _LOST):  # an input came from a worker that died (capsule migration)
+                self.workers[w].stale = True
+                raise WorkerLost(f"a worker was lost while {what} ran on worker {w}: {type(e.cause).__name__}") from None
+            raise
+        except ActorUnavailableError:
+            self.workers[w].stale = True
+            raise _Restarting(f"worker {w} died during {what} and is restarting; the call did not complete "
+                              "and its sessions are gone") from None
+        except _LOST as e:
+            # an ActorDiedError may name a worker this call depended on (a migration's source): the next
+            # call's resync pings worker w itself, and only that decides whether w is gone for good
+            self.workers[w].stale = True
+            raise WorkerLost(f"worker {w} was lost during {what}: {type(e).__name__}") from None
+
+    # ------------------------------------------------------------------ liveness
+    def mark_stale(self, w: int) -> None:
+        """Have the next call on worker w first check it (and re-list its capsules)."""
+        self.workers[w].stale = True
+
+    async def check(self, w: int) -> None:
+        """Fail at once if worker w is gone for good; wait for it to come back if it restarted."""
+        if self.closed:
+            raise WorkerLost("the orchestrator is closed")
+        worker = self.workers[w]
+        if worker.lost is not None:
+            raise WorkerLost(f"worker {w} is gone for good: {worker.lost}")
+        if worker.stale:  # one resync per worker at a time; every waiting call shares it
+            if worker.resync is None or worker.resync.done():
+                worker.resync = asyncio.ensure_future(self.resync(w, self.call_timeout_s))
+            await asyncio.shield(worker.resync)
+
+    async def resync(self, w: int, timeout: float) -> None:
+        """Wait until worker w answers (a restarted actor rebuilds its engine and reloads pinned
+        capsules), then rebuild the capsule map's view of it."""
+        worker, loop = self.workers[w], asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            left = deadline - loop.time()
+            try:
+                pong = await asyncio.wait_for(send(worker.handle, Ping()), max(left, 0.05))
+                listing = await asyncio.wait_for(send(worker.handle, ListCapsules()), max(deadline - loop.time(), 1.0))
+                stats = await asyncio.wait_for(send(worker.handle, Stats()), max(deadline - loop.time(), 1.0))
+                break
+            except asyncio.TimeoutError:
+                raise WorkerLost(f"worker {w} did not come back within {timeout:g}s") from None
+            except RayTaskError as e:
+                raise WorkerLost(f"worker {w} failed: {e}") from None
+            except ActorDiedError as e:
+                # a ping of w itself: Ray reports a restarting actor as unavailable, a dead one as died,
+                # so w is gone for good (restarts exhausted, or its engine refused to start): do not wait
+                why = f"its engine could not start: {e}" if e.actor_init_failed else \
+                    "it died and Ray will not restart it (max_restarts reached)"
+                self.mark_lost(w, why)
+                raise WorkerLost(f"worker {w} is gone for good: {why}") from None
+            except _LOST as e:
+                if loop.time() >= deadline:
+                    raise WorkerLost(f"worker {w} did not come back within {timeout:g}s (last: {type(e).__name__})") from None
+                await asyncio.sleep(0.1)
+        self.capsule_map.reload_worker(w, listing)
+        worker.sessions, worker.stale, worker.pid = stats["sessions"], False, pong["pid"]
+
+    def mark_lost(self, w: int, why: str) -> None:
+        """Worker w will never answer again: calls fail at once, and its capsules leave the map."""
+        worker = self.workers[w]
+        worker.lost, worker.stale, worker.sessions = why, False, 0
+        self.capsule_map.forget_worker(w)
+
+    def close(self) -> None:
+        """Kill every worker; the sessions handed out are closed."""
+        if self.closed:
+            return
+        self.closed = True
+        for s in list(self.sessions):
+            s.closed = True
+        for w in self.workers:
+            ray.kill(w.handle, no_restart=True)
+
+
+def _what(request: Request) -> str:
+    return type(request).__name__

@@ -1,0 +1,266 @@
+"""One typed verb set through every layer: the actor has one entry point (no method names), every caller
+(RemoteSession, Namespace, Orchestrator, the schedulers) sends typed requests, a pinned snapshot persists
+the same way whatever made it, restore_append_generate is one verb on a namespace and on a session, and
+best_of_n / tree_search are served by the worker's batched decode steps, each branch equal to its solo run."""
+import asyncio
+import inspect
+
+import pytest
+import pytest_asyncio
+import ray
+
+from capsulert.capsule_store.capsule import CapsuleRef
+from capsulert.errors import InvalidRequestError
+from capsulert.orchestrator import EpisodeDriver, Orchestrator, Thought, best_of_n, tree_search
+from capsulert.orchestrator.worker_actor import WorkerActorBody
+from capsulert.orchestrator.worker_core import WorkerCore
+from capsulert.worker import verbs
+from capsulert.worker.async_engine import AsyncEngine
+from capsulert.worker.sampler import SamplingParams
+from capsulert.worker.verbs import GenerateResult, ListCapsules, Open, Request, Snapshot, Stats, Turn
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+PROMPT = "A typed request goes through every layer unchanged, and one handler runs it. "
+NOEOS = SamplingParams(ignore_eos=True)
+
+
+def _request_types() -> set[type]:
+    """Every verb: the request classes nothing derives from (StoreRequest, ControlRequest are bases)."""
+    out, todo = set(), [Request]
+    while todo:
+        subs = todo.pop().__subclasses__()
+        out.update(s for s in subs if not s.__subclasses__())
+        todo.extend(subs)
+    return out
+
+
+class HandleSpy:
+    """Stands in for a worker's actor handle and records every actor method reached and its arguments."""
+
+    def __init__(self, handle):
+        self.handle, self.calls = handle, []
+
+    def __getattr__(self, name):
+        return _MethodSpy(self.calls, name, getattr(self.handle, name))
+
+
+class _MethodSpy:
+    def __init__(self, calls, name, method):
+        self.calls, self.name, self.method = calls, name, method
+
+    def options(self, **kw):
+        return _MethodSpy(self.calls, self.name, self.method.options(**kw))
+
+    def remote(self, *args, **kwargs):
+        self.calls.append((self.name, args))
+        return self.method.remote(*args, **kwargs)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def orch_tv(ray_session, engine_cfg, tmp_path_factory):
+    disk = tmp_path_factory.mktemp("typed-verbs")
+    o = await Orchestrator.start(dict(engine={**engine_cfg, "slots": 16, "disk_dir": str(disk)}, call_timeout_s=60,
+                                      max_restarts=2, torch_threads=1))
+    yield o
+    await o.close()
+
+
+@pytest.fixture
+def spy(orch_tv):
+    worker = orch_tv.workers[0]
+    real = worker.handle
+    worker.handle = HandleSpy(real)
+    yield worker.handle
+    worker.handle = real
+
+
+# ---------------------------------------------------------------------- the entry point
+async def test_every_verb_is_a_request_type_with_one_handler_and_the_actor_one_entry_point():
+    types = _request_types()
+    assert {t.__name__ for t in types} >= {"Open", "Append", "Generate", "Snapshot", "Restore", "Fork", "Close", "Turn",
+                                           "Delete", "Promote", "Demote", "ExportCapsule", "ImportCapsule", "Ping"}
+    assert set(WorkerCore.HANDLERS) == types  # each request type has exactly one handler, nothing else does
+    assert all(t.lane in verbs.LANES for t in types)
+    public = {n for n, _ in inspect.getmembers(WorkerActorBody, inspect.isfunction) if not n.startswith("_")}
+    assert public == {"execute", "stream"}
+
+
+async def test_rerun_rules_follow_from_the_request_type():
+    # memory-only requests naming no existing session run again on a restarted worker; the others do not
+    assert Open("x").rerunnable and verbs.Fork("c", 2).rerunnable and verbs.Restore("c").rerunnable
+    assert Turn(None, "c", " x", 2, close=True).rerunnable and verbs.ExportCapsule("c").rerunnable
+    assert Stats().rerunnable and ListCapsules().rerunnable and verbs.Ping().rerunnable
+    assert not verbs.Restore("c", into=7).rerunnable  # its session died with the old process
+    assert not Turn(7, "c", " x", 2).rerunnable and not verbs.Generate(7, 2).rerunnable
+    assert not Snapshot(7, "c").rerunnable and not verbs.Append(7, [1]).rerunnable
+    assert not verbs.Delete("c").rerunnable and not verbs.ImportCapsule(None).rerunnable  # they persist
+    assert verbs.Restore("c", into=7).target == 7 and Turn(None, "c").target is None
+
+
+async def test_method_names_are_refused_at_every_layer(orch_tv, engine_cfg, tmp_path):
+    with pytest.raises(InvalidRequestError):
+        await orch_tv.call(0, "snapshot")
+    core = WorkerCore(engine_cfg, persist_dir=str(tmp_path))
+    try:
+        for bad in ("open", {"verb": "open"}, Request()):
+            with pytest.raises(InvalidRequestError):
+                core.execute(bad)
+        with pytest.raises(InvalidRequestError):
+            next(core.stream(Open(PROMPT)))
+    finally:
+        core.scheduler.stop()
+
+
+async def test_every_caller_sends_typed_requests_to_the_one_entry_point(orch_tv, spy):
+    orch = orch_tv
+    acme = orch.namespace("tv-acme")
+    s = await acme.open(PROMPT)
+    await s.append(" more", logits=True)
+    await s.generate(2)
+    _ = [ev async for ev in s.stream(2)]
+    await s.snapshot("tv-c")
+    await s.restore("tv-c")
+    await s.turn(" t", 2)
+    await acme.restore_append_generate("tv-c", " x", 2)
+    branches = await acme.fork("tv-c", 2)
+    await acme.generate(branches, 2)
+    await best_of_n(acme, "tv-c", " y", 2, 2)
+    await tree_search(acme, "tv-c", lambda n: [" a", " b"], lambda n: sum(n.tokens), width=1, depth=2, max_new_tokens=2)
+    await acme.capsules()
+    await orch.stats()
+    await asyncio.gather(s.close(), *(b.close() for b in branches))
+    await acme.delete("tv-c")
+    assert {name for name, _ in spy.calls} == {"execute", "stream"}
+    sent = [args[0] for _, args in spy.calls]
+    assert all(isinstance(r, Request) for r in sent)
+    assert {type(r).__name__ for r in sent} >= {"Open", "Append", "Generate", "Snapshot", "Restore", "Turn", "Fork",
+                                                "Close", "Delete", "ListCapsules", "Stats"}
+    assert all(r.namespace == "tv-acme" for r in sent if getattr(r, "namespace", None) not in (None,))
+
+
+# ---------------------------------------------------------------------- snapshot: one path
+async def test_a_pin_persists_the_same_through_every_entry_point(orch_tv, make_engine):
+    orch = orch_tv
+    acme = orch.namespace("tv-pins")
+    via_session, via_namespace, raw = await orch.open(PROMPT), await acme.open(PROMPT), await acme.open(PROMPT)
+    refs = [await via_session.snapshot("pin-a", pin=True), await via_namespace.snapshot("pin-b", pin=True),
+            # a Snapshot request sent as it is (past the router): the worker's one snapshot path persists it too
+            await orch.call(0, Snapshot(raw.sid, "pin-c", pin=True, namespace="tv-pins"))]
+    async with AsyncEngine(make_engine()) as aeng:  # in-process: the same reply type
+        refs.append(await (await aeng.open(PROMPT)).snapshot("pin-local", pin=True))
+    assert all(type(r) is CapsuleRef for r in refs)
+    assert [(r.name, r.namespace, r.boundary) for r in refs[:3]] == [
+        ("pin-a", "default", via_session.length), ("pin-b", "tv-pins", via_namespace.length),
+        ("pin-c", "tv-pins", raw.length)]
+    # continuing a live session equals restoring its capsule
+    before = [await x.append_generate(" go", 4, NOEOS) for x in (via_session, via_namespace, raw)]
+
+    ray.kill(orch.workers[0].handle, no_restart=False)  # the worker restarts and reloads what was pinned
+    after = [await orch.restore_append_generate("pin-a", " go", 4, NOEOS),  # waits for the restart
+             await acme.restore_append_generate("pin-b", " go", 4, NOEOS),
+             await orch.call(0, Turn(None, "pin-c", " go", 4, NOEOS, "tv-pins", close=True))]
+    assert after == before and [a.logprobs for a in after] == [b.logprobs for b in before]
+    assert [(c["name"], c["pinned"]) for c in await orch.capsules()] == [("pin-a", True)]
+    assert [(c["name"], c["pinned"]) for c in await acme.capsules()] == [("pin-b", True), ("pin-c", True)]
+    assert (await orch.health())[0]["pid"] != via_session.pid
+    await asyncio.gather(orch.delete("pin-a"), acme.delete("pin-b"))
+    await orch.call(0, verbs.Delete("pin-c", "tv-pins"))
+
+
+async def test_worker_core_persists_a_pinned_snapshot_for_the_next_process(engine_cfg, tmp_path):
+    core = WorkerCore(engine_cfg, persist_dir=str(tmp_path))
+    info = core.execute(Open(PROMPT))
+    ref = core.execute(Snapshot(info.session, "core-pin", pin=True, namespace="ns"))
+    want = core.execute(Turn(None, "core-pin", " go", 4, NOEOS, "ns", close=True))
+    core.scheduler.stop()
+    assert type(ref) is CapsuleRef and len(list(tmp_path.iterdir())) == 1
+    again = WorkerCore(engine_cfg, persist_dir=str(tmp_path))  # the process Ray starts in its place
+    try:
+        assert again.reloaded == ["core-pin"]
+        assert [(r["name"], r["pinned"]) for r in again.execute(ListCapsules("ns"))] == [("core-pin", True)]
+        got = again.execute(Turn(None, "core-pin", " go", 4, NOEOS, "ns", close=True))
+        assert got == want and got.logprobs == want.logprobs
+    finally:
+        again.scheduler.stop()
+
+
+# ---------------------------------------------------------------------- restore_append_generate: one verb
+async def test_restore_append_generate_is_one_verb_on_a_namespace_and_a_session(orch_tv, spy):
+    orch = orch_tv
+    maker = await orch.open(PROMPT)
+    await maker.snapshot("rag-c")
+    sp = SamplingParams(temperature=0.8, seed=3, ignore_eos=True)
+    sessions_before = (await orch.stats())[0]["sessions"]
+    from_namespace = await orch.restore_append_generate("rag-c", " next", 6, sp)  # a new session, closed after
+    assert (await orch.stats())[0]["sessions"] == sessions_before
+    s = await orch.open(" another context entirely")
+    from_session = await s.restore_append_generate("rag-c", " next", 6, sp)  # this session, rolled back in place
+    kept, from_kept = await orch.restore_append_generate("rag-c", " next", 6, sp, keep=True)
+    for res in (from_namespace, from_session, from_kept):
+        assert type(res) is GenerateResult
+        assert (list(res), res.logprobs, res.stop_reason, res.length, res.text) == (
+            list(from_session), from_session.logprobs, "length", from_session.length, from_session.text)
+    assert s.length == kept.length == from_session.length and await s.tokens() == await kept.tokens()
+    turns = [args[0] for name, args in spy.calls if isinstance(args[0], Turn)]
+    assert [(t.session, t.restore, t.close) for t in turns] == [
+        (None, "rag-c", True), (s.sid, "rag-c", False), (None, "rag-c", False)]
+    await asyncio.gather(maker.close(), s.close(), kept.close())
+    await orch.delete("rag-c")
+
+
+# ---------------------------------------------------------------------- thin schedulers
+async def _capsule(orch, name: str) -> str:
+    maker = await orch.open(PROMPT)
+    await maker.snapshot(name)
+    await maker.close()
+    return name
+
+
+async def _counting_steps(orch, work):
+    """(what `work` returned, the decode steps the worker ran meanwhile)."""
+    before = (await orch.stats())[0]["decode_steps"]
+    out = await work
+    return out, (await orch.stats())[0]["decode_steps"] - before
+
+
+async def test_best_of_n_branches_share_decode_steps_and_equal_their_solo_runs(orch_tv, oracle):
+    orch, n, new = orch_tv, 6, 12
+    base = SamplingParams(temperature=0.9, top_p=0.95, seed=40, ignore_eos=True)
+    cands, steps = await _counting_steps(orch, best_of_n(orch, await _capsule(orch, "bon-c"), " Answer:", n, new, base))
+    assert new <= steps < n * new // 2  # served by the worker's step scheduler, branches batched
+    e = oracle.open()
+    e.append(PROMPT)
+    e.snapshot("bon-solo")
+    e.close()
+    try:
+        for c in cands:
+            r = oracle.restore("bon-solo")
+            r.append(" Answer:")
+            solo = r.generate(new, base.model_copy(update={"seed": 40 + c.index}))
+            r.close()
+            assert c.tokens == list(solo) and c.text == solo.text and c.stop_reason == "length", c.index
+    finally:
+        oracle.store.delete("bon-solo")
+    await orch.delete("bon-c")
+
+
+async def test_tree_search_children_share_decode_steps(orch_tv):
+    orch = orch_tv
+    children = [Thought(" First,"), Thought(" So"), Thought(" Then")]
+    search = tree_search(orch, await _capsule(orch, "tree-c"), lambda n: children, lambda n: sum(n.tokens) % 97,
+                         width=2, depth=2, max_new_tokens=6)
+    beam, steps = await _counting_steps(orch, search)
+    nodes = 3 + 2 * 3  # the root's children, then the two kept nodes' children
+    assert 2 * 6 <= steps < nodes * 6 // 2 and len(beam) == 2
+    assert [c["name"] for c in await orch.capsules()] == ["tree-c"]  # node capsules deleted
+    await orch.delete("tree-c")
+
+
+async def test_episode_envs_share_decode_steps(orch_tv):
+    orch = orch_tv
+    async with EpisodeDriver(orch, await _capsule(orch, "ep-c"), n_envs=4, max_new_tokens=6, sampling=NOEOS) as drv:
+        rollout = drv.run(lambda ep, step, action: None if step == 2 else f" obs {ep}.{step}", episodes=4)
+        trajs, steps = await _counting_steps(orch, rollout)
+    assert [len(t.steps) for t in trajs] == [2] * 4
+    assert 2 * 6 <= steps < 4 * 2 * 6 // 2  # each env's turns are its own requests, decoded together
+    await orch.delete("ep-c")
