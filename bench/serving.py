@@ -8,7 +8,13 @@ same N sessions sequentially, and over HF transformers (generate per session, --
 and scaled to N). Every session's tokens are checked against its solo run. Prints a table, writes
 bench/out/serving.json and bench/out/serving.png.
 
+`--http` runs the same workload through `capsulert serve` (Ray Serve + FastAPI) with the official openai
+client (async), after running it through the async API, and reports the HTTP overhead: p50 / p99 wall
+time of one request at a time (streamed and whole), and tokens/s and TTFT per N; every HTTP answer is
+checked against the async API's tokens. Writes bench/out/serving_http.json.
+
     .venv/bin/python bench/serving.py --quick            # CPU, default model
+    .venv/bin/python bench/serving.py --quick --http     # the same through the HTTP server
     python bench/serving.py --device cuda --model random:capsulert/configs/models/qwen3_5-9b-shape.yaml
 """
 from __future__ import annotations
@@ -44,7 +50,8 @@ async def agent(orch, name: str, turn: list[int], gen: int) -> dict:
         tokens.append(ev.token)
     await s.close()
     itl = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
-    return {"ttft_ms": (stamps[0] - t0) * 1e3, "itl_ms": itl, "tokens": tokens, "end": stamps[-1], "start": t0}
+    return {"ttft_ms": (stamps[0] - t0) * 1e3, "itl_ms": itl, "tokens": tokens, "end": stamps[-1], "start": t0,
+            "wall_ms": (time.perf_counter() - t0) * 1e3}
 
 
 async def run_n(orch, names, turns, gen: int, concurrent: bool) -> dict:
@@ -169,6 +176,9 @@ def parse_args(argv=None):
                     help="check every session against its solo run (default: those run one after another)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--quick", action="store_true", help="CPU-sized: N 1 4 16, 512-token contexts, 32 tokens")
+    ap.add_argument("--http", action="store_true",
+                    help="compare the async API with the HTTP server (openai client) on the same workload")
+    ap.add_argument("--requests", type=int, default=40, help="--http: requests timed one at a time, per path")
     args = ap.parse_args(argv)
     if args.quick:
         args.ns, args.context, args.gen, args.prefill_chunk, args.check_all = [1, 4, 16], 512, 32, 256, True
@@ -176,4 +186,9 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main(parse_args())))
+    _args = parse_args()
+    if _args.http:
+        from serving_http import main_http  # noqa: E402
+
+        sys.exit(asyncio.run(main_http(_args)))
+    sys.exit(asyncio.run(main(_args)))

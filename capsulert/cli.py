@@ -1,6 +1,7 @@
 """The `capsulert` command line.
 
     capsulert demo [ARGS...]                              the main job on the embedded default model
+    capsulert serve [--model M] [--port P] [--keys F] ... an OpenAI-compatible HTTP server (Ray Serve)
     capsulert capsules ls DIR [--namespace NS] [--json]   list the capsule files in DIR (headers only)
     capsulert capsules rm DIR NAME [--namespace NS]       delete one capsule file
     capsulert bench [NAME [ARGS...]]                      run bench/NAME.py (from a repository checkout)
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", add_help=False, help="run a benchmark of bench/ (repository checkout only)")
     bench.add_argument("name", nargs="?", help="benchmark to run; without it, list them")
 
+    _add_serve(sub)
+
     caps = sub.add_parser("capsules", help="inspect or delete disk capsules without starting an engine")
     verbs = caps.add_subparsers(dest="verb", required=True, metavar="VERB")
     ls = verbs.add_parser("ls", help="list the capsules in a directory of capsule files")
@@ -63,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _demo(rest)
         if args.command == "bench":
             return _bench(args.name, rest)
+        if args.command == "serve":
+            return _serve(args)
         if args.verb == "ls":
             return _ls(args.dir, args.namespace, args.json)
         return _rm(args.dir, args.name, args.namespace, args.force)
@@ -90,6 +95,61 @@ def _demo(args: list[str]) -> int:
 
     with _prog_name(f"{PROG} demo"):
         return demo.main(args)
+
+
+# ----------------------------------------------------------------------------------------------- serve
+def _add_serve(sub) -> None:
+    sv = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, capsules) over HTTP with Ray Serve",
+                        description="An OpenAI-compatible HTTP server in front of the orchestrator; blocks until "
+                                    "Ctrl-C. See docs/guide.md, 'The HTTP server'.")
+    sv.add_argument("--model", default="default",
+                    help="'default' (the embedded model), an HF checkpoint directory or random:<shape YAML>")
+    sv.add_argument("--served-model-name", help="the model id clients send (default: from --model)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, loopback only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--keys", help="YAML file mapping API keys to namespaces (default: no auth, one namespace)")
+    sv.add_argument("--num-workers", type=int, default=1, help="engine workers (one per GPU)")
+    sv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    sv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    sv.add_argument("--slots", type=int, default=32, help="sessions per worker (default: %(default)s)")
+    sv.add_argument("--max-seq", type=int, default=4096, help="tokens per session (default: %(default)s)")
+    sv.add_argument("--prefill-chunk", type=int, default=256)
+    sv.add_argument("--disk-dir", help="capsule disk tier; pinned capsules persist there across restarts")
+    sv.add_argument("--cache-dir", help="where the default model is generated (default ~/.cache/capsulert)")
+    sv.add_argument("--slot-wait", type=float, default=30.0,
+                    help="seconds a request waits for a free session slot before 429 (default: %(default)s)")
+    sv.add_argument("--max-inflight", type=int, default=256,
+                    help="generation requests in flight; more are refused with 429 (default: %(default)s)")
+    sv.add_argument("--max-n", type=int, help="largest n per request (default: --slots)")
+    sv.add_argument("--torch-threads", type=int, help="torch threads per worker")
+    sv.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
+    sv.add_argument("--metrics-port", type=int, help="port of Ray's Prometheus exporter (default: Ray picks)")
+    sv.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sv.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import jinja2  # noqa: F401
+        import ray.serve  # noqa: F401
+    except ImportError as e:
+        from capsulert.errors import ConfigError
+
+        raise ConfigError(f"`capsulert serve` needs the serve extra ({e.name} is not installed): "
+                          "pip install 'capsulert[serve]'") from None
+    from capsulert.serve.options import ServerOptions
+    from capsulert.serve.runner import serve_forever
+
+    engine = dict(model=args.model, device=args.device, dtype=args.dtype, slots=args.slots, max_seq=args.max_seq,
+                  prefill_chunk=args.prefill_chunk, disk_dir=args.disk_dir, cache_dir=args.cache_dir,
+                  slot_wait_s=args.slot_wait)
+    opts = ServerOptions.build(
+        engine=engine, served_model_name=args.served_model_name, host=args.host, port=args.port,
+        keys_file=args.keys, num_workers=args.num_workers, torch_threads=args.torch_threads,
+        max_inflight=args.max_inflight, max_n=args.max_n, ray_address=args.ray_address,
+        metrics_port=args.metrics_port, log_level=args.log_level, access_log=args.access_log)
+    return serve_forever(opts)
 
 
 # -------------------------------------------------------------------------------------------- capsules

@@ -1,0 +1,14 @@
+"""`capsulert serve`: an OpenAI-compatible HTTP server, a Ray Serve application in front of the Orchestrator.
+
+    runner.py      the command: logging, Ray, Ray Serve, wait for Ctrl-C
+    deployment.py  the Serve deployment: one replica owning the Orchestrator and the app
+    app.py         the FastAPI routes, admission control, SSE responses, error handlers
+    protocol.py    request bodies (pydantic)         plans.py      request -> Plan (tokenized, checked)
+    generation.py  a Plan run on the orchestrator    responses.py  OpenAI response and chunk shapes
+    chat.py        chat templates (as transformers)  tokens.py     the tokenizer in the server process
+    tenants.py     API keys -> namespaces            metrics.py    Prometheus metrics (ray.util.metrics)
+    streaming.py   stop-string holdback, SSE         http_errors.py  errors -> status codes and JSON
+    options.py     ServerOptions
+
+Nothing here is imported by `import capsulert`; the server's dependencies are the `serve` extra.
+"""

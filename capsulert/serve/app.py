@@ -1,0 +1,259 @@
+"""The FastAPI application: OpenAI-compatible routes in front of an Orchestrator, plus the capsule routes.
+
+    GET    /v1/models                 the served model
+    POST   /v1/completions            text completions (streamed with stream=true)
+    POST   /v1/chat/completions       chat completions, through the model's chat template
+    GET    /v1/capsules               the capsules of the caller's namespace
+    DELETE /v1/capsules/{name}        delete one of them
+    GET    /metrics                   the capsulert Prometheus metrics (from Ray's metrics agent)
+
+Everything a request needs travels as arguments (its namespace handle comes from its API key); the
+application's shared state is one ServerState built at start. Errors are OpenAI-style JSON
+(http_errors.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from capsulert.capsule_store import validate_name
+from capsulert.errors import CapsuleRTError, DuplicateCapsuleError, QueueFullError, UnknownCapsuleError
+from capsulert.serve.chat import ChatTemplate
+from capsulert.serve.generation import RESERVED_PREFIX, Plan, Run
+from capsulert.serve.http_errors import INVALID, ApiError, ErrorKind, describe, error_body, kind_of
+from capsulert.serve.metrics import ServerMetrics, capsulert_lines
+from capsulert.serve.plans import Limits, chat_logprobs, chat_plan, completion_logprobs, completion_plan
+from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest
+from capsulert.serve.responses import Shape
+from capsulert.serve.streaming import DONE, sse
+from capsulert.serve.tenants import Tenants
+from capsulert.serve.tokens import TokenText
+
+if TYPE_CHECKING:
+    from capsulert.orchestrator.namespace import Namespace
+    from capsulert.orchestrator.orchestrator import Orchestrator
+
+log = logging.getLogger(__name__)
+
+
+class Admission:
+    """Generation requests in flight; one past the limit is refused (429) instead of queueing unbounded."""
+
+    def __init__(self, limit: int, metrics: ServerMetrics):
+        self.limit, self.inflight, self._metrics = limit, 0, metrics
+
+    def enter(self) -> None:
+        if self.inflight >= self.limit:
+            raise QueueFullError(f"{self.inflight} requests are in flight, the server's limit; retry later")
+        self.inflight += 1
+        self._metrics.inflight(self.inflight)
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        self._metrics.inflight(self.inflight)
+
+
+@dataclass(frozen=True)
+class ServerState:
+    orchestrator: "Orchestrator"
+    tenants: Tenants
+    limits: Limits
+    tokens: TokenText
+    template: ChatTemplate
+    admission: Admission
+    metrics: ServerMetrics
+    metrics_url: str | None = None  # Ray's metrics agent on this node
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="capsulert", docs_url=None, redoc_url=None, openapi_url=None)
+    _install_error_handlers(app)
+
+    async def tenant(authorization: str | None = Header(None)) -> "Namespace":  # async: no threadpool hop
+        return state.orchestrator.namespace(state.tenants.namespace_for(authorization))
+
+    @app.get("/v1/models")
+    async def models(ns: "Namespace" = Depends(tenant)) -> dict:
+        return {"object": "list", "data": [{"id": state.limits.model_name, "object": "model", "created": 0,
+                                            "owned_by": "capsulert"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, ns: "Namespace" = Depends(tenant)) -> Response:
+        t0 = time.perf_counter()
+        plan = _measured(state, "completions", t0, lambda: completion_plan(body, state.limits, state.tokens))
+        shape = _shape(state, False, completion_logprobs(body), body.return_token_ids)
+        return await _respond(state, "completions", ns, plan, shape, body.stream, body.include_usage, t0)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, ns: "Namespace" = Depends(tenant)) -> Response:
+        t0 = time.perf_counter()
+        plan = _measured(state, "chat", t0, lambda: chat_plan(body, state.limits, state.tokens, state.template))
+        shape = _shape(state, True, chat_logprobs(body), body.return_token_ids)
+        return await _respond(state, "chat", ns, plan, shape, body.stream, body.include_usage, t0)
+
+    @app.get("/v1/capsules")
+    async def list_capsules(ns: "Namespace" = Depends(tenant)) -> dict:
+        rows = await ns.capsules()
+        return {"object": "list", "data": [{"id": c["name"], "object": "capsule", "tokens": c["boundary"],
+                                            "tier": c["tier"], "pinned": c["pinned"], "nbytes": c["nbytes"]}
+                                           for c in rows if not c["name"].startswith(RESERVED_PREFIX)]}
+
+    @app.delete("/v1/capsules/{name}")
+    async def delete_capsule(name: str, ns: "Namespace" = Depends(tenant)) -> dict:
+        validate_name(name)
+        if name.startswith(RESERVED_PREFIX):
+            raise UnknownCapsuleError(f"no capsule {name!r} in this namespace")
+        await ns.delete(name)
+        return {"id": name, "object": "capsule", "deleted": True}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.metrics_url is None:
+            raise ApiError(ErrorKind(404, "not_found_error", "no_metrics"), "this server exports no metrics")
+        text = await asyncio.to_thread(_fetch, state.metrics_url)
+        return PlainTextResponse(capsulert_lines(text), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode("utf-8")
+
+
+def _shape(state: ServerState, chat: bool, logprobs: int | None, token_ids: bool) -> Shape:
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    return Shape(chat, prefix + uuid.uuid4().hex, int(time.time()), state.limits.model_name, state.tokens,
+                 logprobs, token_ids)
+
+
+def _measured(state: ServerState, route: str, t0: float, make):
+    """Run `make`; a refusal still counts in the request metrics."""
+    try:
+        return make()
+    except Exception as e:
+        state.metrics.request(route, kind_of(e).status, time.perf_counter() - t0)
+        raise
+
+
+async def _check_new_name(ns: "Namespace", name: str) -> None:
+    """Refuse a snapshot_as that exists before generating, not after (the generated text would be lost)."""
+    if any(c["name"] == name for c in await ns.capsules()):
+        raise DuplicateCapsuleError(f"capsule {name!r} already exists in this namespace; capsules are immutable: "
+                                    "delete it first or choose another name")
+
+
+async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, shape: Shape, stream: bool,
+                   include_usage: bool, t0: float) -> Response:
+    if stream:
+        events = _events(state, route, ns, plan, shape, include_usage, t0)
+        # run the stream up to its first byte here: a refusal until then (no such capsule, a prompt past
+        # max_seq, a full server) is still an HTTP status; and a started generator is always finalized
+        # (its sessions closed) even if the response never iterates it
+        await events.__anext__()
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    entered = False
+    try:
+        if plan.snapshot_as is not None:
+            await _check_new_name(ns, plan.snapshot_as)
+        state.admission.enter()
+        entered = True
+        async with Run(ns, plan, state.metrics) as run:
+            await run.start(prefill=False)
+            choices, usage = await run.generate()
+            capsule = await run.keep()
+    except Exception as e:
+        state.metrics.request(route, kind_of(e).status, time.perf_counter() - t0)
+        raise
+    finally:
+        if entered:
+            state.admission.leave()
+    state.metrics.tokens(route, usage.prompt_tokens, usage.completion_tokens)
+    state.metrics.request(route, 200, time.perf_counter() - t0)
+    return JSONResponse(shape.body(choices, usage, capsule))
+
+
+async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, shape: Shape, include_usage: bool,
+                  t0: float) -> AsyncIterator[bytes]:
+    """A streamed response. Its first item is b"" once the sessions are ready (the route takes it)."""
+    run = Run(ns, plan, state.metrics)
+    status, finals, entered, started = 200, [], False, False
+    sent: dict[int, int] = {}  # choice index -> characters sent
+    try:
+        if plan.snapshot_as is not None:
+            await _check_new_name(ns, plan.snapshot_as)
+        state.admission.enter()
+        entered = True
+        async with run:
+            await run.start(prefill=True)
+            started = True
+            yield b""
+            async for chunk in run.stream():
+                yield sse(shape.chunk(chunk, chunk.index not in sent, sent.get(chunk.index, 0)))
+                sent[chunk.index] = sent.get(chunk.index, 0) + len(chunk.text)
+                if chunk.final is not None:
+                    finals.append(chunk.final)
+            capsule = await run.keep()
+        if include_usage or capsule is not None:
+            yield sse(shape.tail_chunk(run.usage(finals) if include_usage else None, capsule))
+        yield DONE
+    except Exception as e:
+        kind, body = describe(e)
+        status = kind.status
+        if not started:
+            raise  # before the first byte: the route answers with the status
+        if kind.status >= 500 and not isinstance(e, CapsuleRTError):
+            log.exception("streamed %s request failed", route)
+        yield sse(body)  # the status line is sent: the error travels as an event (the openai client raises it)
+    finally:
+        if entered:
+            state.admission.leave()
+        if run.first_token_at is not None:
+            state.metrics.ttft(route, run.first_token_at - t0)
+        state.metrics.tokens(route, run.usage(finals).prompt_tokens, sum(len(c.tokens) for c in finals))
+        state.metrics.request(route, status, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _json_error(kind: ErrorKind, body: dict) -> JSONResponse:
+    return JSONResponse(body, status_code=kind.status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems, param = [], None
+        for err in exc.errors():
+            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            param = param or ".".join(loc) or None
+            problems.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+        return _json_error(INVALID, error_body(INVALID, "invalid request: " + "; ".join(problems), param))
+
+    @app.exception_handler(ApiError)
+    @app.exception_handler(CapsuleRTError)
+    async def refused(request: Request, exc: Exception) -> JSONResponse:
+        kind, body = describe(exc)
+        if kind.status >= 500:
+            log.warning("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        return _json_error(kind, body)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = ErrorKind(exc.status_code, "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        return _json_error(kind, error_body(kind, f"{request.method} {request.url.path}: {exc.detail}"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        kind, body = describe(exc)
+        return _json_error(kind, body)

@@ -1,0 +1,87 @@
+"""The Ray Serve deployment: one replica owning the Orchestrator, with the FastAPI app as its ingress.
+
+One replica, always: the orchestrator's router (which worker holds which capsule of which namespace)
+lives in the process that owns it, so two replicas would be two disjoint capsule stores. Throughput
+scales with `num_workers` (engine actors) behind the one replica, whose own work per token is small.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ray import serve
+
+from capsulert.serve.options import ServerOptions
+
+log = logging.getLogger(__name__)
+
+
+@serve.deployment(name="capsulert", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=20)
+@serve.ingress()
+class CapsuleServer:
+    """Builds the server's state once (orchestrator, tenants, tokenizer, chat template) and the app on it."""
+
+    async def __init__(self, options: dict, metrics_url: str | None = None):
+        from capsulert.orchestrator.orchestrator import Orchestrator
+        from capsulert.serve.app import Admission, ServerState
+        from capsulert.serve.chat import ChatTemplate
+        from capsulert.serve.metrics import RayMetrics
+        from capsulert.serve.options import model_dir, vocab_size
+        from capsulert.serve.plans import Limits
+        from capsulert.serve.tenants import Tenants
+        from capsulert.serve.tokens import TokenText
+
+        opts = ServerOptions.build(**options)
+        logging.getLogger("capsulert").setLevel(opts.log_level)
+        tenants = Tenants.load(opts.keys_file)
+        self.orchestrator = await Orchestrator.start(opts.orchestrator_config())
+        try:
+            path = model_dir(opts.engine)
+            tokens = TokenText.load(path, vocab_size(opts.engine))
+            eos = _eos_text(path, tokens)
+            metrics = RayMetrics()
+            self.state = ServerState(
+                orchestrator=self.orchestrator, tenants=tenants,
+                limits=Limits(opts.model_name, opts.engine.max_seq, opts.largest_n), tokens=tokens,
+                template=ChatTemplate.for_model(path, eos), admission=Admission(opts.max_inflight, metrics),
+                metrics=metrics, metrics_url=metrics_url)
+        except BaseException:
+            await self.orchestrator.close()
+            raise
+        self._poller = asyncio.ensure_future(self._poll_workers(opts.stats_interval_s))
+        log.info("serving %s (%d worker(s), namespaces: %s)", opts.model_name, opts.num_workers,
+                 ", ".join(tenants.namespaces))
+
+    def __serve_build_asgi_app__(self):
+        from capsulert.serve.app import build_app
+
+        return build_app(self.state)
+
+    async def _poll_workers(self, interval: float) -> None:
+        """Queue depth and sessions of the workers, for the gauges (one control call per worker)."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                stats = await self.orchestrator.stats()
+            except Exception as e:
+                log.debug("worker stats failed: %s", e)
+                continue
+            live = [s for s in stats if "lost" not in s]
+            self.state.metrics.workers(sum(s.get("queued", 0) for s in live), sum(s.get("sessions", 0) for s in live))
+
+    async def __del__(self):
+        # Serve calls this on shutdown, and also after a failed __init__ (attributes may be missing)
+        poller, orchestrator = getattr(self, "_poller", None), getattr(self, "orchestrator", None)
+        if poller is not None:
+            poller.cancel()
+        if orchestrator is not None:
+            await orchestrator.close()
+
+
+def _eos_text(path, tokens) -> str | None:
+    """The text of the model's (first) EOS token, for templates that write it."""
+    from capsulert.worker.stops import eos_ids_from_checkpoint
+
+    ids = eos_ids_from_checkpoint(path, None) if path is not None else ()
+    return tokens.token_id_text(ids[0]) if ids else None

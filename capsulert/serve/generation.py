@@ -1,0 +1,252 @@
+"""Running one HTTP generation request on the orchestrator, through its public async API only.
+
+A request is one or more prompts (a batch), each answered by n choices. Per prompt:
+- its session starts empty (`open`) or from the request's `capsule` (`restore`: no prefill);
+- n = 1, not streamed: one `turn` (append the prompt + generate in one request to the worker's step
+  scheduler, which interleaves the prefill with every other session's decode);
+- streamed, or n > 1: the prompt is appended first (so a refusal such as a prompt past max_seq is still
+  an HTTP status, not an error inside a started stream); for n > 1 the prompt state is snapshotted once
+  as a private fork point, forked into n sessions on one worker and the fork point deleted, and the n
+  branches generate concurrently, so the worker's step scheduler decodes them in one batch. Branch j
+  samples with seed + j (a request's choices differ, and each is reproducible).
+Every session a request opened is closed when it ends, however it ends (a client that goes away
+interrupts its generates at the next token).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator
+
+from capsulert.errors import InvalidRequestError, UnknownCapsuleError
+from capsulert.serve.streaming import HeldText, PendingTokens
+from capsulert.worker.sampler import SamplingParams
+from capsulert.worker.verbs import FinalEvent, GenerateResult
+
+if TYPE_CHECKING:
+    from capsulert.capsule_store.capsule import CapsuleRef
+    from capsulert.orchestrator.namespace import Namespace
+    from capsulert.orchestrator.remote_session import RemoteSession
+    from capsulert.serve.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+# capsule names the server keeps for itself (fork points); a client can neither make nor name them
+RESERVED_PREFIX = "capsulert:"
+
+
+def check_client_name(name: str | None, what: str) -> None:
+    if name is not None and name.startswith(RESERVED_PREFIX):
+        raise InvalidRequestError(f"{what}: capsule names starting with {RESERVED_PREFIX!r} are reserved")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A generation request, decided: token ids per prompt (empty: nothing to append to the capsule)."""
+    prompts: tuple[tuple[int, ...], ...]
+    n: int
+    max_tokens: int
+    sampling: dict  # SamplingParams fields shared by every choice
+    seed: int | None
+    capsule: str | None = None
+    snapshot_as: str | None = None
+    pin: bool = False
+
+    def params(self, branch: int) -> SamplingParams:
+        return SamplingParams(**self.sampling, seed=None if self.seed is None else self.seed + branch)
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    tokens: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    stop_reason: str
+
+    @classmethod
+    def of(cls, index: int, res: GenerateResult) -> "Choice":
+        return cls(index, tuple(res), res.text or "", tuple(res.logprobs),
+                   tuple(tuple(row) for row in res.top_logprobs), res.stop_reason or "length")
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens restored from the capsule instead of prefilled
+
+
+@dataclass(frozen=True)
+class Made:
+    """The capsule a request's snapshot_as made: the orchestrator's CapsuleRef, and whether it is pinned."""
+    ref: "CapsuleRef"
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New output of one streamed choice; `final` is set on its last chunk."""
+    index: int
+    text: str
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    final: Choice | None = None
+
+
+@dataclass
+class _Group:
+    """One prompt's sessions (one, or its n branches once forked)."""
+    sessions: list
+    cached_tokens: int
+    prompt_tokens: int = 0
+    prefilled: bool = False
+
+
+_END = object()  # a streamed choice is complete
+
+
+class Run:
+    """The sessions of one request, from start to close (an async context manager: closing is certain)."""
+
+    def __init__(self, namespace: "Namespace", plan: Plan, metrics: "ServerMetrics"):
+        self.ns, self.plan, self.metrics = namespace, plan, metrics
+        self.groups: list[_Group | None] = [None] * len(plan.prompts)
+        self.first_token_at: float | None = None
+
+    async def __aenter__(self) -> "Run":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        # shielded: a cancelled request (client gone) still closes its sessions
+        await asyncio.shield(self._close())
+
+    async def _close(self) -> None:
+        sessions = [s for g in self.groups if g is not None for s in g.sessions]
+        for r in await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True):
+            if isinstance(r, BaseException):
+                log.debug("closing a session failed: %s: %s", type(r).__name__, r)
+
+    # ------------------------------------------------------------------ start
+    async def start(self, *, prefill: bool) -> None:
+        """Open or restore every prompt's session; with prefill (streams, n > 1) append the prompts and fork."""
+        # every start settles before an error propagates: a session opened after close() ran would leak
+        outcomes = await asyncio.gather(*(self._start(i, prompt, prefill or self.plan.n > 1)
+                                          for i, prompt in enumerate(self.plan.prompts)), return_exceptions=True)
+        for r in outcomes:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _start(self, i: int, prompt: tuple[int, ...], prefill: bool) -> None:
+        appended = False
+        if self.plan.capsule is None:
+            session = await self.ns.open(list(prompt) if prefill else None)  # opened and prefilled in one call
+            appended = prefill
+        else:
+            t0 = time.perf_counter()
+            try:
+                session = await self.ns.restore(self.plan.capsule)
+            except UnknownCapsuleError:
+                self.metrics.capsule_lookup(hit=False)
+                raise
+            self.metrics.capsule_lookup(hit=True, restore_s=time.perf_counter() - t0)
+        # registered at once, so the session is closed whatever follows
+        group = self.groups[i] = _Group([session], 0 if appended else session.length)
+        if not prefill:
+            return
+        if prompt and not appended:
+            await session.append(list(prompt))
+        group.prompt_tokens, group.prefilled = session.length, True
+        if self.plan.n > 1:
+            await self._fork(group)
+
+    async def _fork(self, group: _Group) -> None:
+        point = f"{RESERVED_PREFIX}fork:{uuid.uuid4().hex}"
+        source = group.sessions[0]
+        await source.snapshot(point)
+        try:
+            await source.close()  # its slot is free for a branch; the fork point holds its state
+            group.sessions = []
+            group.sessions = await self.ns.fork(point, self.plan.n)
+        finally:
+            await asyncio.shield(self._drop(point))
+
+    async def _drop(self, point: str) -> None:
+        try:
+            await self.ns.delete(point)
+        except Exception as e:  # a lost worker took it along; nothing else holds it
+            log.warning("could not delete fork point %s: %s: %s", point, type(e).__name__, e)
+
+    # ------------------------------------------------------------------ generate
+    async def generate(self) -> tuple[list[Choice], Usage]:
+        per_group = await asyncio.gather(*(self._generate(i, g) for i, g in enumerate(self.groups)))
+        choices = [c for group in per_group for c in group]
+        return choices, self.usage(choices)
+
+    async def _generate(self, i: int, group: _Group) -> list[Choice]:
+        plan = self.plan
+        if not group.prefilled:  # n = 1: append + generate as one request
+            prompt = list(plan.prompts[i]) or None
+            results = [await group.sessions[0].turn(prompt, plan.max_tokens, plan.params(0))]
+        else:
+            results = await asyncio.gather(*(s.generate(plan.max_tokens, plan.params(j))
+                                             for j, s in enumerate(group.sessions)))
+        group.prompt_tokens = results[0].length - len(results[0])
+        return [Choice.of(i * plan.n + j, r) for j, r in enumerate(results)]
+
+    async def keep(self) -> "Made | None":
+        """Snapshot the end state as the plan's `snapshot_as` (one prompt, n = 1); what was made."""
+        if self.plan.snapshot_as is None:
+            return None
+        ref = await self.groups[0].sessions[0].snapshot(self.plan.snapshot_as, pin=self.plan.pin)
+        return Made(ref, self.plan.pin)
+
+    def usage(self, choices: list[Choice]) -> Usage:
+        groups = [g for g in self.groups if g is not None]
+        return Usage(prompt_tokens=sum(g.prompt_tokens for g in groups),
+                     completion_tokens=sum(len(c.tokens) for c in choices),
+                     cached_tokens=sum(g.cached_tokens for g in groups))
+
+    async def stream(self) -> AsyncIterator[Chunk]:
+        """Chunks of every choice as their tokens arrive (choices interleaved); ends when all are done."""
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(i * self.plan.n + j, s, self.plan.params(j), queue))
+                 for i, g in enumerate(self.groups) for j, s in enumerate(g.sessions)]
+        try:
+            left = len(pumps)
+            while left:
+                item = await queue.get()
+                if item is _END:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for p in pumps:
+                p.cancel()  # a client that went away: each stream interrupts its generate
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    async def _pump(self, index: int, session: "RemoteSession", params: SamplingParams, queue: asyncio.Queue) -> None:
+        held, pending = HeldText(tuple(params.stop)), PendingTokens()
+        try:
+            async for ev in session.stream(self.plan.max_tokens, params):
+                if isinstance(ev, FinalEvent):
+                    text = held.finish(ev.result.text)
+                    queue.put_nowait(Chunk(index, text, *pending.take(), final=Choice.of(index, ev.result)))
+                    continue
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()
+                pending.add(ev.token, ev.logprob)
+                text = held.push(ev.text)
+                if text or ev.text is None:  # a model without tokenizer streams ids: every token is news
+                    queue.put_nowait(Chunk(index, text, *pending.take()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            queue.put_nowait(e)
+        queue.put_nowait(_END)

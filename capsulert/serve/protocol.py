@@ -1,0 +1,192 @@
+"""The request bodies of the OpenAI-compatible API (pydantic, validated at the edge: a bad body is a 400
+naming the field).
+
+Fields of the OpenAI API that capsulert does not implement are accepted only at their neutral value
+(`presence_penalty: 0`, `echo: false`, ...), so a client that sends its defaults works and one that asks
+for the feature gets a clear 400 instead of silently different output. Unknown fields are refused.
+
+Extensions (the openai client sends them through `extra_body`):
+- `capsule`: start from this capsule of the caller's namespace; the prompt (or the rendered messages) is
+  appended to its tokens (an empty prompt continues from the capsule as it is);
+- `snapshot_as`, `pin`: keep the end state (prompt + completion) as a capsule of that name (n = 1);
+- `return_token_ids`: each choice also carries `token_ids`, the generated token ids;
+- `top_k`, `ignore_eos`, `stop_token_ids`: as in capsulert's SamplingParams.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOPS = 16
+MAX_LOGPROBS = 20  # SamplingParams.logprobs' bound
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    model: str
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None  # accepted and ignored: capsulert keeps no per-user records
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # extensions
+    top_k: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    capsule: str | None = None
+    snapshot_as: str | None = None
+    pin: bool = False
+    return_token_ids: bool = False
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float, info) -> float:
+        if v != 0.0:
+            raise ValueError(f"{info.field_name} is not supported (only 0)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _one_snapshot(self):
+        if self.pin and self.snapshot_as is None:
+            raise ValueError("pin applies to the capsule snapshot_as names; give snapshot_as")
+        if self.snapshot_as is not None and self.n != 1:
+            raise ValueError("snapshot_as keeps the end state of one choice: use n = 1")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream = true")
+        return self
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self, logprobs: int) -> dict[str, Any]:
+        """SamplingParams fields (without seed: each choice gets its own); OpenAI's default temperature is 1."""
+        return dict(temperature=1.0 if self.temperature is None else self.temperature,
+                    top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, stop=self.stops,
+                    stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos, logprobs=logprobs)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _neutral(self):
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (only best_of = n)")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be an empty list")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of a batch request, one or more; each is text or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # extra fields (tool_calls, reasoning_content, ...) pass through to the chat template, which decides
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a template sees it: content always a string (text parts joined)."""
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            d["content"] = "".join(part.text for part in self.content)
+        d.setdefault("content", "")
+        return d
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+    # extensions (as vLLM names them)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _neutral(self):
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs = true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree")
+        reserved = {"messages", "add_generation_prompt"} & set(self.chat_template_kwargs or {})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {sorted(reserved)}")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,123 @@
+"""Response bodies and stream chunks in the OpenAI shapes (text_completion, chat.completion[.chunk]).
+
+Finish reasons: eos, stop_token and stop_string are "stop"; length and max_seq are "length"; a generate
+interrupted because its client went away is "stop" (nobody reads it).
+
+Logprobs are the raw model's (log_softmax of the logits, before temperature and top-k / top-p). In a
+stream each chunk carries the logprobs of its own tokens; with top-k alternatives asked for
+(completions `logprobs` > 0, chat `top_logprobs` > 0) the worker reports them when the choice ends, so
+they all come in the choice's last chunk. Concatenated over a choice's chunks, they are the same list
+as the non-streamed response's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from capsulert.serve.generation import Choice, Chunk, Made, Usage
+from capsulert.serve.tokens import TokenText
+
+FINISH_REASON = {"eos": "stop", "stop_token": "stop", "stop_string": "stop", "interrupted": "stop",
+                 "length": "length", "max_seq": "length"}
+
+
+def usage_body(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def capsule_body(made: "Made") -> dict:
+    """What a request's snapshot_as made (the `capsule` field of the response)."""
+    ref = made.ref
+    return {"name": ref.name, "tokens": ref.boundary, "tier": ref.tier, "pinned": made.pinned, "nbytes": ref.nbytes}
+
+
+@dataclass(frozen=True)
+class Shape:
+    chat: bool
+    id: str
+    created: int
+    model: str
+    tokens: TokenText
+    logprobs: int | None  # None: none asked for; k: the chosen token's and the top-k alternatives
+    return_token_ids: bool
+
+    @property
+    def _object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    # ------------------------------------------------------------------ whole responses
+    def body(self, choices: Sequence[Choice], usage: Usage, capsule: Made | None) -> dict:
+        out = self._head(self._object)
+        out["choices"] = [self._choice(c) for c in choices]
+        out["usage"] = usage_body(usage)
+        if capsule is not None:
+            out["capsule"] = capsule_body(capsule)
+        return out
+
+    def _choice(self, c: Choice) -> dict:
+        lp = None if self.logprobs is None else self._logprobs(c.tokens, c.logprobs, c.top_logprobs, 0)
+        if self.chat:
+            d = {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp}
+        else:
+            d = {"index": c.index, "text": c.text, "logprobs": lp}
+        d["finish_reason"] = FINISH_REASON.get(c.stop_reason, "stop")
+        if self.return_token_ids:
+            d["token_ids"] = list(c.tokens)
+        return d
+
+    # ------------------------------------------------------------------ stream chunks
+    def chunk(self, ch: Chunk, first: bool, offset: int) -> dict:
+        """The chunk of one choice's new output; `first`: the choice's first chunk (chat sends the role);
+        `offset`: characters of the choice's text sent before (completions' text_offset)."""
+        lp = None
+        if self.logprobs == 0 and ch.tokens:
+            lp = self._logprobs(ch.tokens, ch.logprobs, (), offset)
+        elif self.logprobs and ch.final is not None:  # top-k arrive with the result: all of them at the end
+            f = ch.final
+            lp = self._logprobs(f.tokens, f.logprobs, f.top_logprobs, 0)
+        if self.chat:
+            delta = {"role": "assistant", "content": ch.text} if first else {"content": ch.text}
+            d = {"index": ch.index, "delta": delta, "logprobs": lp}
+        else:
+            d = {"index": ch.index, "text": ch.text, "logprobs": lp}
+        d["finish_reason"] = None if ch.final is None else FINISH_REASON.get(ch.final.stop_reason, "stop")
+        if self.return_token_ids:
+            d["token_ids"] = list(ch.tokens)
+        out = self._head(self._object + ".chunk" if self.chat else self._object)
+        out["choices"] = [d]
+        return out
+
+    def tail_chunk(self, usage: Usage | None, capsule: Made | None) -> dict:
+        """The last chunk: no choices, the usage (stream_options.include_usage) and the capsule made."""
+        out = self._head(self._object + ".chunk" if self.chat else self._object)
+        out["choices"] = []
+        if usage is not None:
+            out["usage"] = usage_body(usage)
+        if capsule is not None:
+            out["capsule"] = capsule_body(capsule)
+        return out
+
+    # ------------------------------------------------------------------ logprobs
+    def _logprobs(self, tokens: Sequence[int], logprobs: Sequence[float], top: Sequence, offset: int) -> dict:
+        piece = self.tokens.piece
+        if self.chat:
+            def entry(t: int, lp: float) -> dict:
+                return {"token": piece(t), "logprob": lp, "bytes": self.tokens.piece_bytes(t)}
+            content = []
+            for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+                e = entry(t, lp)
+                e["top_logprobs"] = [entry(a, alp) for a, alp in top[i]] if i < len(top) else []
+                content.append(e)
+            return {"content": content}
+        pieces = [piece(t) for t in tokens]
+        offsets = []
+        for p in pieces:
+            offsets.append(offset)
+            offset += len(p)
+        top_rows = [{piece(a): alp for a, alp in row} for row in top] if self.logprobs else None
+        return {"tokens": pieces, "token_logprobs": list(logprobs), "top_logprobs": top_rows, "text_offset": offsets}

@@ -1,0 +1,111 @@
+"""Fixtures: a real `capsulert serve` (Ray Serve, one CPU worker, the default model, two tenants) on a free
+loopback port, started once per module as a subprocess, and the in-process engine its answers are
+compared with (same model files and engine settings, so greedy and seeded outputs are bitwise equal)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from capsulert.worker.engine import Engine
+
+ENGINE = dict(slots=8, max_seq=512, prefill_chunk=128)
+KEYS = {"acme": "sk-acme-test-0123456789", "globex": "sk-globex-test-0123456789"}
+MODEL = "capsulert-default"
+MAX_INFLIGHT = 4
+START_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    model_dir: Path
+    log: Path
+    model: str = MODEL
+    keys: dict = field(default_factory=lambda: dict(KEYS))
+    max_inflight: int = MAX_INFLIGHT
+
+    def client(self, tenant: str = "acme", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEYS[tenant], max_retries=0, timeout=60, **kw)
+
+    def http(self, method: str, path: str, tenant: str | None = "acme", headers: dict | None = None,
+             **kw) -> httpx.Response:
+        """A raw request; as `tenant` (its key), or with exactly the `headers` given."""
+        if headers is None:
+            headers = {"Authorization": f"Bearer {KEYS[tenant]}"} if tenant else {}
+        return httpx.request(method, self.url + path, headers=headers, timeout=60, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve")
+    keys = work / "keys.yaml"
+    keys.write_text("keys:\n" + "".join(f"  {k}: {ns}\n" for ns, k in KEYS.items()))
+    port, log = free_port(), work / "server.log"
+    cmd = [sys.executable, "-m", "capsulert.cli", "serve", "--model", str(default_model_dir),
+           "--served-model-name", MODEL, "--port", str(port), "--keys", str(keys), "--device", "cpu",
+           "--slots", str(ENGINE["slots"]), "--max-seq", str(ENGINE["max_seq"]),
+           "--prefill-chunk", str(ENGINE["prefill_chunk"]), "--torch-threads", "1",
+           "--max-inflight", str(MAX_INFLIGHT), "--metrics-port", str(free_port()), "--log-level", "WARNING"]
+    # metrics reach Ray's exporter every second instead of every ten, so the metrics test waits less
+    env = {**os.environ, "RAY_metrics_report_interval_ms": "1000", "RAY_DEDUP_LOGS": "0"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    srv = Server(f"http://127.0.0.1:{port}", Path(default_model_dir), log)
+    try:
+        _wait_ready(srv, proc)
+        yield srv
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_ready(srv: Server, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"capsulert serve exited with {proc.returncode}:\n{srv.log.read_text()[-4000:]}")
+        try:
+            if srv.http("GET", "/v1/models").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"capsulert serve did not answer within {START_TIMEOUT_S}s:\n{srv.log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def oracle(default_model_dir):
+    """The in-process engine the server's answers are checked against."""
+    eng = Engine.from_config(dict(model=str(default_model_dir), device="cpu", **ENGINE))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def acme(server):
+    return server.client("acme")
+
+
+@pytest.fixture
+def globex(server):
+    return server.client("globex")

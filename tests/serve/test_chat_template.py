@@ -1,0 +1,87 @@
+"""Chat templates render exactly as Hugging Face transformers' apply_chat_template renders them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from capsulert.errors import InvalidRequestError
+from capsulert.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
+
+CHATML = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' %}{{ '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# trim_blocks / lstrip_blocks matter here: block tags on their own indented lines
+INDENTED = """{{ bos_token }}
+{% for m in messages %}
+    {% if m.role == 'user' %}
+[INST] {{ m.content }} [/INST]
+    {% elif m.role == 'assistant' %}
+{% generation %}{{ m.content }}{% endgeneration %}{{ eos_token }}
+    {% else %}
+{{ raise_exception('unknown role ' + m.role) }}
+    {% endif %}
+{% endfor %}
+{{ {'n': messages | length, 'text': 'é<b>'} | tojson }}"""
+
+CONVERSATION = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "Hello <there> é"},
+                {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Again?"}]
+
+
+def hf_render(model_dir, template, messages, add_generation_prompt, **special):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"), chat_template=template, **special)
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_default_template_matches_transformers(default_model_dir, add_generation_prompt):
+    ours = ChatTemplate.for_model(default_model_dir, eos_token="<|endoftext|>")
+    assert ours.origin == "capsulert's default template"
+    got = ours.render(CONVERSATION, add_generation_prompt)
+    assert got == hf_render(default_model_dir, DEFAULT_TEMPLATE.read_text(), CONVERSATION, add_generation_prompt,
+                            eos_token="<|endoftext|>")
+    assert got.startswith("<|system|>\nBe brief. <|endoftext|>\n") and got.endswith(
+        "<|assistant|>\n" if add_generation_prompt else "Again?<|endoftext|>\n")
+
+
+@pytest.mark.parametrize("template", [CHATML, INDENTED])
+def test_checkpoint_templates_match_transformers(default_model_dir, tmp_path, template):
+    for f in ("tokenizer.json", "config.json"):
+        (tmp_path / f).write_bytes((default_model_dir / f).read_bytes())
+    # tokenizer_config.json as checkpoints write it: named templates, special tokens as AddedToken dicts
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": [{"name": "tool_use", "template": "unused"}, {"name": "default", "template": template}],
+        "bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>"}))
+    messages = CONVERSATION[1:] if template is INDENTED else CONVERSATION
+    ours = ChatTemplate.for_model(tmp_path)
+    assert ours.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    assert ours.render(messages) == hf_render(tmp_path, template, messages, True, bos_token="<s>", eos_token="</s>")
+    # a chat_template.jinja file wins over tokenizer_config.json (what transformers writes since 4.43)
+    (tmp_path / "chat_template.jinja").write_text("{{ messages | length }}")
+    assert ChatTemplate.for_model(tmp_path).render(messages) == str(len(messages))
+
+
+def test_template_refusals_are_invalid_requests(default_model_dir):
+    ours = ChatTemplate(INDENTED, "test", {"bos_token": "", "eos_token": "</s>"})
+    with pytest.raises(InvalidRequestError, match="unknown role tool"):
+        ours.render([{"role": "tool", "content": "x"}])
+    default = ChatTemplate.for_model(default_model_dir)
+    with pytest.raises(InvalidRequestError, match="no role 'tool'"):
+        default.render([{"role": "tool", "content": "x"}])
+    with pytest.raises(InvalidRequestError, match="does not compile"):
+        ChatTemplate("{% for %}", "broken")
+
+
+def test_the_sandbox_keeps_templates_away_from_python(default_model_dir):
+    sneaky = ChatTemplate("{{ messages.__class__.__mro__ }}", "test")
+    with pytest.raises(InvalidRequestError):
+        sneaky.render([{"role": "user", "content": "x"}])
+    mutating = ChatTemplate("{{ messages.append(1) }}", "test")
+    with pytest.raises(InvalidRequestError):
+        mutating.render([{"role": "user", "content": "x"}])

@@ -1,0 +1,138 @@
+"""The server's parts on their own: tenants and keys, stop-string holdback, request validation, error
+statuses, and `capsulert serve` refusing bad settings before anything starts."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from capsulert import errors as E
+from capsulert.serve.http_errors import ApiError, describe, kind_of
+from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest
+from capsulert.serve.streaming import HeldText
+from capsulert.serve.tenants import Tenants
+
+
+# ------------------------------------------------------------------------------------------------ keys
+def test_keys_map_to_namespaces(tmp_path):
+    f = tmp_path / "keys.yaml"
+    f.write_text("keys:\n  sk-acme-00000001: acme\n  sk-acme-00000002: acme\n  sk-globex-000001: globex\n")
+    t = Tenants.load(f)
+    assert t.namespaces == ["acme", "globex"] and not t.open
+    assert t.namespace_for("Bearer sk-acme-00000002") == "acme"
+    assert t.namespace_for("bearer  sk-globex-000001 ") == "globex"
+    for header in (None, "", "Bearer", "Bearer sk-acme-0000000", "Basic sk-acme-00000001", "sk-acme-00000001"):
+        with pytest.raises(ApiError) as e:
+            t.namespace_for(header)
+        assert e.value.kind.status == 401
+    assert "sk-acme" not in repr(t)  # keys are kept as digests only
+
+
+def test_without_keys_the_server_is_open():
+    t = Tenants.load(None)
+    assert t.open and t.namespace_for(None) == "default" and t.namespace_for("Bearer anything") == "default"
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("keys: [", "not valid YAML"),
+    ("keys: {}", "at least 1"),
+    ("keys:\n  short: acme\n", "at least 8 characters"),
+    ("keys:\n  sk-0000000001: ../etc\n", "namespace"),
+    ("keys:\n  sk-0000000001: acme\nextra: 1\n", "extra"),
+    ("- just a list\n", "keys"),
+])
+def test_bad_keys_files_are_refused(tmp_path, text, problem):
+    f = tmp_path / "keys.yaml"
+    f.write_text(text)
+    with pytest.raises(E.ConfigError, match=problem):
+        Tenants.load(f)
+    with pytest.raises(E.ConfigError, match="cannot read"):
+        Tenants.load(tmp_path / "missing.yaml")
+
+
+# ------------------------------------------------------------------------------------------- held text
+def replay(stops, deltas, final):
+    held = HeldText(tuple(stops))
+    shown = [held.push(d) for d in deltas]
+    return shown, held.finish(final)
+
+
+def test_without_stops_text_shows_at_once():
+    shown, rest = replay((), ["ab", "", "c"], "abc")
+    assert shown == ["ab", "", "c"] and rest == ""
+
+
+def test_a_possible_stop_start_is_held_back_until_decided():
+    # the last len("XYZ") - 1 characters wait: "cX" could start the stop, then "Yd" shows it does not
+    shown, rest = replay(("XYZ",), ["ab", "cX", "Yd"], "abcXYd")
+    assert shown == ["", "ab", "cX"] and rest == "Yd"
+
+
+def test_the_token_completing_a_stop_shows_nothing_of_it():
+    # the stop "spt" completes inside the last delta, which also carries text after it
+    shown, rest = replay(("spt",), [" This", "pt more"], " Thi")
+    assert "".join(shown) + rest == " Thi" and "s" not in "".join(shown)
+
+
+# -------------------------------------------------------------------------------------------- requests
+def test_completion_prompts_of_every_shape():
+    base = {"model": "m"}
+    assert CompletionRequest(**base, prompt="hi").prompts == ["hi"]
+    assert CompletionRequest(**base, prompt=[1, 2]).prompts == [[1, 2]]
+    assert CompletionRequest(**base, prompt=["a", "b"]).prompts == ["a", "b"]
+    assert CompletionRequest(**base, prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
+
+
+@pytest.mark.parametrize("extra", [
+    {"pin": True}, {"n": 2, "snapshot_as": "x"}, {"echo": True}, {"best_of": 3}, {"logit_bias": {"1": 2.0}},
+    {"frequency_penalty": 0.1}, {"stop": [""]}, {"stream_options": {"include_usage": True}}, {"logprobs": 21},
+    {"n": 0}, {"max_tokens": "5"}, {"unknown_field": 1},
+])
+def test_unsupported_or_invalid_fields_are_refused(extra):
+    with pytest.raises(ValidationError):
+        CompletionRequest(model="m", prompt="x", **extra)
+
+
+def test_chat_request_checks():
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    req = ChatCompletionRequest(model="m", messages=msgs, max_completion_tokens=5)
+    assert req.messages[0].for_template() == {"role": "user", "content": "ab"} and req.token_limit == 5
+    for bad in ({"messages": []}, {"messages": msgs, "top_logprobs": 2}, {"messages": msgs, "tools": [{}]},
+                {"messages": [{"role": "wizard", "content": "x"}]},
+                {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest(model="m", **bad)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("error, status", [
+    (E.InvalidRequestError("x"), 400), (E.InvalidTokenError("x"), 400), (E.SequenceTooLongError("x"), 400),
+    (E.InvalidCapsuleNameError("x"), 400), (E.UnknownCapsuleError("x"), 404), (E.DuplicateCapsuleError("x"), 409),
+    (E.StaleCapsuleError("x"), 409), (E.QueueFullError("x"), 429), (E.NoFreeSlotError("x"), 429),
+    (E.WorkerLost("x"), 503), (E.CapsuleIOError("x"), 500),
+])
+def test_error_statuses(error, status):
+    assert kind_of(error).status == status
+    kind, body = describe(error)
+    assert body["error"]["message"] == "x" and body["error"]["type"] == kind.type
+
+
+def test_unexpected_errors_say_nothing_of_their_insides():
+    kind, body = describe(RuntimeError("secret path /etc/x at line 3"))
+    assert kind.status == 500 and "secret" not in body["error"]["message"]
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def run_serve(*args):
+    return subprocess.run([sys.executable, "-m", "capsulert.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_serve_refuses_bad_settings_before_starting(tmp_path):
+    proc = run_serve("--keys", str(tmp_path / "missing.yaml"), "--port", "1")
+    assert proc.returncode == 1 and "ConfigError: cannot read keys file" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Started a local Ray" not in proc.stderr
+    proc = run_serve("--max-seq", "1000", "--prefill-chunk", "256")
+    assert proc.returncode == 1 and "max_seq" in proc.stderr and "Traceback" not in proc.stderr

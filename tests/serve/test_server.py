@@ -1,0 +1,266 @@
+"""`capsulert serve` through the official openai client: every answer is checked against the in-process
+engine (token ids, text and logprobs bitwise), plus capsules, tenants, errors, back-pressure and metrics."""
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+import pytest
+
+from capsulert.serve.chat import ChatTemplate
+from capsulert.worker.sampler import SamplingParams
+
+MODEL = "capsulert-default"  # what the server fixture serves (--served-model-name)
+PROMPT = "The capsule runtime keeps the complete state of a session at a committed boundary, so an agent can"
+TOKEN_IDS = {"return_token_ids": True}
+
+
+def reference(oracle, prompt, max_tokens, *, prefix=(), **sampling):
+    """What the in-process engine generates for prompt (after `prefix` turns: (text, n) pairs)."""
+    s = oracle.open()
+    try:
+        for text, n in prefix:
+            s.append(text)
+            s.generate(n, SamplingParams(**sampling))
+        s.append(prompt)
+        return s.generate(max_tokens, SamplingParams(**sampling))
+    finally:
+        s.close()
+
+
+def chat_prompt(server, oracle, messages):
+    eos = oracle.tokenizer.id_to_token(0)
+    text = ChatTemplate.for_model(server.model_dir, eos).render(messages)
+    return oracle.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+# ---------------------------------------------------------------------------------------------- models
+def test_models_lists_the_served_model(acme):
+    assert [m.id for m in acme.models.list().data] == [MODEL]
+
+
+# ------------------------------------------------------------------------------------------ completions
+def test_completion_matches_the_engine_bitwise(acme, oracle):
+    want = reference(oracle, PROMPT, 24)
+    r = acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, logprobs=0,
+                                extra_body=TOKEN_IDS)
+    c = r.choices[0]
+    assert c.model_extra["token_ids"] == list(want)
+    assert c.text == want.text
+    assert c.logprobs.token_logprobs == want.logprobs  # floats through JSON: exact
+    assert c.finish_reason == {"length": "length", "eos": "stop"}[want.stop_reason]
+    n_prompt = len(oracle.tokenize(PROMPT))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, len(want))
+    assert r.usage.total_tokens == n_prompt + len(want)
+
+
+def test_token_id_prompts_and_batches(acme, oracle):
+    texts = [PROMPT, " Restoring a capsule"]
+    want = [list(reference(oracle, t, 8)) for t in texts]
+    for prompt in (texts, [oracle.tokenize(t) for t in texts]):  # a batch of texts, a batch of token-id lists
+        r = acme.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body=TOKEN_IDS)
+        assert [c.model_extra["token_ids"] for c in sorted(r.choices, key=lambda c: c.index)] == want
+    r = acme.completions.create(model=MODEL, prompt=oracle.tokenize(texts[1]), max_tokens=8, temperature=0,
+                                extra_body=TOKEN_IDS)
+    assert r.choices[0].model_extra["token_ids"] == want[1]
+
+
+def test_streamed_completion_is_the_same_as_whole(acme, oracle):
+    want = reference(oracle, PROMPT, 20)
+    chunks = list(acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+                                          stream_options={"include_usage": True}, extra_body=TOKEN_IDS))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in choices) == want.text
+    assert [t for c in choices for t in c.model_extra["token_ids"]] == list(want)
+    assert [c.finish_reason for c in choices][-1] == "length" and all(c.finish_reason is None for c in choices[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+
+def test_stop_strings_cut_the_text(acme, oracle):
+    full = reference(oracle, PROMPT, 24).text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    want = reference(oracle, PROMPT, 24, stop=(stop, "never-in-the-text"))
+    assert want.stop_reason == "stop_string" and len(want.text) < len(full)
+    r = acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                stop=[stop, "never-in-the-text"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want.text, "stop")
+    streamed = acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want.text  # nothing of the stop shown
+
+
+def test_top_logprobs_match_the_engine(acme, oracle):
+    want = reference(oracle, PROMPT, 6, logprobs=3)
+    r = acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    piece = lambda t: oracle.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    assert lp.tokens == [piece(t) for t in want]
+    assert lp.top_logprobs == [{piece(t): v for t, v in row} for row in want.top_logprobs]
+
+
+def test_n_branches_fork_and_match_seeded_runs(acme, oracle):
+    r = acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.9, seed=7, n=3,
+                                extra_body=TOKEN_IDS)
+    got = {c.index: c.model_extra["token_ids"] for c in r.choices}
+    want = {j: list(reference(oracle, PROMPT, 12, temperature=0.9, seed=7 + j)) for j in range(3)}
+    assert got == want
+    assert len({tuple(v) for v in got.values()}) > 1  # the seeds differ, so do the branches
+    assert r.usage.completion_tokens == 36 and r.usage.prompt_tokens == len(oracle.tokenize(PROMPT))
+    streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for chunk in acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.9, seed=7, n=3,
+                                         stream=True, extra_body=TOKEN_IDS):
+        for c in chunk.choices:
+            streamed[c.index] += c.model_extra["token_ids"]
+    assert streamed == want
+
+
+# ------------------------------------------------------------------------------------------------ chat
+MESSAGES = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What is a capsule?"}]
+
+
+def test_chat_renders_the_template_and_matches_the_engine(server, acme, oracle):
+    ids = chat_prompt(server, oracle, MESSAGES)
+    want = reference(oracle, ids, 16, logprobs=2)
+    r = acme.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0, logprobs=True,
+                                     top_logprobs=2, extra_body=TOKEN_IDS)
+    c = r.choices[0]
+    assert c.model_extra["token_ids"] == list(want) and c.message.content == want.text
+    assert c.message.role == "assistant" and r.usage.prompt_tokens == len(ids)
+    assert [e.logprob for e in c.logprobs.content] == want.logprobs
+    assert [[a.logprob for a in e.top_logprobs] for e in c.logprobs.content] == [[v for _, v in row] for row in want.top_logprobs]
+    stream = acme.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0, stream=True)
+    deltas = [ch.choices[0].delta for ch in stream if ch.choices]
+    assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == want.text
+
+
+# -------------------------------------------------------------------------------------------- capsules
+def test_capsule_round_trip_within_a_tenant(server, acme, oracle):
+    first = acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                    extra_body={"snapshot_as": "ctx-a"})
+    made = first.model_extra["capsule"]
+    assert made["name"] == "ctx-a" and made["tokens"] == first.usage.prompt_tokens + 5
+    assert [c["id"] for c in server.http("GET", "/v1/capsules").json()["data"]] == ["ctx-a"]
+
+    turn = " A user question"
+    want = reference(oracle, turn, 10, prefix=[(PROMPT, 5)])
+    r = acme.completions.create(model=MODEL, prompt=turn, max_tokens=10, temperature=0,
+                                extra_body={"capsule": "ctx-a", **TOKEN_IDS})
+    assert r.choices[0].model_extra["token_ids"] == list(want)
+    assert r.usage.prompt_tokens_details.cached_tokens == made["tokens"]
+    again = acme.completions.create(model=MODEL, prompt=turn, max_tokens=10, temperature=0, stream=True,
+                                    extra_body={"capsule": "ctx-a"})
+    assert "".join(c.choices[0].text for c in again if c.choices) == want.text
+
+    with pytest.raises(openai.ConflictError):  # capsules are immutable
+        acme.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"snapshot_as": "ctx-a"})
+    assert server.http("DELETE", "/v1/capsules/ctx-a").json() == {"id": "ctx-a", "object": "capsule", "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        acme.completions.create(model=MODEL, prompt=turn, max_tokens=1, extra_body={"capsule": "ctx-a"})
+
+
+def test_a_tenant_cannot_see_or_touch_another_tenants_capsules(server, acme, globex):
+    acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"snapshot_as": "secret"})
+    assert server.http("GET", "/v1/capsules", tenant="globex").json()["data"] == []
+    for call in (lambda: globex.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"capsule": "secret"}),
+                 lambda: globex.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, stream=True,
+                                                        extra_body={"capsule": "secret"})):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.body["code"] == "capsule_not_found"
+    assert server.http("DELETE", "/v1/capsules/secret", tenant="globex").status_code == 404
+    # the same name in globex is globex's own capsule, unrelated to acme's
+    globex.completions.create(model=MODEL, prompt="Other text", max_tokens=1, extra_body={"snapshot_as": "secret"})
+    rows = {t: server.http("GET", "/v1/capsules", tenant=t).json()["data"] for t in ("acme", "globex")}
+    assert rows["acme"][0]["tokens"] != rows["globex"][0]["tokens"]
+    for t in ("acme", "globex"):
+        assert server.http("DELETE", "/v1/capsules/secret", tenant=t).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def test_keys_are_required_and_checked(server):
+    for tenant, headers in ((None, {}), (None, {"Authorization": "Bearer sk-not-a-key-000"}),
+                            (None, {"Authorization": server.keys["acme"]})):
+        r = server.http("GET", "/v1/capsules", tenant=tenant, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-not-a-key-000", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="x", max_tokens=1)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "n": 2, "snapshot_as": "two"}, None),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "surprise": 1}, "surprise"),
+    ({"prompt": "", "max_tokens": 1}, None),
+    ({"prompt": "x", "snapshot_as": "a/b"}, None),
+    ({"prompt": "x " * 600, "max_tokens": 1}, None),  # past max_seq
+])
+def test_bad_requests_are_400_openai_json(server, body, param):
+    r = server.http("POST", "/v1/completions", json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert "Traceback" not in r.text and (param is None or err["param"] == param)
+
+
+def test_unknown_model_and_route_are_404(server, acme):
+    with pytest.raises(openai.NotFoundError) as e:
+        acme.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"
+    r = server.http("GET", "/v1/nothing")
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_past_max_inflight_is_429(server, acme):
+    """max_inflight streams held open fill the server: one more request is refused, then all is well again."""
+    held = [acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True}) for _ in range(server.max_inflight)]
+    try:
+        for s in held:
+            next(iter(s))  # each is generating now
+        with pytest.raises(openai.RateLimitError) as e:
+            acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+        assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+    finally:
+        for s in held:
+            s.close()  # the client goes away: the server interrupts the generates and frees their slots
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0).choices
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "the server never recovered from the closed streams"
+            time.sleep(0.2)
+
+
+def test_concurrent_requests_are_each_exact(server, acme, oracle):
+    prompts = [f"{PROMPT} Agent {i} says" for i in range(server.max_inflight)]
+    want = [list(reference(oracle, p, 10)) for p in prompts]
+    got: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        r = acme.completions.create(model=MODEL, prompt=prompts[i], max_tokens=10, temperature=0, extra_body=TOKEN_IDS)
+        got[i] = r.choices[0].model_extra["token_ids"]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [got.get(i) for i in range(len(prompts))] == want
+
+
+def test_metrics_count_requests_and_tokens(server):
+    deadline = time.monotonic() + 20
+    while True:
+        text = server.http("GET", "/metrics", tenant=None).text
+        names = {line.split("{")[0] for line in text.splitlines() if line and not line.startswith("#")}
+        want = {"ray_capsulert_requests_total", "ray_capsulert_generated_tokens_total",
+                "ray_capsulert_ttft_seconds_count", "ray_capsulert_capsule_lookups_total"}
+        if want <= names or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert want <= names, sorted(names)
+    assert all(line.startswith(("#", "ray_capsulert_")) for line in text.splitlines() if line)
