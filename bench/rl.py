@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from common import OUT_DIR, log, machine_info, plot_lines, print_table, write_json  # noqa: E402
+from common import OUT_DIR, cuda_sync, log, machine_info, plot_lines, print_table, write_json  # noqa: E402
 
 from capsulert.orchestrator import EpisodeDriver, Orchestrator  # noqa: E402
 from capsulert.worker.engine import Engine  # noqa: E402
@@ -57,6 +57,31 @@ async def orchestrated(orch, envs: int, resets: int, steps: int, obs: list[int],
     return {"resets_per_s": resets / reset_s, "steps_per_s": steps * envs / step_s}
 
 
+def update_times(engine) -> dict:
+    """update_weights from tensors on the engine's device and (on CUDA) from pinned host memory, each against
+    the floor: one plain batched copy of the same tensors into the same buffers."""
+    dev = engine.device.type
+    sources = {"device": {k: v.detach().clone() for k, v in engine.model_weights.items()}}
+    if dev == "cuda":
+        sources["host"] = {k: v.to("cpu").pin_memory() for k, v in sources["device"].items()}
+    out = {"bytes": sum(t.numel() * t.element_size() for t in sources["device"].values())}
+    for where, weights in sources.items():
+        dsts, srcs = list(engine.model_weights.values()), [weights[k] for k in engine.model_weights]
+        for label, fn in (("copy", lambda: torch._foreach_copy_(dsts, srcs, non_blocking=True)),
+                          ("update", lambda: engine.update_weights(weights))):
+            times = []
+            for _ in range(3):
+                cuda_sync(dev)
+                t0 = time.perf_counter()
+                fn()
+                cuda_sync(dev)
+                times.append((time.perf_counter() - t0) * 1e3)
+            out[f"{label}_from_{where}_ms"] = min(times)
+        out[f"update_over_copy_from_{where}"] = out[f"update_from_{where}_ms"] / out[f"copy_from_{where}_ms"]
+    del sources
+    return out
+
+
 async def main(args) -> int:
     torch.set_num_threads(args.threads)
     cfg = dict(model=args.model, device=args.device, slots=max(args.envs) + 2, max_seq=args.max_seq,
@@ -71,12 +96,11 @@ async def main(args) -> int:
     s.append(c0)
     s.snapshot("c0", pin=True)
     s.close()
-    weights = {k: v.detach().clone() for k, v in engine.model_weights.items()}
-    t0 = time.perf_counter()
-    engine.update_weights(weights)
-    update_ms = (time.perf_counter() - t0) * 1e3
+    update_ms = update_times(engine)
+    cuda_sync(args.device)
     t0 = time.perf_counter()
     engine.rebuild("c0")
+    cuda_sync(args.device)
     rebuild_ms = (time.perf_counter() - t0) * 1e3
     rows = []
     orch = await Orchestrator.start(dict(engine=cfg, num_workers=args.workers, call_timeout_s=3600,
@@ -97,10 +121,11 @@ async def main(args) -> int:
     finally:
         await orch.close()
     print_table(rows, list(rows[0]))
-    print(f"weight update (in place, {sum(t.numel() * t.element_size() for t in weights.values()) / 1e6:.0f} MB): "
-          f"{update_ms:.1f} ms; start-capsule rebuild ({args.context} tokens): {rebuild_ms:.1f} ms")
+    print(f"weight update (in place, {update_ms['bytes'] / 1e6:.0f} MB): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in update_ms.items() if k != "bytes")
+          + f"; start-capsule rebuild ({args.context} tokens): {rebuild_ms:.1f} ms")
     write_json(OUT_DIR / "rl.json", {"machine": machine_info(args.device), "args": vars(args), "rows": rows,
-                                      "update_weights_ms": update_ms, "rebuild_ms": rebuild_ms})
+                                      "update_weights": update_ms, "rebuild_ms": rebuild_ms})
     plot_lines(OUT_DIR / "rl.png", [r["envs"] for r in rows],
                {"resets/s in-process": [r["resets_per_s_inprocess"] for r in rows],
                 "resets/s orchestrator": [r["resets_per_s_orch"] for r in rows],
