@@ -162,9 +162,9 @@ def bench_length(P: int, args, engine, hf, ids: list[int]) -> dict:
     cref = engine.snapshot(s0, cap)
     s0.close()
     nbytes = cref.nbytes
-    info_nbytes = engine.store.info(cap).nbytes
+    info_nbytes = engine.store.info(cap).meta.nbytes  # the whole capsule (info.nbytes: what it holds alone)
     if info_nbytes != nbytes:
-        raise AssertionError(f"{tag} CapsuleRef.nbytes {nbytes} != store.info nbytes {info_nbytes}")
+        raise AssertionError(f"{tag} CapsuleRef.nbytes {nbytes} != store.info meta.nbytes {info_nbytes}")
 
     # ---------------- restore alone
     log(f"{tag} ours restore alone ({nbytes / 1e6:.1f} MB) x {warm}+{reps}")

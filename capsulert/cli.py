@@ -116,6 +116,11 @@ def _add_serve(sub) -> None:
     sv.add_argument("--prefill-chunk", type=int, default=256)
     sv.add_argument("--disk-dir", help="capsule disk tier; pinned capsules persist there across restarts")
     sv.add_argument("--cache-dir", help="where the default model is generated (default ~/.cache/capsulert)")
+    sv.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                    help="turn off automatic exact prefix reuse (on by default: a request whose prompt starts like "
+                         "an earlier one of its namespace skips the prefill of the shared grid prefix)")
+    sv.add_argument("--prefix-cache-mb", type=int, default=2048,
+                    help="MiB the prefix cache's entries may hold alone (default: %(default)s)")
     sv.add_argument("--slot-wait", type=float, default=30.0,
                     help="seconds a request waits for a free session slot before 429 (default: %(default)s)")
     sv.add_argument("--max-inflight", type=int, default=256,
@@ -143,7 +148,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     engine = dict(model=args.model, device=args.device, dtype=args.dtype, slots=args.slots, max_seq=args.max_seq,
                   prefill_chunk=args.prefill_chunk, disk_dir=args.disk_dir, cache_dir=args.cache_dir,
-                  slot_wait_s=args.slot_wait)
+                  slot_wait_s=args.slot_wait, prefix_cache=args.prefix_cache,
+                  prefix_cache_bytes=args.prefix_cache_mb << 20)
     opts = ServerOptions.build(
         engine=engine, served_model_name=args.served_model_name, host=args.host, port=args.port,
         keys_file=args.keys, num_workers=args.num_workers, torch_threads=args.torch_threads,

@@ -1,6 +1,8 @@
 """The main job (`make demo`): load the embedded default model, prefill a long shared prompt once,
 snapshot it, answer turns by restore + append, fork branches and roll one back, checking every result
-against a cold prefill and printing cold vs capsule time-to-first-token."""
+against a cold prefill and printing cold vs capsule time-to-first-token. Long steps (the default model's
+first generation, loading, long prefills) show progress bars on a terminal, and capsulert's log records
+(the Ray worker's too) go to stderr."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +12,7 @@ import time
 
 import torch
 
+from capsulert.logs import setup_logging
 from capsulert.worker.default_model import CORPUS_PATH
 from capsulert.worker.engine import Engine
 
@@ -30,11 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--cache-dir", default=None, help="where the default model is generated (default ~/.cache/capsulert)")
     ap.add_argument("--no-orchestrator", action="store_true", help="skip the Ray orchestrator part")
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="progress bars for long steps (default: when stderr is a terminal)")
+    ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                    help="capsulert's log records on stderr (default: %(default)s)")
     args = ap.parse_args(argv)
+    setup_logging(args.log_level)
     prompt_tokens, new_tokens = (300, 8) if args.quick else (1500, 24)
 
     t0 = time.perf_counter()
-    eng = Engine.from_config(device=args.device, cache_dir=args.cache_dir, slots=8, max_seq=4096, prefill_chunk=256)
+    eng = Engine.from_config(device=args.device, cache_dir=args.cache_dir, slots=8, max_seq=4096, prefill_chunk=256,
+                             progress=args.progress)
     print(f"engine: default model on {eng.device} ({eng.dtype}), {eng.config.slots} slots, "
           f"state set {eng.state.nbytes / 2**20:.1f} MiB, loaded in {ms(t0):.0f} ms")
 
@@ -108,8 +117,8 @@ async def orchestrator_part(args, prefix: list[int], expected: list[list[int]], 
     from capsulert.worker.sampler import SamplingParams
 
     t0 = time.perf_counter()
-    config = dict(engine=dict(device=args.device, cache_dir=args.cache_dir, slots=8, max_seq=4096, prefill_chunk=256),
-                  local_num_cpus=2)
+    config = dict(engine=dict(device=args.device, cache_dir=args.cache_dir, slots=8, max_seq=4096, prefill_chunk=256,
+                              progress=args.progress), local_num_cpus=2)
     async with await Orchestrator.start(config) as orch:
         print(f"\norchestrator: Ray worker actor up in {ms(t0):.0f} ms")
         s = await orch.open(prefix)

@@ -1,4 +1,5 @@
 import inspect
+import io
 
 import pytest
 import torch
@@ -75,3 +76,27 @@ def hf_on_cpu(monkeypatch):
         fn = getattr(hf, name, None)
         if fn is not None and hasattr(fn, "__wrapped__"):
             monkeypatch.setattr(hf, name, inspect.unwrap(fn))
+
+
+class FakeTerminal(io.StringIO):
+    """A stderr that says it is a terminal and keeps what is drawn on it."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self._monkeypatch = monkeypatch
+
+    def isatty(self) -> bool:
+        return True
+
+    def attach(self) -> "FakeTerminal":
+        """Become sys.stderr until the test ends. Called in the test's body: pytest's output capture sets
+        sys.stderr again when the body starts, over whatever a fixture set."""
+        self._monkeypatch.setattr("sys.stderr", self)
+        return self
+
+
+@pytest.fixture
+def terminal(monkeypatch) -> FakeTerminal:
+    """A fake terminal for sys.stderr (`attach()` it), and progress bars drawn at once (no show-after delay)."""
+    monkeypatch.setattr("capsulert.progress.SHOW_AFTER_S", 0)
+    return FakeTerminal(monkeypatch)

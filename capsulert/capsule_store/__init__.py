@@ -1,4 +1,6 @@
-"""Capsules and their store: tiers (gpu, host, disk), moves between them, the on-disk format."""
+"""Capsules and their store: tiers (gpu, host, disk), moves between them, prefix blocks shared by
+reference, the prefix cache, the on-disk format."""
+from capsulert.capsule_store.blocks import BlockLayout, BlockRefs, Parts
 from capsulert.capsule_store.capsule import (
     CapsuleInfo,
     CapsuleMeta,
@@ -15,6 +17,9 @@ from capsulert.capsule_store.disk import read_capsule, read_header, write_capsul
 from capsulert.capsule_store.store import CapsuleStore
 
 __all__ = [
+    "BlockLayout",
+    "BlockRefs",
+    "Parts",
     "CapsuleInfo",
     "CapsuleMeta",
     "CapsuleRef",

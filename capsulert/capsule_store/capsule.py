@@ -245,12 +245,18 @@ def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, TensorSpec
 
 @dataclass(frozen=True)
 class CapsuleInfo:
-    """One row of CapsuleStore.list(): the metadata plus where the capsule is now."""
+    """One row of CapsuleStore.list(): the metadata plus where the capsule is now.
+
+    `nbytes` is what the capsule holds alone: its state and the KV rows past its last prefix block (its
+    whole size, meta.nbytes, when it is held whole). The prefix blocks it shares with other capsules
+    (`blocks` of them, `shared_nbytes` bytes) are counted once per tier in the store's stats()."""
 
     meta: CapsuleMeta
     tier: str
     pinned: bool
     last_used: float
+    own_nbytes: int | None = None  # None: held whole (meta.nbytes)
+    blocks: int = 0
 
     @property
     def name(self) -> str:
@@ -262,12 +268,17 @@ class CapsuleInfo:
 
     @property
     def nbytes(self) -> int:
-        return self.meta.nbytes
+        return self.meta.nbytes if self.own_nbytes is None else self.own_nbytes
+
+    @property
+    def shared_nbytes(self) -> int:
+        return self.meta.nbytes - self.nbytes
 
 
 @dataclass(frozen=True)
 class CapsuleRef:
-    """What snapshot returns: a handle by name, not the tensors."""
+    """What snapshot returns: a handle by name, not the tensors. `nbytes`: the capsule's whole size
+    (meta.nbytes: its state and every KV row, shared prefix blocks included)."""
 
     name: str
     namespace: str

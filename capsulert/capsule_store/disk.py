@@ -5,13 +5,16 @@ File `<sha256(namespace NUL name)[:40]>.capsule.safetensors`; header `__metadata
 sha256 over (name, dtype, shape, raw bytes) of the tensors in sorted-name order
 (capsule.tensors_checksum). Writes are crash-safe (temp file, fsync, rename, fsync dir). Reads check
 everything before trusting anything, and every refusal is a typed error, never a raw exception.
+
+Format "2" is a capsule cut into prefix blocks (blocks.py): the file holds its own tensors (state, KV
+tail) and `capsulert.blocks`, the BlockRefs JSON naming its blocks; each block is a file of its own in
+the same directory (blockfiles.py). `meta.nbytes` stays the whole capsule's bytes; the checksum covers
+the tensors of the file.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -21,6 +24,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from capsulert.capsule_store import tempfiles
+from capsulert.capsule_store.blocks import BlockRefs, Parts
+from capsulert.capsule_store.headers import (  # noqa: F401  (read_header & co. are this module's API too)
+    BLOCKED_FORMAT, FORMAT_VERSION, MAX_HEADER_BYTES, _corrupt, parse_file, read_header, read_header_refs)
 from capsulert.capsule_store.capsule import (
     FILE_SUFFIX,
     CapsuleMeta,
@@ -33,13 +39,6 @@ from capsulert.capsule_store.tempfiles import temp_path
 from capsulert.errors import CapsuleIOError, CorruptCapsuleError, IncompatibleCapsuleError
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = "1"
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; token lists make headers large
-_DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}
 
 
 def fsync_dir(directory: Path) -> None:
@@ -76,7 +75,7 @@ class StagedWrite:
 
     tmp: Path
     final: Path
-    meta: CapsuleMeta  # with `checksum` filled
+    meta: CapsuleMeta | None  # with `checksum` filled (None for a block file)
 
     def commit(self) -> None:
         """Rename onto the final name (atomic). The directory fsync that makes it durable is separate
@@ -94,122 +93,59 @@ class StagedWrite:
             pass
 
 
-def stage_capsule(directory: str | Path, meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor]) -> StagedWrite:
-    """Write one capsule file under a temp name and fsync it; CapsuleIOError (nothing left) on failure."""
-    directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise _write_failed(directory, e) from None
+def stage_capsule(directory: str | Path, meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor],
+                  refs: BlockRefs | None = None) -> StagedWrite:
+    """Write one capsule file under a temp name and fsync it; CapsuleIOError (nothing left) on failure.
+    With `refs` the tensors are the capsule's own ones and the file references those blocks (format 2)."""
     cpu = {k: _to_cpu_owned(v) for k, v in tensors.items()}
-    nbytes = tensor_nbytes(cpu)
+    nbytes = tensor_nbytes(cpu) + (refs.nbytes if refs is not None else 0)
     if nbytes != meta.nbytes:
         raise ValueError(f"capsule {meta.name!r}: meta.nbytes={meta.nbytes} but tensors hold {nbytes} bytes")
     meta = meta.replace(checksum=tensors_checksum(cpu))
-    final = directory / capsule_file_name(meta.namespace, meta.name)
-    staged = StagedWrite(temp_path(final), final, meta)
+    extra = {} if refs is None else {"capsulert.format": BLOCKED_FORMAT, "capsulert.blocks": refs.to_json()}
+    final = Path(directory) / capsule_file_name(meta.namespace, meta.name)
+    tmp = stage_file(final, cpu, {"capsulert.format": FORMAT_VERSION, "capsulert.meta": meta.to_json(), **extra})
+    return StagedWrite(tmp, final, meta)
+
+
+def stage_file(final: Path, cpu: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+    """Write a safetensors file under a temp name next to `final` and fsync it; its temp path.
+    CapsuleIOError, with nothing left behind, on failure."""
     try:
-        save_file(cpu, str(staged.tmp), metadata={"capsulert.format": FORMAT_VERSION, "capsulert.meta": meta.to_json()})
-        with open(staged.tmp, "rb+") as f:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _write_failed(final.parent, e) from None
+    tmp = temp_path(final)
+    try:
+        save_file(dict(cpu), str(tmp), metadata=metadata)
+        with open(tmp, "rb+") as f:
             f.flush()
             os.fsync(f.fileno())
-    except (OSError, SafetensorError) as e:
-        staged.discard()
-        raise _write_failed(final, e) from None
-    except BaseException:
-        staged.discard()
+    except BaseException as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # pragma: no cover - the sweep at the next load removes it
+            pass
+        if isinstance(e, (OSError, SafetensorError)):
+            raise _write_failed(final, e) from None
         raise
-    return staged
+    return tmp
 
 
-def write_capsule_with_meta(directory: str | Path, meta: CapsuleMeta,
-                            tensors: Mapping[str, torch.Tensor]) -> tuple[Path, CapsuleMeta]:
+def write_capsule_with_meta(directory: str | Path, meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor],
+                            refs: BlockRefs | None = None) -> tuple[Path, CapsuleMeta]:
     """Write one capsule file crash-safely (temp file, fsync, rename, fsync dir); return its path and
-    the meta with `checksum` filled."""
-    staged = stage_capsule(directory, meta, tensors)
+    the meta with `checksum` filled. With `refs`: the capsule's own tensors, referencing those blocks
+    (whose files must be in `directory` already)."""
+    staged = stage_capsule(directory, meta, tensors, refs)
     staged.commit()
     fsync_dir(staged.final.parent)
-    return staged.final, staged.meta
+    return staged.final, staged.meta  # type: ignore[return-value]
 
 
 def write_capsule(directory: str | Path, meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor]) -> Path:
     """Write one capsule file crash-safely into `directory`; return its path."""
     return write_capsule_with_meta(directory, meta, tensors)[0]
-
-
-def _corrupt(path: Path, why: str) -> CorruptCapsuleError:
-    return CorruptCapsuleError(f"capsule file {path.name}: {why}")
-
-
-def read_header(path: str | Path, max_bytes: int | None = None) -> tuple[CapsuleMeta, dict]:
-    """Parse and check a capsule file's header without loading tensors.
-
-    Returns (meta, tensor entries). Checks: header length within the file, JSON well formed, format
-    version, metadata valid, file name matches (namespace, name), every tensor entry well formed, the
-    declared data size equal to the bytes the file holds and within `max_bytes`.
-    """
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise _corrupt(path, f"file is {size} bytes, too short for a safetensors header")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > MAX_HEADER_BYTES:
-                raise _corrupt(path, f"header claims {n} bytes but the file holds {size - 8} after the length")
-            raw = f.read(n)
-    except OSError as e:
-        raise CorruptCapsuleError(f"capsule file {path}: cannot read: {e}") from None
-    if len(raw) != n:
-        raise _corrupt(path, "file shrank while reading its header")
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise _corrupt(path, f"header is not valid JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise _corrupt(path, "header is not a JSON object")
-    md = header.pop("__metadata__", None)
-    if not isinstance(md, dict) or md.get("capsulert.format") is None:
-        raise _corrupt(path, "not a capsulert capsule (no capsulert.format in the header metadata)")
-    if md.get("capsulert.format") != FORMAT_VERSION:
-        raise _corrupt(path, f"unknown capsule format {md.get('capsulert.format')!r}; this build reads {FORMAT_VERSION!r}")
-    meta_json = md.get("capsulert.meta")
-    if not isinstance(meta_json, str):
-        raise _corrupt(path, "header metadata has no capsulert.meta string")
-    meta = CapsuleMeta.from_json(meta_json)
-    if path.name != capsule_file_name(meta.namespace, meta.name):
-        raise _corrupt(path, f"file name does not match the capsule it holds "
-                             f"({meta.namespace!r}/{meta.name!r}); files must not be renamed")
-    data_len = size - 8 - n
-    spans = []
-    for name, e in header.items():
-        if not (isinstance(e, dict) and set(e) == {"dtype", "shape", "data_offsets"}
-                and isinstance(e["dtype"], str) and e["dtype"] in _DTYPE_SIZES and isinstance(e["shape"], list)
-                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in e["shape"])
-                and isinstance(e["data_offsets"], list) and len(e["data_offsets"]) == 2
-                and all(isinstance(o, int) and not isinstance(o, bool) for o in e["data_offsets"])):
-            raise _corrupt(path, f"malformed header entry for tensor {name!r}")
-        b, end = e["data_offsets"]
-        numel = 1
-        for d in e["shape"]:
-            numel *= d
-        if not 0 <= b <= end or end - b != numel * _DTYPE_SIZES[e["dtype"]]:
-            raise _corrupt(path, f"tensor {name!r}: data_offsets {e['data_offsets']} do not match its shape and dtype")
-        spans.append((b, end))
-    spans.sort()
-    declared = 0
-    for b, end in spans:
-        if b != declared:
-            raise _corrupt(path, "tensor data regions overlap or leave gaps")
-        declared = end
-    if declared != data_len:
-        raise _corrupt(path, f"header declares {declared} data bytes but the file holds {data_len} (truncated?)")
-    if max_bytes is not None and declared > max_bytes:
-        raise _corrupt(path, f"capsule declares {declared} bytes, more than the allowed {max_bytes}")
-    if declared != meta.nbytes:
-        raise _corrupt(path, f"metadata says {meta.nbytes} bytes but the tensors hold {declared}")
-    return meta, header
 
 
 def read_capsule(path: str | Path, expected_fingerprint: str, expected_layout: int,
@@ -219,8 +155,30 @@ def read_capsule(path: str | Path, expected_fingerprint: str, expected_layout: i
     Refusals: CorruptCapsuleError (truncated, malformed, renamed, too large, checksum mismatch),
     IncompatibleCapsuleError (another model fingerprint or state layout version).
     """
+    meta, parts = read_capsule_parts(path, expected_fingerprint, expected_layout, max_bytes)
+    if parts.refs is None:
+        return meta, dict(parts.own)
+    return meta, parts.full()
+
+
+def read_capsule_parts(path: str | Path, expected_fingerprint: str, expected_layout: int,
+                       max_bytes: int | None = None, have: frozenset = frozenset()) -> tuple[CapsuleMeta, Parts]:
+    """read_capsule, as the store holds it: own tensors and, for a capsule cut into blocks, the tensors
+    of each of its blocks read (and verified) from their files beside it. Blocks whose key is in `have`
+    are not read (their entry in `blocks` is empty): the caller holds them already."""
+    from capsulert.capsule_store.blockfiles import read_block  # blockfiles builds on this module
+
     path = Path(path)
-    meta, header = read_header(path, max_bytes)
+    meta, header, refs = read_header_refs(path, max_bytes)
+    own = _read_verified(path, meta, header, expected_fingerprint, expected_layout)
+    if refs is None:
+        return meta, Parts(own)
+    blocks = tuple({} if k in have else read_block(path.parent, k, refs) for k in refs.keys)
+    return meta, Parts(own, blocks, refs)
+
+
+def _read_verified(path: Path, meta: CapsuleMeta, header: dict, expected_fingerprint: str,
+                   expected_layout: int) -> dict[str, torch.Tensor]:
     if model_of(meta.fingerprint) != model_of(expected_fingerprint):
         raise IncompatibleCapsuleError(
             f"capsule {meta.namespace}/{meta.name} was made by model {meta.fingerprint!r}, this store "
@@ -245,7 +203,7 @@ def read_capsule(path: str | Path, expected_fingerprint: str, expected_layout: i
         raise _corrupt(path, f"cannot load tensors: {type(e).__name__}: {e}") from None
     if tensors_checksum(tensors) != meta.checksum:
         raise _corrupt(path, "checksum mismatch: the tensor bytes were altered")
-    return meta, tensors
+    return tensors
 
 
 def _entries(directory: Path) -> list[Path]:
@@ -267,7 +225,9 @@ def scan_capsule_files(directory: str | Path, *, clean: bool,
     directory = Path(directory)
     out, other = [], []
     for p in _entries(directory):
-        if FILE_SUFFIX not in p.name or not p.is_file():
+        if p.name.endswith(tempfiles.BLOCK_SUFFIX) or not p.is_file():
+            continue  # complete block files: the store's sweep of orphans (blockfiles.py) looks after them
+        if FILE_SUFFIX not in p.name and tempfiles.BLOCK_SUFFIX not in p.name:
             continue
         (out if p.name.endswith(FILE_SUFFIX) and not p.name.startswith(".") else other).append(p)
     tempfiles.sweep(other, clean=clean, stale_after_s=stale_after_s)

@@ -7,14 +7,20 @@ store's `load` would load, and refuses the same corrupt or foreign files with th
 
 Do not delete from the disk_dir of a running engine: its store indexes the files it wrote and would
 report the missing file as corrupt on its next read. Delete through the engine (`store.delete`) there.
+
+A capsule cut into prefix blocks (format 2) lists the bytes of its own file as `nbytes` and the blocks it
+references beside it as `shared_nbytes` (`blocks` of them; block files are shared by the capsule files of
+the directory). `rm` removes the block files no remaining capsule file references.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from capsulert.capsule_store.blockfiles import referenced_blocks, sweep_orphans
 from capsulert.capsule_store.capsule import capsule_file_name, validate_name
-from capsulert.capsule_store.disk import FILE_SUFFIX, fsync_dir, list_capsule_files, read_header
+from capsulert.capsule_store.disk import FILE_SUFFIX, fsync_dir, list_capsule_files, read_header_refs
 from capsulert.errors import CorruptCapsuleError, InvalidRequestError, UnknownCapsuleError
 
 #: every capsule in a directory of capsule files is in the disk tier
@@ -30,16 +36,19 @@ class DiskCapsule:
     namespace: str
     tokens: int  # the boundary P: tokens the capsule covers
     tier: str
-    nbytes: int  # bytes of state (the tensors)
-    file_bytes: int  # bytes on disk (tensors + header, which holds the token ids)
+    nbytes: int  # bytes of state in its file (all of it, unless it references prefix blocks)
+    file_bytes: int  # bytes of its file (tensors + header, which holds the token ids)
     fingerprint: str  # the model that made it; only that model can restore it
     layout_version: int
     created_at: float
+    blocks: int = 0  # prefix blocks it references (block files beside it)
+    shared_nbytes: int = 0  # their bytes
 
     def to_dict(self) -> dict:
         return {"name": self.name, "namespace": self.namespace, "tokens": self.tokens, "tier": self.tier,
                 "nbytes": self.nbytes, "file_bytes": self.file_bytes, "fingerprint": self.fingerprint,
-                "layout_version": self.layout_version, "created_at": self.created_at, "file": self.path.name}
+                "layout_version": self.layout_version, "created_at": self.created_at, "file": self.path.name,
+                "blocks": self.blocks, "shared_nbytes": self.shared_nbytes}
 
 
 @dataclass(frozen=True)
@@ -61,14 +70,16 @@ def _directory(directory: str | Path) -> Path:
 def describe(path: str | Path) -> DiskCapsule:
     """A capsule file's description from its header alone; CorruptCapsuleError if it does not verify."""
     path = Path(path)
-    meta, _ = read_header(path)
+    meta, _, refs = read_header_refs(path)
+    shared = refs.nbytes if refs is not None else 0
     try:
         file_bytes = path.stat().st_size
     except OSError as e:
         raise CorruptCapsuleError(f"capsule file {path}: cannot read: {e}") from None
     return DiskCapsule(path=path, name=meta.name, namespace=meta.namespace, tokens=meta.boundary, tier=TIER,
-                       nbytes=meta.nbytes, file_bytes=file_bytes, fingerprint=meta.fingerprint,
-                       layout_version=meta.layout_version, created_at=meta.created_at)
+                       nbytes=meta.nbytes - shared, file_bytes=file_bytes, fingerprint=meta.fingerprint,
+                       layout_version=meta.layout_version, created_at=meta.created_at,
+                       blocks=len(refs.keys) if refs is not None else 0, shared_nbytes=shared)
 
 
 def scan(directory: str | Path, namespace: str | None = None) -> tuple[list[DiskCapsule], list[SkippedFile]]:
@@ -117,6 +128,7 @@ def delete(directory: str | Path, name: str, namespace: str = "default", *, forc
     except FileNotFoundError:  # deleted by someone else since we looked
         raise UnknownCapsuleError(_unknown_message(directory, name, namespace)) from None
     fsync_dir(directory)  # the deletion is durable, as the store's writes are
+    sweep_orphans(directory, referenced_blocks(directory), "its last capsule was removed", logging.INFO)
     return path
 
 

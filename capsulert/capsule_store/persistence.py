@@ -1,34 +1,48 @@
-"""Persistence: the store's durability verbs (flush, close, save, load) and the ownership of disk_dir.
+"""Persistence: the store's durability verbs (flush, close, save, load), the ownership of disk_dir, and
+how an entry comes in (_put: a copy of the caller's tensors; _insert: bytes its tier holds already) and is
+read (_reading: a read reference while the bytes are in use).
 
 The store holds disk_dir's owner lock from construction to close() (or until it is collected), so no
 other store or orchestrator writes there and the disk tier's index is exactly the capsule files there.
+Block files (blockfiles.py) live beside the capsule files; when the store starts it removes the block
+files no capsule file references (what a crash between writes leaves) and keeps the others for the
+capsule files a later load(disk_dir) indexes.
 """
 from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator, Mapping
 
 import torch
 
-from capsulert.capsule_store.capsule import tensor_specs
-from capsulert.capsule_store.disk import read_capsule, scan_capsule_files, write_capsule_with_meta
+from capsulert.capsule_store.blockfiles import block_file_name, referenced_blocks, stage_block, sweep_orphans
+from capsulert.capsule_store.blocks import Parts, full_specs
+from capsulert.capsule_store.capsule import tensor_nbytes, tensor_specs
+from capsulert.capsule_store.disk import fsync_dir, read_capsule_parts, scan_capsule_files, write_capsule_with_meta
+from capsulert.capsule_store.background import BackgroundWrites
+from capsulert.capsule_store.blocks import split
 from capsulert.capsule_store.owner import DirLock, ensure_directory
-from capsulert.capsule_store.plan import Entry, Key, Plan
-from capsulert.capsule_store.tiers import TierCore, pkey
-from capsulert.errors import CapsuleError, CapsuleIOError, ConfigError, DuplicateCapsuleError, InvalidRequestError
-from capsulert.policies.base import TIERS, CapsulePolicy
+from capsulert.capsule_store.plan import Entry, Key
+from capsulert.capsule_store.tiers import pkey
+from capsulert.errors import (BudgetExceededError, CapsuleError, CapsuleIOError, ConfigError, DuplicateCapsuleError,
+                              InvalidRequestError)
+from capsulert.policies.base import TIERS
 
 
-class Persistence(TierCore):
-    def __init__(self, *, device: torch.device | str, fingerprint: str, layout_version: int,
-                 budgets: dict[str, int | None] | None, disk_dir: Path | None, policy: str | CapsulePolicy):
-        super().__init__(device=device, fingerprint=fingerprint, layout_version=layout_version, budgets=budgets,
-                         disk_dir=disk_dir, policy=policy)
+class Persistence(BackgroundWrites):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        disk_dir = self._disk_dir
         self._closed = False
         self._owner_lock = DirLock(disk_dir, "capsule store") if disk_dir is not None else None
         if disk_dir is not None:
             scan_capsule_files(disk_dir, clean=True)  # temp files of a dead previous owner's writes
+            referenced = referenced_blocks(disk_dir)
+            sweep_orphans(disk_dir, referenced)
+            self._pools["disk"].external = referenced  # kept for the capsule files load(disk_dir) indexes
 
     def _check_open(self) -> None:
         if self._closed:
@@ -62,16 +76,20 @@ class Persistence(TierCore):
             with self._lock:
                 for key, e in self._entries.items():
                     e.pending = None  # a write still running finds itself cancelled and removes its temp file
-                    self._policy.on_remove(pkey(key))
+                    self._policy_of(e).on_remove(pkey(key))
                 self._entries.clear()
+                for pool in self._pools.values():
+                    pool.clear()
+                self._index.clear()
                 self._used = {t: 0 for t in TIERS}
                 self._closed = True
             if self._owner_lock is not None:
                 self._owner_lock.release()
 
     def save(self, directory: str | Path) -> int:
-        """Write every capsule (any tier) as a verified capsule file into `directory`; returns the count.
-        Refused: a file in the way, this store's own disk_dir, a directory another live store owns."""
+        """Write every capsule (any tier) as a verified capsule file into `directory`, each block file once;
+        returns the count. Refused: a file in the way, this store's own disk_dir, a directory another live
+        store owns. Prefix-cache entries are not saved (the cache is rebuilt by use)."""
         directory = ensure_directory(directory, create=True)
         if self._is_disk_dir(directory):
             raise InvalidRequestError(f"{directory} is this store's disk_dir (its disk tier); save into another "
@@ -80,31 +98,43 @@ class Persistence(TierCore):
         try:
             with self._lock:
                 self._check_open()
-                for e in self._entries.values():
-                    if e.tensors is None:
-                        data = self._read(e)
-                    else:
-                        if e.event is not None:
-                            e.event.synchronize()
-                        data = e.tensors
-                    _, e.meta = write_capsule_with_meta(directory, e.meta, data)
-                return len(self._entries)
+                written: set[str] = set()
+                named = [e for e in self._entries.values() if not e.anonymous]
+                for e in named:
+                    parts, events = self._source(e)
+                    for ev in events:
+                        if ev is not None:
+                            ev.synchronize()
+                    self._save_blocks(directory, parts, written)
+                    _, e.meta = write_capsule_with_meta(directory, e.meta, parts.own, parts.refs)
+                return len(named)
         finally:
             lock.release()
 
+    @staticmethod
+    def _save_blocks(directory: Path, parts: Parts, written: set[str]) -> None:
+        """The block files of a capsule this save has not written yet, durable before its capsule file."""
+        staged = [stage_block(directory, k, b) for k, b in zip(parts.refs.keys if parts.refs else (), parts.blocks)
+                  if k not in written]
+        for s in staged:
+            s.commit()
+            written.add(s.final.name[:64])
+        if staged:
+            fsync_dir(directory)
+
     def load(self, directory: str | Path) -> int:
-        """Load every capsule file in `directory`; all are verified first, and any bad file raises its
-        typed error with nothing inserted. Temp files of interrupted writes are removed and logged
-        (see tempfiles.py). From this store's own disk_dir the files are indexed in place, in the disk
-        tier (the ones it already indexes are skipped); from anywhere else they are copied into the
-        host tier (gpu if host is disabled)."""
+        """Load every capsule file in `directory`; all are verified first (block files included), and any
+        bad file raises its typed error with nothing inserted. Temp files of interrupted writes are removed
+        and logged (see tempfiles.py). From this store's own disk_dir the files are indexed in place, in the
+        disk tier (the ones it already indexes are skipped); from anywhere else they are copied into the
+        host tier (gpu if host is disabled), each block once."""
         directory = Path(directory)
         with self._lock:
             self._check_open()
             if self._is_disk_dir(directory):
                 return self._adopt(scan_capsule_files(directory, clean=True))
         files = scan_capsule_files(directory, clean=True)
-        loaded = [read_capsule(p, self.fingerprint, self.layout_version) for p in files]
+        loaded = self._read_all(files)
         tier = next((t for t in ("host", "gpu") if self._usable(t)), None)
         if tier is None:
             raise ConfigError("load needs the host or the gpu tier; both have budget 0")
@@ -112,15 +142,87 @@ class Persistence(TierCore):
         with self._lock:
             self._check_open()
             self._refuse_known(keys)
-            plan, protect = Plan(self._used), frozenset(keys)
-            for m, _ in loaded:
-                self._make_room(plan, tier, m.nbytes, protect)
-                plan.used[tier] += m.nbytes
+            plan = self._new_plan()
+            for _, parts in loaded:
+                plan.enter(tier, tensor_nbytes(parts.own), parts.refs)
+            self._make_room(plan, tier, frozenset(keys))
             self._apply(plan)
-            for (meta, data), key in zip(loaded, keys):
-                tensors, event = self._copy(data, tier)
-                self._insert(key, Entry(meta, tier, tensors, None, False, time.time(), tensor_specs(data), event=event))
+            for (meta, parts), key in zip(loaded, keys):
+                e = self._entry(meta, tier, None, parts)
+                self._materialize(e, tier, parts.own, None, {k: (b, None) for k, b in zip(e.block_keys, parts.blocks)})
+                self._insert(key, e)
             return len(loaded)
+
+    def _read_all(self, files: list[Path]) -> list[tuple]:
+        """Every capsule file read and verified in full, each block file once (capsules of a prefix share
+        the tensors of its blocks)."""
+        seen: dict[str, dict] = {}
+        out = []
+        for p in files:
+            meta, parts = read_capsule_parts(p, self.fingerprint, self.layout_version, have=frozenset(seen))
+            if parts.refs is not None:
+                for k, b in zip(parts.refs.keys, parts.blocks):
+                    seen.setdefault(k, b)  # type: ignore[arg-type]
+                parts = Parts(parts.own, tuple(seen[k] for k in parts.refs.keys), parts.refs)
+            out.append((meta, parts))
+        return out
+
+    @staticmethod
+    def _entry(meta, tier: str, path: Path | None, parts: Parts) -> Entry:
+        return Entry(meta, tier, None, path, False, time.time(), full_specs(tensor_specs(parts.own), parts.refs),
+                     blocks=parts.refs)
+
+    def _put(self, key: Key, meta, tensors: Mapping[str, torch.Tensor], tier: str, pin: bool, origin: str | None,
+             anonymous: bool = False) -> Entry:
+        """Insert a copy of `tensors` (cut into blocks when `origin` is the store's block origin) into
+        `tier`, room made first (an anonymous entry only displaces other anonymous ones). Into disk the
+        files are durable before it returns; a refusal changes nothing (caller holds the lock)."""
+        parts = split(meta, tensors, self._layout, origin)
+        own = tensor_nbytes(parts.own)
+        plan, budget = self._new_plan(), self._budgets[tier]
+        need = plan.added(tier, own, parts.refs)
+        if budget is not None and need > budget:
+            raise BudgetExceededError(f"a capsule of {need} bytes cannot fit tier {tier!r} (budget {budget})")
+        plan.enter(tier, own, parts.refs)
+        self._make_room(plan, tier, frozenset({key}), anon_only=anonymous)
+        # a disk write is staged before any move, so a failed write (disk full) changes nothing
+        staged = self._stage(meta, parts) if tier == "disk" else None
+        e = Entry(meta, tier, None, None, pin, time.time(), tensor_specs(tensors), blocks=parts.refs,
+                  anonymous=anonymous)
+        try:
+            self._apply(plan)
+            if staged is not None:
+                self._ref("disk", e)
+                try:
+                    self._settle_on_disk(e, staged)
+                except BaseException:
+                    self._unref("disk", e)
+                    self._collect()
+                    raise
+            else:  # on the current stream: ordered after the work that wrote the caller's tensors
+                self._materialize(e, tier, parts.own, None, {k: (b, None) for k, b in zip(e.block_keys, parts.blocks)},
+                                  copy_stream=False)
+        except BaseException:
+            if staged is not None:
+                staged.discard()
+            raise
+        self._insert(key, e)
+        return e
+
+    @contextmanager
+    def _reading(self, resolve: Callable[[], tuple[Key, Entry]]) -> Iterator[tuple[Entry, Parts, str]]:
+        """The entry `resolve` names (called under the lock: a refusal there changes nothing), its parts
+        on the device and the tier they were found in, with a read reference held: delete refuses and
+        budget moves skip it meanwhile."""
+        with self._lock:
+            key, e = resolve()
+            parts, found = self._acquire(key, e)
+            e.readers += 1
+        try:
+            yield e, parts, found
+        finally:
+            with self._lock:
+                e.readers -= 1
 
     def _refuse_known(self, keys: list[Key]) -> None:
         for k in keys:
@@ -128,26 +230,33 @@ class Persistence(TierCore):
                 raise DuplicateCapsuleError(f"capsule {k[1]!r} in namespace {k[0]!r} already exists")
 
     def _insert(self, key: Key, e: Entry) -> None:
+        """Index an entry whose bytes (and block references) its tier holds already."""
         self._entries[key] = e
-        self._used[e.tier] += e.meta.nbytes
-        self._policy.on_insert(pkey(key), e.tier, e.meta.nbytes, e.meta.recompute_cost_s, e.pinned)
+        self._used[e.tier] += e.own_nbytes
+        self._policy_of(e).on_insert(pkey(key), e.tier, e.meta.nbytes, e.meta.recompute_cost_s, e.pinned)
+        self._index.add(key, e)
 
     def _adopt(self, files: list[Path]) -> int:
         """Index the capsule files of disk_dir that no entry holds, in place (caller holds the lock)."""
         self._require_usable("disk")
         held = {e.path for e in self._entries.values() if e.path is not None}
-        found = []
-        for p in files:
-            if p not in held:
-                meta, tensors = read_capsule(p, self.fingerprint, self.layout_version)  # verified in full
-                found.append((p, meta, tensor_specs(tensors)))
+        new = [p for p in files if p not in held]
+        found = [(p, meta, parts) for p, (meta, parts) in zip(new, self._read_all(new))]  # verified in full
         keys = [(m.namespace, m.name) for _, m, _ in found]
         self._refuse_known(keys)
-        plan, protect = Plan(self._used), frozenset(keys)
-        for _, m, _ in found:
-            self._make_room(plan, "disk", m.nbytes, protect)
-            plan.used["disk"] += m.nbytes
+        plan = self._new_plan()
+        for _, _, parts in found:
+            plan.enter("disk", tensor_nbytes(parts.own), parts.refs)
+        self._make_room(plan, "disk", frozenset(keys))
         self._apply(plan)
-        for (p, meta, specs), key in zip(found, keys):
-            self._insert(key, Entry(meta, "disk", None, p, False, time.time(), specs))
+        disk = self._pools["disk"]
+        for (p, meta, parts), key in zip(found, keys):
+            e = self._entry(meta, "disk", p, parts)
+            self._ref("disk", e)
+            for k in e.block_keys:
+                rec = disk.records[k]
+                rec.path = rec.path or p.parent / block_file_name(k)
+                if disk.external[k] > 0:
+                    disk.external[k] -= 1  # its capsule file is indexed now: the reference is counted in rec.refs
+            self._insert(key, e)
         return len(found)

@@ -4,41 +4,84 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
+from capsulert.capsule_store.blocks import BlockRefs
 from capsulert.capsule_store.capsule import CapsuleMeta, TensorSpec
 from capsulert.capsule_store.writer import DiskJob
 
-Key = tuple[str, str]  # (namespace, name)
+Key = tuple[str, str]  # (namespace, name); an anonymous prefix entry's name starts with ANON (never a valid name)
+ANON = "#"
 
 
 @dataclass(eq=False)  # mutable on purpose: the store updates it in place under its lock as the capsule moves
 class Entry:
     meta: CapsuleMeta
     tier: str
-    tensors: dict[str, torch.Tensor] | None  # None only when the bytes live in `path` alone
+    tensors: dict[str, torch.Tensor] | None  # own tensors; None only when the bytes live in `path` alone
     path: Path | None  # the capsule file, once renamed into disk_dir
     pinned: bool
     last_used: float
-    specs: Mapping[str, TensorSpec]  # shapes and dtypes, for checks that must not move the bytes
+    specs: Mapping[str, TensorSpec]  # shapes and dtypes of the whole tensors, for checks that must not move bytes
     readers: int = 0
     event: Any = None  # CUDA event of the last copy into `tensors`
     pending: DiskJob | None = None  # an async write to disk in flight; `tensors` serve reads until it is durable
+    blocks: BlockRefs | None = None  # the prefix blocks it references (None: held whole in `tensors`)
+    anonymous: bool = False  # a prefix-cache entry (no name a caller can use; never listed)
+    held: dict[str, Any] | None = None  # key -> (tensors, event) of its blocks while its disk write is pending
+
+    @property
+    def own_nbytes(self) -> int:
+        """Bytes it holds alone (state, KV rows past its blocks)."""
+        return self.meta.nbytes - (self.blocks.nbytes if self.blocks is not None else 0)
+
+    @property
+    def block_keys(self) -> tuple[str, ...]:
+        return self.blocks.keys if self.blocks is not None else ()
 
 
 class Plan:
-    """A simulation of moves: where each touched capsule would be, bytes per tier, ordered actions."""
+    """A simulation of moves: where each touched capsule would be, bytes per tier, block references per
+    tier (a block costs its bytes once per tier, however many capsules there reference it), and the
+    ordered actions."""
 
-    def __init__(self, used: dict[str, int]):
+    def __init__(self, used: dict[str, int], count: Callable[[str, str], int]):
         self.where: dict[Key, str | None] = {}
         self.used = dict(used)
         self.actions: list[tuple[Key, str | None]] = []
+        self._count = count  # the references a tier's block has now
+        self._refs: dict[tuple[str, str], int] = {}  # (tier, block key) -> references after the plan
+
+    def refs(self, tier: str, key: str) -> int:
+        return self._refs.get((tier, key), self._count(tier, key))
+
+    def enter(self, tier: str, own: int, blocks: BlockRefs | None) -> None:
+        """A capsule holding `own` bytes and referencing `blocks` would be in `tier`."""
+        self.used[tier] += own
+        for k in blocks.keys if blocks is not None else ():
+            n = self.refs(tier, k)
+            self._refs[(tier, k)] = n + 1
+            if n == 0:
+                self.used[tier] += blocks.block_nbytes
+
+    def leave(self, tier: str, own: int, blocks: BlockRefs | None) -> None:
+        self.used[tier] -= own
+        for k in blocks.keys if blocks is not None else ():
+            n = self.refs(tier, k) - 1
+            self._refs[(tier, k)] = n
+            if n == 0:
+                self.used[tier] -= blocks.block_nbytes
+
+    def added(self, tier: str, own: int, blocks: BlockRefs | None) -> int:
+        """The bytes entering `tier` would add there now (blocks it already holds are free)."""
+        shared = sum(1 for k in (blocks.keys if blocks is not None else ()) if self.refs(tier, k))
+        return own + (blocks.nbytes - shared * blocks.block_nbytes if blocks is not None else 0)
 
     def snapshot(self) -> tuple:
-        return dict(self.where), dict(self.used), len(self.actions)
+        return dict(self.where), dict(self.used), len(self.actions), dict(self._refs)
 
     def restore(self, snap: tuple) -> None:
-        self.where, self.used, n = dict(snap[0]), dict(snap[1]), snap[2]
+        self.where, self.used, n, self._refs = dict(snap[0]), dict(snap[1]), snap[2], dict(snap[3])
         del self.actions[n:]

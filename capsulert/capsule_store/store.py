@@ -1,5 +1,8 @@
 """CapsuleStore: capsules in three tiers (gpu = device memory, host = pinned memory, disk = files),
-with byte budgets, moves between tiers, and a policy that names victims (the machinery is in tiers.py).
+with byte budgets, moves between tiers, and a policy that names victims (planning in tiers.py, acting in
+moves.py). A capsule of the store's own origin is held as prefix blocks shared by reference with every
+capsule of the same prefix (blocks.py, block_pool.py) plus its own tensors; anonymous prefix entries and
+the prefix index serve automatic prefix reuse (prefix_cache.py, prefix_index.py).
 
 A store owns its disk_dir: it holds the directory's owner lock while it lives (owner.py), so no other
 store or orchestrator writes there, and its index of disk capsules is exactly the capsule files there.
@@ -8,19 +11,18 @@ store or orchestrator writes there, and its index of disk capsules is exactly th
 """
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
 import torch
 
+from capsulert.capsule_store.blocks import BlockLayout, Parts
 from capsulert.capsule_store.capsule import (CapsuleInfo, CapsuleMeta, CapsuleRef, TensorSpec, model_of,
-                                             tensor_nbytes, tensor_specs, validate_name)
-from capsulert.capsule_store.disk import fsync_dir, stage_capsule
+                                             tensor_nbytes, validate_name)
 from capsulert.capsule_store.owner import ensure_directory
-from capsulert.capsule_store.plan import Entry, Plan
-from capsulert.capsule_store.persistence import Persistence
+from capsulert.capsule_store.plan import Entry
+from capsulert.capsule_store.prefix_cache import PrefixEntries
 from capsulert.capsule_store.tiers import RANK, check_budget, pkey, tier_name
 from capsulert.errors import (CapsuleInUseError, DuplicateCapsuleError, IncompatibleCapsuleError,
                               InvalidRequestError)
@@ -29,13 +31,18 @@ from capsulert.policies.base import TIERS, CapsulePolicy
 ReadCheck = Callable[[CapsuleMeta, Mapping[str, TensorSpec]], None]
 
 
-class CapsuleStore(Persistence):
+class CapsuleStore(PrefixEntries):
     def __init__(self, *, device: torch.device | str, fingerprint: str, layout_version: int,
                  budgets: dict[str, int | None] | None = None, disk_dir: str | Path | None = None,
-                 policy: str | CapsulePolicy = "pinned_lru"):
+                 policy: str | CapsulePolicy = "pinned_lru", blocks: BlockLayout | None = None,
+                 prefix_policy: str | CapsulePolicy = "cost_aware", prefix_bytes: int | None = 0):
+        """`blocks`: how to cut the capsules of `put(..., origin=blocks.origin)` into shared prefix blocks
+        (None: every capsule is held whole, as it comes). `prefix_bytes`: the most bytes anonymous prefix
+        entries may hold alone (0: no prefix cache; None: bounded by the tier budgets only), kept and
+        evicted in the order of `prefix_policy`."""
         super().__init__(device=device, fingerprint=fingerprint, layout_version=layout_version, budgets=budgets,
                          disk_dir=ensure_directory(disk_dir, create=True) if disk_dir is not None else None,
-                         policy=policy)
+                         policy=policy, blocks=blocks, prefix_policy=prefix_policy, prefix_bytes=prefix_bytes)
 
     @property
     def policy(self) -> CapsulePolicy:
@@ -52,9 +59,11 @@ class CapsuleStore(Persistence):
 
     # -- capsules ---------------------------------------------------------------------------------
     def put(self, meta: CapsuleMeta, tensors: dict[str, torch.Tensor], *, tier: str = "gpu",
-            pin: bool = False) -> CapsuleRef:
+            pin: bool = False, origin: str | None = None) -> CapsuleRef:
         """Store a copy of `tensors` (never aliases them) as capsule meta.name in `tier`. Into disk the
-        write is synchronous: the file is durable when put returns."""
+        write is synchronous: the file is durable when put returns. `origin`: the numerics that computed
+        the bytes; when it is the store's block origin the capsule is cut into prefix blocks shared with
+        every capsule of the same prefix (an engine passes it for its own snapshots; others stay whole)."""
         tier = tier_name(tier)
         key = (validate_name(meta.namespace, "namespace"), validate_name(meta.name))
         # the model must match; the weights version may be older (the engine refuses those as stale)
@@ -71,58 +80,53 @@ class CapsuleStore(Persistence):
             if key in self._entries:
                 raise DuplicateCapsuleError(f"capsule {meta.name!r} already exists in namespace "
                                             f"{meta.namespace!r}; capsules are immutable: delete it first")
-            plan = Plan(self._used)
-            self._make_room(plan, tier, n, frozenset({key}))
-            # a disk write is staged before any move, so a failed write (disk full) changes nothing
-            staged = stage_capsule(self._disk_dir, meta, tensors) if tier == "disk" else None  # type: ignore[arg-type]
-            try:
-                self._apply(plan)
-                path, data, event = None, None, None
-                if staged is not None:
-                    staged.commit()
-                    path, meta = staged.final, staged.meta
-                else:  # on the current stream: ordered after the work that wrote the slot buffers
-                    data, event = self._copy(tensors, tier, copy_stream=False)
-            except BaseException:
-                if staged is not None:
-                    staged.discard()
-                raise
-            if staged is not None:
-                fsync_dir(staged.final.parent)
-            self._entries[key] = Entry(meta, tier, data, path, bool(pin), time.time(), tensor_specs(tensors), event=event)
-            self._used[tier] += n
-            self._policy.on_insert(pkey(key), tier, n, meta.recompute_cost_s, bool(pin))
+            self._put(key, meta, tensors, tier, bool(pin), origin if origin == self.block_origin else None)
             return CapsuleRef(meta.name, meta.namespace, tier, n, meta.boundary)
 
     def get(self, name: str, namespace: str = "default") -> tuple[CapsuleMeta, dict[str, torch.Tensor]]:
-        """The capsule's tensors on `device` (promoted to gpu first). Treat them as read-only."""
+        """The capsule's tensors on `device` (promoted to gpu first), each in one piece (a capsule held as
+        prefix blocks is assembled: a copy). Treat them as read-only."""
         with self._lock:
             key, e = self._lookup(name, namespace)
-            return e.meta, self._acquire(key, e)
+            return e.meta, self._acquire(key, e)[0].full()
 
     @contextmanager
     def reading(self, name: str, namespace: str = "default", check: ReadCheck | None = None,
                 ) -> Iterator[tuple[CapsuleMeta, dict[str, torch.Tensor]]]:
         """Like get, holding a read reference for the block: delete refuses, budget moves skip it.
         `check(meta, specs)` runs first, before any tier move: a read it refuses changes nothing."""
-        with self._lock:
+        with self.reading_tier(name, namespace, check) as (meta, tensors, _):
+            yield meta, tensors
+
+    @contextmanager
+    def reading_tier(self, name: str, namespace: str = "default", check: ReadCheck | None = None,
+                     ) -> Iterator[tuple[CapsuleMeta, dict[str, torch.Tensor], str]]:
+        """`reading`, also yielding the tier the capsule was read from: where this read found it (gpu, host
+        or disk), before any promotion the read made."""
+        with self.reading_parts(name, namespace, check) as (meta, parts, found):
+            yield meta, parts.full(), found
+
+    @contextmanager
+    def reading_parts(self, name: str, namespace: str = "default", check: ReadCheck | None = None,
+                      ) -> Iterator[tuple[CapsuleMeta, Parts, str]]:
+        """`reading_tier` with the capsule as the store holds it: own tensors and its blocks' tensors (no
+        assembling copy; a restore writes each piece into place)."""
+        def resolve():
             key, e = self._lookup(name, namespace)
             if check is not None:
                 check(e.meta, e.specs)
-            tensors = self._acquire(key, e)
-            e.readers += 1
-        try:
-            yield e.meta, tensors
-        finally:
-            with self._lock:
-                e.readers -= 1
+            return key, e
+
+        with self._reading(resolve) as (e, parts, found):
+            yield e.meta, parts, found
 
     def contains(self, name: str, namespace: str = "default") -> bool:
         with self._lock:
             return (validate_name(namespace, "namespace"), validate_name(name)) in self._entries
 
     def _info(self, e: Entry) -> CapsuleInfo:
-        return CapsuleInfo(e.meta, e.tier, e.pinned, e.last_used)
+        return CapsuleInfo(e.meta, e.tier, e.pinned, e.last_used, own_nbytes=e.own_nbytes,
+                           blocks=len(e.block_keys))
 
     def info(self, name: str, namespace: str = "default") -> CapsuleInfo:
         with self._lock:
@@ -133,7 +137,7 @@ class CapsuleStore(Persistence):
             if namespace is not None:
                 validate_name(namespace, "namespace")
             return [self._info(self._entries[k]) for k in sorted(self._entries)
-                    if namespace is None or k[0] == namespace]
+                    if (namespace is None or k[0] == namespace) and not self._entries[k].anonymous]
 
     # -- moves ------------------------------------------------------------------------------------
     def promote(self, name: str, tier: str, namespace: str = "default") -> None:
@@ -171,12 +175,12 @@ class CapsuleStore(Persistence):
                 raise InvalidRequestError(f"cannot demote {name!r} from {e.tier!r} to faster tier {tier!r}; use promote")
             if tier == e.tier:
                 if tier == "disk" and e.path is None:  # a background write in flight (or failed): finish it now
-                    self._settle_on_disk(e, self._stage(e))
+                    self._settle_on_disk(e, self._stage_entry(e))
                 return
             if e.readers:
                 raise CapsuleInUseError(f"capsule {name!r} is being read; demote it after the restore ends")
             plan = self._plan_to(key, tier)
-            staged = {key: self._stage(e)} if tier == "disk" else None  # written before any move
+            staged = {key: self._stage_entry(e)} if tier == "disk" else None  # written before any move
             try:
                 self._apply(plan, staged=staged)
             except BaseException:
@@ -202,10 +206,8 @@ class CapsuleStore(Persistence):
             key, e = self._lookup(name, namespace)
             if e.readers:
                 raise CapsuleInUseError(f"capsule {name!r} is being read by {e.readers} restore(s); retry after")
-            self._forget_file(e)
-            del self._entries[key]
-            self._used[e.tier] -= e.meta.nbytes
-            self._policy.on_remove(pkey(key))
+            self._remove(key, e)  # its blocks stay while another capsule of the tier references them
+            self._collect()
 
     def set_budget(self, tier: str, nbytes: int | None) -> None:
         """Change a tier's budget; shrinking moves capsules out at once (or refuses, changing nothing)."""
@@ -214,8 +216,8 @@ class CapsuleStore(Persistence):
         with self._lock:
             old, self._budgets[tier] = self._budgets[tier], nbytes
             try:
-                plan = Plan(self._used)
-                self._make_room(plan, tier, 0, frozenset())
+                plan = self._new_plan()
+                self._make_room(plan, tier, frozenset())
             except BaseException:
                 self._budgets[tier] = old
                 raise
@@ -224,9 +226,14 @@ class CapsuleStore(Persistence):
     def stats(self) -> dict:
         """Bytes, budget and count per tier, and the counters: hits, misses, promotions, demotions,
         dropped (unpinned capsules dropped because every slower tier was full; `evictions` is the same
-        count under its older name), dropped_bytes, disk_write_errors (failed background writes)."""
+        count under its older name), dropped_bytes, disk_write_errors (failed background writes).
+        A tier's bytes are what it holds: own tensors plus each prefix block once (`blocks`: how many per
+        tier); `count` counts named capsules. `prefix`: the prefix cache (prefix_cache.py)."""
         with self._lock:
             out: dict = {t: {"bytes": self._used[t], "budget": self._budgets[t],
-                             "count": sum(1 for e in self._entries.values() if e.tier == t)} for t in TIERS}
+                             "count": sum(1 for e in self._entries.values() if e.tier == t and not e.anonymous)}
+                         for t in TIERS}
             out.update(self._counters)
+            out["blocks"] = {t: sum(1 for r in self._pools[t].records.values() if r.refs) for t in TIERS}
+            out["prefix"] = self._prefix_stats()
             return out

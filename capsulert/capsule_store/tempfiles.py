@@ -1,6 +1,6 @@
 """Temp files of capsule writes: their names (which say who writes them) and the sweep at load.
 
-A write goes to `.<final name>.tmp-<pid>@<host id>-<random>` and is renamed onto the final name once
+A write (of a capsule file or a block file) goes to `.<final name>.tmp-<pid>@<host id>-<random>` and is renamed onto the final name once
 fsynced. A writer killed before the rename leaves its temp file behind; nothing ever completes it. The
 sweep tells the cases apart by owner and age, and logs each accurately:
 
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from capsulert.capsule_store.capsule import FILE_SUFFIX
+
+BLOCK_SUFFIX = ".block.safetensors"  # block files (blockfiles.py) are written the same way
 from capsulert.capsule_store.owner import host_id, pid_alive, writer_tag
 
 log = logging.getLogger("capsulert.capsule_store.disk")  # one logger for everything the loader says
@@ -68,7 +70,7 @@ class TempFile:
 def classify(path: Path, now: float) -> TempFile | None:
     """The TempFile for a temp file name, else None (a complete name, or not a capsule file)."""
     m = _TEMP_RE.fullmatch(path.name)
-    if m is None or not m.group("final").endswith(FILE_SUFFIX):
+    if m is None or not m.group("final").endswith((FILE_SUFFIX, BLOCK_SUFFIX)):
         return None
     try:
         age = max(0.0, now - path.stat().st_mtime)

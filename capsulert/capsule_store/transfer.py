@@ -13,7 +13,8 @@ import torch
 def copy_tensors(tensors: Mapping[str, torch.Tensor], device: torch.device, *, pin: bool, stream: Any,
                  wait: Any = None) -> tuple[dict[str, torch.Tensor], Any]:
     """Fresh copies of `tensors` on `device` (pinned host memory when `pin`), and the CUDA event that marks
-    the copy done (None when it ran synchronously). `stream`: the CUDA stream to copy on (None: current)."""
+    the copy done (None when it ran synchronously). `stream`: the CUDA stream to copy on (None: current);
+    `wait`: a CUDA event (or a list of them) the sources are complete after."""
     dst = {k: torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin) for k, t in tensors.items()}
     srcs, dsts = [t.detach() for t in tensors.values()], list(dst.values())
     if not srcs:
@@ -26,8 +27,9 @@ def copy_tensors(tensors: Mapping[str, torch.Tensor], device: torch.device, *, p
     stream = stream if stream is not None else cur
     if stream is not cur:
         stream.wait_stream(cur)  # sources / fresh allocations are ordered on the current stream
-    if wait is not None:
-        stream.wait_event(wait)
+    for ev in wait if isinstance(wait, (list, tuple)) else (wait,):
+        if ev is not None:
+            stream.wait_event(ev)
     with torch.cuda.stream(stream):
         if all(d.device == s.device for d, s in zip(dsts, srcs)):
             torch._foreach_copy_(dsts, srcs, non_blocking=True)  # one fused launch on device

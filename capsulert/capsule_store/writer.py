@@ -5,7 +5,8 @@ before returning, in the caller's latency path. Now the store books the move at 
 in the disk tier, counted in its budget) and queues the write here; the caller goes on.
 
 Crash safety is unchanged: the file is staged (temp file, fsync) and renamed, so a crash leaves either
-the complete file or none. Until the file is durable (renamed and the directory fsynced) the store keeps
+the complete file or none. A capsule cut into blocks first writes the block files the directory lacks,
+renames them and fsyncs the directory, and only then its capsule file (blockfiles.py). Until the file is durable (renamed and the directory fsynced) the store keeps
 the capsule's source bytes and serves reads from them, so the capsule is readable throughout; those bytes
 are only then dropped. A crash before that loses the capsule exactly as a crash just before the demotion
 would have (it was only in memory then, too).
@@ -27,6 +28,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from capsulert.capsule_store.blockfiles import stage_block
+from capsulert.capsule_store.blocks import BlockRefs
 from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.capsule_store.disk import StagedWrite, fsync_dir, stage_capsule
 
@@ -40,6 +43,8 @@ class DiskJob:
     tensors: Mapping[str, torch.Tensor]  # the source bytes (owned by the store, never written to)
     event: Any  # CUDA event the source bytes are complete after (None on CPU)
     directory: Path
+    blocks: BlockRefs | None = None  # the blocks its file references
+    held: Mapping[str, Any] | None = None  # block key -> (tensors, event): the source bytes of its blocks
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class WriterHooks:
     """The store's side of a job, each called without the writer's lock held."""
 
     wanted: Callable[[DiskJob], bool]  # still needed? (checked before the write, to skip cancelled ones)
+    block_wanted: Callable[[DiskJob, str], bool]  # does the directory still lack this block file?
+    block_staged: Callable[[DiskJob, str, StagedWrite], None]  # rename it if still needed, else discard
     staged: Callable[[DiskJob, StagedWrite], bool]  # rename it if still wanted; False: it was discarded
     durable: Callable[[DiskJob, StagedWrite], None]  # renamed and the directory fsynced
     failed: Callable[[DiskJob, BaseException], None]
@@ -128,10 +135,24 @@ class DiskWriter:
         if job.event is not None:
             job.event.synchronize()
         try:
-            staged = stage_capsule(job.directory, job.meta, job.tensors)
+            if job.blocks is not None:
+                self._write_blocks(job)
+            staged = stage_capsule(job.directory, job.meta, job.tensors, job.blocks)
         except Exception as e:
             self._hooks.failed(job, e)
             return
         if self._hooks.staged(job, staged):
             fsync_dir(staged.final.parent)
             self._hooks.durable(job, staged)
+
+    def _write_blocks(self, job: DiskJob) -> None:
+        """The block files the directory lacks, renamed into place; then the directory fsync that makes
+        them durable before the capsule file that references them is renamed."""
+        for key in job.blocks.keys:  # type: ignore[union-attr]
+            if not self._hooks.block_wanted(job, key):
+                continue
+            tensors, event = job.held[key]  # type: ignore[index]
+            if event is not None:
+                event.synchronize()
+            self._hooks.block_staged(job, key, stage_block(job.directory, key, tensors))
+        fsync_dir(job.directory)

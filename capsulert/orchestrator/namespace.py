@@ -35,17 +35,18 @@ class Namespace(CapsuleRouter):
         return f"Namespace({self.ns!r})"
 
     def _session(self, w: int, info: SessionInfo | GenerateResult) -> RemoteSession:
-        s = RemoteSession(self, w, info.session, info.length)
+        s = RemoteSession(self, w, info.session, info.length, info.restored_from)
         self.pool.opened(s)
         return s
 
     # ------------------------------------------------------------------ verbs
     async def open(self, prompt=None, *, worker: int | None = None) -> RemoteSession:
         """A new session (on the least loaded worker), prefilled with `prompt` when given. Its snapshots
-        go into this namespace."""
+        go into this namespace, and with the worker's prefix cache on, its prompt is served from (and its
+        grid checkpoints kept for) this namespace's cached prefixes."""
         prompt = None if prompt is None else tokens_arg(prompt, "prompt")
         w = self.pool.least_loaded(range(len(self.pool))) if worker is None else self.pool.worker_arg(worker)
-        return self._session(w, await self.pool.call(w, Open(prompt)))
+        return self._session(w, await self.pool.call(w, Open(prompt, namespace=self.ns)))
 
     async def restore(self, name: str) -> RemoteSession:
         """A new session holding capsule `name`, on a worker that has it."""

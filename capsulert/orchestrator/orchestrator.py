@@ -6,6 +6,10 @@ engine refusals keep their capsulert class, a dead or silent worker is WorkerLos
 
 Capsules live in namespaces: `orch.namespace("acme")` is a handle with the same verbs, bound to the
 capsules of "acme" (see namespace.py); the Orchestrator's own verbs serve namespace "default".
+
+Worker logs reach the driver: each worker sends its `capsulert` logger to its stderr (worker_actor.py) at
+the driver's level (or `worker_log_level`), and a Ray this starts forwards workers' output to the driver's
+stderr (log_to_driver). A Ray the caller started forwards it when the caller's ray.init did.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from pydantic import ValidationError
 from capsulert.capsule_store import validate_name
 from capsulert.capsule_store.owner import DirLock
 from capsulert.errors import ConfigError, InvalidRequestError
+from capsulert.logs import level_name
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.namespace import Namespace
 from capsulert.orchestrator.orchestrator_config import OrchestratorConfig
@@ -69,10 +74,11 @@ class Orchestrator(Namespace):
     async def _start(cls, cfg: OrchestratorConfig, dir_lock: DirLock | None) -> "Orchestrator":
         owns = False
         if not ray.is_initialized():
-            kw = dict(include_dashboard=False, log_to_driver=False)
+            kw = dict(include_dashboard=False, log_to_driver=True)
             ray.init(address=cfg.address, **kw) if cfg.address else ray.init(num_cpus=cfg.local_num_cpus, **kw)
             owns = True
         use_gpu = torch.cuda.is_available() and cfg.engine.device != "cpu"
+        log_level = cfg.worker_log_level or level_name()
         handles = []
         for i in range(cfg.num_workers):
             ecfg, persist = cfg.engine.model_dump(), None
@@ -82,7 +88,7 @@ class Orchestrator(Namespace):
             opts: dict = dict(max_restarts=cfg.max_restarts, max_task_retries=0, num_gpus=1 if use_gpu else 0)
             if cfg.worker_num_cpus is not None:
                 opts["num_cpus"] = cfg.worker_num_cpus
-            handles.append(WorkerActor.options(**opts).remote(ecfg, persist, cfg.torch_threads, i))
+            handles.append(WorkerActor.options(**opts).remote(ecfg, persist, cfg.torch_threads, i, log_level))
         capsule_map = CapsuleMap()
         pool = WorkerPool(handles, capsule_map, cfg.call_timeout_s)
         orch = cls(cfg, pool, capsule_map, owns, dir_lock)

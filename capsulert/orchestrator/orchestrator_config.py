@@ -28,6 +28,9 @@ class OrchestratorConfig(BaseModel):
     max_restarts: int = Field(3, ge=-1)
     worker_num_cpus: float | None = Field(None, ge=0)
     torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads in each worker")
+    worker_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] | None = Field(
+        None, description="level of the workers' `capsulert` loggers, whose records reach the driver's stderr; "
+                          "None: the driver's `capsulert` logger's effective level when the orchestrator starts")
     persist_pinned: bool = True
 
 

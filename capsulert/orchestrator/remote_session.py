@@ -8,14 +8,16 @@ boundary holding the produced tokens, and the next call on the session waits for
 finish first (`wait()` returns its result).
 
 A session belongs to the namespace handle that opened (or restored) it: its snapshots go into that
-namespace and its restores read that namespace's capsules only.
+namespace and its restores read that namespace's capsules only. Every restore reports the tier the worker
+read the capsule from (gpu, host or disk): `restored_from` of a restored session, the return value of
+`restore`, and GenerateResult.restored_from of a turn with `restore`.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import random
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from capsulert.errors import InvalidRequestError, SessionClosedError, WorkerLost
@@ -31,9 +33,10 @@ _call_ids = itertools.count(random.getrandbits(32) << 16)
 
 
 class RemoteSession:
-    def __init__(self, owner: "Namespace", worker: int, sid: int, length: int):
+    def __init__(self, owner: "Namespace", worker: int, sid: int, length: int, restored_from: str | None = None):
         self.owner, self.pool = owner, owner.pool
         self.worker, self.sid, self.length = worker, sid, length
+        self.restored_from = restored_from  # made by a restore or fork: the tier the capsule was read from
         # the worker process holding the session, as the orchestrator knew it when the session was made
         self.pid = self.pool.workers[worker].pid
         self.closed = False
@@ -118,12 +121,42 @@ class RemoteSession:
         n = int_arg(max_new_tokens, "max_new_tokens", 0)
         return await self._gen(Generate(self.sid, n, sampling_params(sampling)), timeout)
 
-    async def stream(self, max_new_tokens: int, sampling=None) -> AsyncIterator[TokenEvent | FinalEvent]:
-        """Yield a TokenEvent per token as the worker produces it (token, logprob, text delta), then a
-        FinalEvent with the GenerateResult. Closing the iterator (or cancelling its consumer) stops the
-        generate at the next token boundary with the produced tokens committed."""
+    def stream(self, max_new_tokens: int, sampling=None) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """Yield a TokenEvent per token as the worker produces it (token, logprob, text delta, and the top-k
+        logprobs when SamplingParams.logprobs = k), then a FinalEvent with the GenerateResult. Closing the
+        iterator (or cancelling its consumer) stops the generate at the next token boundary with the
+        produced tokens committed."""
         n = int_arg(max_new_tokens, "max_new_tokens", 0)
-        request = Generate(self.sid, n, sampling_params(sampling))
+        return self._stream(Generate(self.sid, n, sampling_params(sampling)))
+
+    async def turn(self, suffix, max_new_tokens: int, sampling=None, *, restore: str | None = None,
+                   timeout: float | None = None) -> GenerateResult:
+        """[Restore capsule `restore` in place,] append `suffix` (None: nothing) and generate: one request to
+        the worker's step scheduler, batched with every other session's decode (an RL step, an agent turn)."""
+        return await self._gen(await self._turn_request(suffix, max_new_tokens, sampling, restore), timeout)
+
+    async def stream_turn(self, suffix, max_new_tokens: int, sampling=None, *, restore: str | None = None
+                          ) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """turn() as a stream: [restore in place,] append `suffix` and generate in one request, yielding what
+        stream() yields (bitwise the same events as append then stream). A refusal of the restore or the
+        append is raised by the first step of the iteration."""
+        request = await self._turn_request(suffix, max_new_tokens, sampling, restore)
+        async with aclosing(self._stream(request)) as events:  # closing this closes that at once (interrupt)
+            async for event in events:
+                yield event
+
+    async def _turn_request(self, suffix, max_new_tokens: int, sampling, restore: str | None) -> Turn:
+        """The Turn of turn() / stream_turn(), its arguments checked; a capsule to restore is first copied to
+        this session's worker when it lives elsewhere."""
+        suffix = None if suffix is None else tokens_arg(suffix, "suffix")
+        n = int_arg(max_new_tokens, "max_new_tokens", 0)
+        if restore is not None:
+            restore = name_arg(restore)
+            self._check()
+            await self.owner.ensure_on(restore, self.worker)
+        return Turn(self.sid, restore, suffix, n, sampling_params(sampling), self.owner.ns)
+
+    async def _stream(self, request: Generate | Turn) -> AsyncIterator[TokenEvent | FinalEvent]:
         async with self._generating() as call_id:
             finished = False
             try:
@@ -135,19 +168,6 @@ class RemoteSession:
             finally:
                 if not finished:
                     self._interrupt(call_id)  # stops at the next token, tokens committed
-
-    async def turn(self, suffix, max_new_tokens: int, sampling=None, *, restore: str | None = None,
-                   timeout: float | None = None) -> GenerateResult:
-        """[Restore capsule `restore` in place,] append `suffix` (None: nothing) and generate: one request to
-        the worker's step scheduler, batched with every other session's decode (an RL step, an agent turn)."""
-        suffix = None if suffix is None else tokens_arg(suffix, "suffix")
-        n = int_arg(max_new_tokens, "max_new_tokens", 0)
-        if restore is not None:
-            restore = name_arg(restore)
-            self._check()
-            await self.owner.ensure_on(restore, self.worker)
-        request = Turn(self.sid, restore, suffix, n, sampling_params(sampling), self.owner.ns)
-        return await self._gen(request, timeout)
 
     async def append_generate(self, tokens_or_text, max_new_tokens: int, sampling=None, *,
                               timeout: float | None = None) -> GenerateResult:
@@ -171,12 +191,15 @@ class RemoteSession:
         async with self.owner.new_capsules([name], self.worker):  # serialised with delete / migrate of it
             return await self._run(Snapshot(self.sid, name, tier, pin, self.owner.ns))
 
-    async def restore(self, name: str) -> None:
-        """Replace this session's state with capsule `name` in place (rollback, episode reset)."""
+    async def restore(self, name: str) -> str:
+        """Replace this session's state with capsule `name` in place (rollback, episode reset); returns the
+        tier the worker read it from (gpu, host or disk)."""
         name = name_arg(name)
         self._check()
         await self.owner.ensure_on(name, self.worker)
-        self.length = (await self._run(Restore(name, self.owner.ns, into=self.sid))).length
+        info = await self._run(Restore(name, self.owner.ns, into=self.sid))
+        self.length = info.length
+        return info.restored_from
 
     async def interrupt(self) -> bool:
         """Stop a running generate at the next token boundary; False when none is running."""

@@ -6,6 +6,10 @@ session requests wait on the step scheduler in a group of many threads (the sche
 the one that drives the engine, batching every caller's decode); store requests run one at a time; control
 requests (stats, listing, health, token reads, interrupts) have their own group, so they answer while a
 long prefill, decode or capsule copy runs. Callers use `send` and `send_stream`, never a method name.
+
+Logs: the actor sends the `capsulert` logger to its stderr at the level the orchestrator passes (the
+driver's, or OrchestratorConfig.worker_log_level); Ray forwards that stream to the driver (log_to_driver).
+Progress bars are off in a worker unless its EngineConfig asks for them (progress=True).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from dataclasses import fields, replace
 import ray
 
 from capsulert.errors import InvalidRequestError
+from capsulert.logs import setup_logging
 from capsulert.orchestrator.worker_core import WorkerCore
 from capsulert.worker.verbs import CONTROL, SESSION, STORE, Request
 
@@ -34,6 +39,13 @@ def _fetch_inputs(request: Request) -> Request:
 
 class WorkerActorBody(WorkerCore):
     """WorkerCore with its entry points as Ray actor methods (the class Ray wraps; pickled by reference)."""
+
+    def __init__(self, engine_config: dict, persist_dir: str | None = None, torch_threads: int | None = None,
+                 worker_index: int = 0, log_level: str = "WARNING"):
+        setup_logging(log_level)  # first: the engine's start (model generation, loading) logs too
+        if engine_config.get("progress") is None:  # nobody watches a worker's stderr as a terminal
+            engine_config = {**engine_config, "progress": False}
+        super().__init__(engine_config, persist_dir, torch_threads, worker_index)
 
     @ray.method(concurrency_group=SESSION_GROUP)
     def execute(self, request: Request, call_id=None):

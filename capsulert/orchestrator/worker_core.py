@@ -11,6 +11,7 @@ capsules cross actors as safetensors bytes, never pickle. Pinned capsules are al
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import random
@@ -30,10 +31,13 @@ from capsulert.orchestrator.running_calls import RunningCalls
 from capsulert.worker.engine import Engine
 from capsulert.worker.scheduler import Sink, StepScheduler, queue_sink, stream_item
 from capsulert.worker.state import LAYOUT_VERSION
-from capsulert.worker.verbs import (CONTROL, Append, Close, Delete, Demote, Detokenize, ExportCapsule, ExportToDir,
-                                    FinalEvent, Fork, Generate, ImportCapsule, ImportFromFile, Interrupt, LastCall,
-                                    ListCapsules, Open, Ping, Promote, ReadTokens, Rebuild, Request, Restore,
-                                    Snapshot, Stats, TokenEvent, Tokenize, Turn, UpdateWeights)
+from capsulert.worker.verbs import (BATCHABLE, CONTROL, Append, Batch, Close, Delete, Demote, Detokenize,
+                                    ExportCapsule, ExportToDir, FinalEvent, Fork, Generate, ImportCapsule,
+                                    ImportFromFile, Interrupt, LastCall, ListCapsules, Open, Ping, Promote, ReadTokens,
+                                    Rebuild, Request, Restore, Snapshot, Stats, TokenEvent, Tokenize, Turn,
+                                    UpdateWeights)
+
+log = logging.getLogger(__name__)
 
 
 class WorkerCore:
@@ -51,6 +55,10 @@ class WorkerCore:
         self.pinned = PinnedFiles(persist_dir)
         self.reloaded = self.pinned.reload(self.engine.store)
         self.last_call_ms = float("nan")
+        eng = self.engine
+        log.info("worker %d ready: %s on %s (%s), %d slots, %d pinned capsule(s) reloaded", worker_index,
+                 eng.config.model, eng.device, str(eng.dtype).removeprefix("torch."), eng.config.slots,
+                 len(self.reloaded))
 
     # ------------------------------------------------------------------ entry points
     def execute(self, request: Request, call_id=None) -> Any:
@@ -64,9 +72,12 @@ class WorkerCore:
         finally:
             self.last_call_ms = (time.perf_counter() - t0) * 1e3
 
-    def stream(self, request: Generate | Turn, call_id=None) -> Iterator[TokenEvent | FinalEvent]:
-        """TokenEvents as the scheduler produces them, then a FinalEvent. A consumer that goes away (or an
-        interrupt) stops the generate at the next token boundary, its tokens committed."""
+    def stream(self, request: Generate | Turn, call_id=None) -> Iterator[list[TokenEvent | FinalEvent]]:
+        """The events of a generate as the scheduler produces them, in lists: each list holds every event
+        produced since the last one was taken (one when the consumer keeps up; several when it lags, so a
+        worker streaming to 64 sessions sends fewer, larger items instead of falling behind). The last list
+        ends with the FinalEvent. A consumer that goes away (or an interrupt) stops the generate at the next
+        token boundary, its tokens committed."""
         if not isinstance(request, (Generate, Turn)):
             raise InvalidRequestError(f"only Generate and Turn stream, not {type(request).__name__}")
         self._require_session(request)
@@ -76,9 +87,14 @@ class WorkerCore:
         finished = False
         try:
             while not finished:
-                item = events.get()
-                finished = item[0] != "event"
-                yield stream_item(item)
+                items = [events.get()]
+                while items[-1][0] == "event" and not events.empty():
+                    items.append(events.get_nowait())
+                finished = items[-1][0] != "event"
+                if items[-1][0] == "error" and len(items) > 1:
+                    yield [stream_item(i) for i in items[:-1]]  # what came before the error is delivered
+                    items = items[-1:]
+                yield [stream_item(i) for i in items]
         finally:
             if not finished:
                 self.scheduler.cancel(job)
@@ -96,10 +112,7 @@ class WorkerCore:
         """Hand the request to the step scheduler and wait for its reply (this call's thread blocks; the
         scheduler's loop thread does the work, batched with every other request)."""
         self._require_session(request)
-        done, box = threading.Event(), {}
-        sink = Sink(done=lambda v: (box.__setitem__("value", v), done.set()),
-                    error=lambda e: (box.__setitem__("error", e), done.set()))
-        self.calls.track(call_id, self.scheduler.submit(request, sink))
+        done, box = self._submit(request, call_id)
         try:
             done.wait()
         finally:
@@ -107,6 +120,33 @@ class WorkerCore:
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+    def _submit(self, request: Request, call_id=None) -> tuple[threading.Event, dict]:
+        done, box = threading.Event(), {}
+        sink = Sink(done=lambda v: (box.__setitem__("value", v), done.set()),
+                    error=lambda e: (box.__setitem__("error", e), done.set()))
+        self.calls.track(call_id, self.scheduler.submit(request, sink))
+        return done, box
+
+    def _batch(self, batch: Batch, call_id) -> list[tuple[bool, Any]]:
+        """Every request of the batch submitted at once, in order; [(True, reply) | (False, error)]."""
+        pending = []
+        for request in batch.requests:
+            if type(request) not in BATCHABLE:
+                raise InvalidRequestError(f"a Batch holds {', '.join(t.__name__ for t in BATCHABLE)} requests, "
+                                          f"not {type(request).__name__}")
+        for request in batch.requests:
+            try:
+                self._require_session(request)
+                pending.append(self._submit(request))
+            except Exception as e:  # noqa: BLE001 - the refusal is this request's reply
+                pending.append((None, {"error": e}))
+        out = []
+        for done, box in pending:
+            if done is not None:
+                done.wait()
+            out.append((False, box["error"]) if "error" in box else (True, box["value"]))
+        return out
 
     def _snapshot(self, request: Snapshot, call_id) -> Any:
         """The one snapshot path: the scheduler makes the capsule (ordered after the session's earlier
@@ -228,7 +268,7 @@ class WorkerCore:
     #: one handler per request type: the only dispatch
     HANDLERS: dict[type, Callable] = {
         **dict.fromkeys((Open, Append, Generate, Turn, Restore, Fork, Close), _scheduled),
-        Snapshot: _snapshot,
+        Snapshot: _snapshot, Batch: _batch,
         Delete: _delete, Promote: _promote, Demote: _demote, Rebuild: _rebuild, UpdateWeights: _update_weights,
         ExportCapsule: _export, ImportCapsule: _import, ExportToDir: _export_to_dir, ImportFromFile: _import_from_file,
         Ping: _ping, Stats: _stats, ListCapsules: _list, ReadTokens: _read_tokens, Tokenize: _tokenize,

@@ -20,7 +20,7 @@ from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutErr
 from capsulert.errors import CapsuleRTError, ConfigError, WorkerLost
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.worker_actor import send, send_stream
-from capsulert.worker.verbs import FinalEvent, ListCapsules, Ping, Request, Stats, TokenEvent
+from capsulert.worker.verbs import BATCHABLE, Batch, FinalEvent, ListCapsules, Ping, Request, Stats, TokenEvent
 
 if TYPE_CHECKING:
     from capsulert.orchestrator.remote_session import RemoteSession
@@ -51,6 +51,7 @@ class WorkerPool:
         self.call_timeout_s = call_timeout_s
         self.closed = False
         self.sessions: weakref.WeakSet[RemoteSession] = weakref.WeakSet()  # open sessions handed out
+        self.batches: dict[int, list] = {}  # worker -> [(request, reply future)] for its next Batch
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -85,7 +86,10 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ requests
     async def call(self, w: int, request: Request, *, timeout: float | None = None, call_id=None) -> Any:
-        """Send `request` to worker w and await its reply."""
+        """Send `request` to worker w and await its reply. Short session requests (verbs.BATCHABLE) made at
+        the same moment travel together as one Batch (one round trip for many env resets)."""
+        if isinstance(request, BATCHABLE) and call_id is None:
+            return await self._coalesced(w, request, timeout)
         worker = self.workers[w]
         worker.pending += 1
         try:
@@ -105,6 +109,40 @@ class WorkerPool:
         finally:
             worker.pending -= 1
 
+    async def _coalesced(self, w: int, request: Request, timeout: float | None) -> Any:
+        """Queue the request for worker w's next Batch, sent when the event loop next runs its callbacks,
+        so every such call made before that shares the round trip."""
+        worker = self.workers[w]
+        worker.pending += 1
+        try:
+            await self.check(w)
+            reply = asyncio.get_running_loop().create_future()
+            queued = self.batches.setdefault(w, [])
+            queued.append((request, reply))
+            if len(queued) == 1:
+                asyncio.get_running_loop().call_soon(self._send_batch, w, timeout)
+            return await reply
+        finally:
+            worker.pending -= 1
+
+    def _send_batch(self, w: int, timeout: float | None) -> None:
+        queued = self.batches.pop(w, [])
+        batch = Batch(tuple(r for r, _ in queued))
+        task = asyncio.ensure_future(self.wait(w, send(self.workers[w].handle, batch), batch, timeout))
+
+        def deliver(t: asyncio.Task) -> None:
+            for i, (_, reply) in enumerate(queued):
+                if reply.done():  # its caller went away
+                    continue
+                if t.cancelled():
+                    reply.cancel()
+                elif t.exception() is not None:
+                    reply.set_exception(t.exception())
+                else:
+                    ok, value = t.result()[i]
+                    reply.set_result(value) if ok else reply.set_exception(value)
+        task.add_done_callback(deliver)
+
     def send(self, w: int, request: Request, call_id=None) -> ray.ObjectRef:
         """Submit `request` without waiting (the caller awaits it with `wait`, or hands the reference to
         another worker's request); call `check(w)` first."""
@@ -121,7 +159,8 @@ class WorkerPool:
         """The events of a streamed Generate or Turn on worker w; call `check(w)` first."""
         try:
             async for ref in send_stream(self.workers[w].handle, request, call_id):
-                yield await ref
+                for event in await ref:  # the worker sends the events produced since its last item together
+                    yield event
         except RayTaskError as e:
             if isinstance(e.cause, CapsuleRTError):
                 raise e.cause from None

@@ -157,9 +157,9 @@ async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, 
                    include_usage: bool, t0: float) -> Response:
     if stream:
         events = _events(state, route, ns, plan, shape, include_usage, t0)
-        # run the stream up to its first byte here: a refusal until then (no such capsule, a prompt past
-        # max_seq, a full server) is still an HTTP status; and a started generator is always finalized
-        # (its sessions closed) even if the response never iterates it
+        # run the stream up to its first byte here (every choice's first token): a refusal until then (no
+        # such capsule, a prompt past max_seq, a full server) is still an HTTP status; and a started
+        # generator is always finalized (its sessions closed) even if the response never iterates it
         await events.__anext__()
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     entered = False
@@ -169,7 +169,7 @@ async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, 
         state.admission.enter()
         entered = True
         async with Run(ns, plan, state.metrics) as run:
-            await run.start(prefill=False)
+            await run.start()
             choices, usage = await run.generate()
             capsule = await run.keep()
     except Exception as e:
@@ -178,7 +178,7 @@ async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, 
     finally:
         if entered:
             state.admission.leave()
-    state.metrics.tokens(route, usage.prompt_tokens, usage.completion_tokens)
+    state.metrics.tokens(route, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
     state.metrics.request(route, 200, time.perf_counter() - t0)
     return JSONResponse(shape.body(choices, usage, capsule))
 
@@ -195,7 +195,8 @@ async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, s
         state.admission.enter()
         entered = True
         async with run:
-            await run.start(prefill=True)
+            await run.start()
+            await run.begin_stream()  # up to every choice's first token: a refusal is still a status
             started = True
             yield b""
             async for chunk in run.stream():
@@ -220,7 +221,8 @@ async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, s
             state.admission.leave()
         if run.first_token_at is not None:
             state.metrics.ttft(route, run.first_token_at - t0)
-        state.metrics.tokens(route, run.usage(finals).prompt_tokens, sum(len(c.tokens) for c in finals))
+        usage = run.usage(finals)
+        state.metrics.tokens(route, usage.prompt_tokens, sum(len(c.tokens) for c in finals), usage.cached_tokens)
         state.metrics.request(route, status, time.perf_counter() - t0)
 
 

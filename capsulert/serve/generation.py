@@ -1,16 +1,20 @@
 """Running one HTTP generation request on the orchestrator, through its public async API only.
 
 A request is one or more prompts (a batch), each answered by n choices. Per prompt:
-- its session starts empty (`open`) or from the request's `capsule` (`restore`: no prefill);
-- n = 1, not streamed: one `turn` (append the prompt + generate in one request to the worker's step
-  scheduler, which interleaves the prefill with every other session's decode);
-- streamed, or n > 1: the prompt is appended first (so a refusal such as a prompt past max_seq is still
-  an HTTP status, not an error inside a started stream); for n > 1 the prompt state is snapshotted once
-  as a private fork point, forked into n sessions on one worker and the fork point deleted, and the n
-  branches generate concurrently, so the worker's step scheduler decodes them in one batch. Branch j
-  samples with seed + j (a request's choices differ, and each is reproducible).
-Every session a request opened is closed when it ends, however it ends (a client that goes away
-interrupts its generates at the next token).
+- its session starts empty (`open`) or from the request's `capsule` (`restore`: no prefill; the tier the
+  capsule was read from is counted in the metrics); every prompt is appended by a `turn`, which names the
+  request's namespace, so the worker serves the longest cached grid prefix of it from that namespace's
+  prefix cache (`usage.prompt_tokens_details.cached_tokens` counts those tokens too);
+- n = 1: one `turn` (append the prompt + generate in one request to the worker's step scheduler, which
+  interleaves the prefill with every other session's decode), or `stream_turn` when streamed;
+- n > 1: the prompt is appended first and snapshotted once as a private fork point, forked into n sessions
+  on one worker and the fork point deleted, and the n branches generate concurrently, so the worker's step
+  scheduler decodes them in one batch. Branch j samples with seed + j (a request's choices differ, and
+  each is reproducible).
+A streamed request starts its streams and waits for each one's first event before the response's status
+line goes out (`begin_stream`), so a refusal up to then (a prompt past max_seq) is still an HTTP status,
+not an error inside a started stream. Every session a request opened is closed when it ends, however it
+ends (a client that goes away interrupts its generates at the next token).
 """
 from __future__ import annotations
 
@@ -78,7 +82,7 @@ class Choice:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int  # prompt tokens restored from the capsule instead of prefilled
+    cached_tokens: int  # prompt tokens restored (from the capsule, or the prefix cache) instead of prefilled
 
 
 @dataclass(frozen=True)
@@ -90,11 +94,13 @@ class Made:
 
 @dataclass(frozen=True)
 class Chunk:
-    """New output of one streamed choice; `final` is set on its last chunk."""
+    """New output of one streamed choice (its tokens, their logprobs and, when asked for, the top-k
+    alternatives of each); `final` is set on its last chunk."""
     index: int
     text: str
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     final: Choice | None = None
 
 
@@ -117,6 +123,8 @@ class Run:
         self.ns, self.plan, self.metrics = namespace, plan, metrics
         self.groups: list[_Group | None] = [None] * len(plan.prompts)
         self.first_token_at: float | None = None
+        self._queue: asyncio.Queue = asyncio.Queue()  # the chunks of every streamed choice
+        self._pumps: list[asyncio.Task] = []
 
     async def __aenter__(self) -> "Run":
         return self
@@ -126,26 +134,28 @@ class Run:
         await asyncio.shield(self._close())
 
     async def _close(self) -> None:
+        for p in self._pumps:
+            p.cancel()  # a client that went away: each stream interrupts its generate
+        await asyncio.gather(*self._pumps, return_exceptions=True)
         sessions = [s for g in self.groups if g is not None for s in g.sessions]
         for r in await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True):
             if isinstance(r, BaseException):
                 log.debug("closing a session failed: %s: %s", type(r).__name__, r)
 
     # ------------------------------------------------------------------ start
-    async def start(self, *, prefill: bool) -> None:
-        """Open or restore every prompt's session; with prefill (streams, n > 1) append the prompts and fork."""
+    async def start(self) -> None:
+        """Open or restore every prompt's session; for n > 1 append the prompts and fork."""
         # every start settles before an error propagates: a session opened after close() ran would leak
-        outcomes = await asyncio.gather(*(self._start(i, prompt, prefill or self.plan.n > 1)
-                                          for i, prompt in enumerate(self.plan.prompts)), return_exceptions=True)
+        outcomes = await asyncio.gather(*(self._start(i, prompt) for i, prompt in enumerate(self.plan.prompts)),
+                                        return_exceptions=True)
         for r in outcomes:
             if isinstance(r, BaseException):
                 raise r
 
-    async def _start(self, i: int, prompt: tuple[int, ...], prefill: bool) -> None:
-        appended = False
+    async def _start(self, i: int, prompt: tuple[int, ...]) -> None:
+        fork = self.plan.n > 1
         if self.plan.capsule is None:
-            session = await self.ns.open(list(prompt) if prefill else None)  # opened and prefilled in one call
-            appended = prefill
+            session = await self.ns.open()
         else:
             t0 = time.perf_counter()
             try:
@@ -153,16 +163,15 @@ class Run:
             except UnknownCapsuleError:
                 self.metrics.capsule_lookup(hit=False)
                 raise
-            self.metrics.capsule_lookup(hit=True, restore_s=time.perf_counter() - t0)
+            self.metrics.capsule_lookup(hit=True, restore_s=time.perf_counter() - t0, tier=session.restored_from)
         # registered at once, so the session is closed whatever follows
-        group = self.groups[i] = _Group([session], 0 if appended else session.length)
-        if not prefill:
+        group = self.groups[i] = _Group([session], session.length)
+        if not fork:
             return
-        if prompt and not appended:
-            await session.append(list(prompt))
+        if prompt:  # a turn that generates nothing: its prefill is served from the namespace's prefix cache
+            group.cached_tokens += (await session.turn(list(prompt), 0)).cached_tokens
         group.prompt_tokens, group.prefilled = session.length, True
-        if self.plan.n > 1:
-            await self._fork(group)
+        await self._fork(group)
 
     async def _fork(self, group: _Group) -> None:
         point = f"{RESERVED_PREFIX}fork:{uuid.uuid4().hex}"
@@ -181,6 +190,10 @@ class Run:
         except Exception as e:  # a lost worker took it along; nothing else holds it
             log.warning("could not delete fork point %s: %s: %s", point, type(e).__name__, e)
 
+    def _prompt(self, i: int) -> list[int] | None:
+        """What choice i's generate appends first: the prompt, unless it was appended before the fork."""
+        return None if self.groups[i].prefilled else list(self.plan.prompts[i]) or None
+
     # ------------------------------------------------------------------ generate
     async def generate(self) -> tuple[list[Choice], Usage]:
         per_group = await asyncio.gather(*(self._generate(i, g) for i, g in enumerate(self.groups)))
@@ -189,13 +202,11 @@ class Run:
 
     async def _generate(self, i: int, group: _Group) -> list[Choice]:
         plan = self.plan
-        if not group.prefilled:  # n = 1: append + generate as one request
-            prompt = list(plan.prompts[i]) or None
-            results = [await group.sessions[0].turn(prompt, plan.max_tokens, plan.params(0))]
-        else:
-            results = await asyncio.gather(*(s.generate(plan.max_tokens, plan.params(j))
-                                             for j, s in enumerate(group.sessions)))
+        results = await asyncio.gather(*(s.turn(self._prompt(i), plan.max_tokens, plan.params(j))
+                                         for j, s in enumerate(group.sessions)))
         group.prompt_tokens = results[0].length - len(results[0])
+        if not group.prefilled:  # n = 1: the turn's own prefill
+            group.cached_tokens += results[0].cached_tokens
         return [Choice.of(i * plan.n + j, r) for j, r in enumerate(results)]
 
     async def keep(self) -> "Made | None":
@@ -211,42 +222,62 @@ class Run:
                      completion_tokens=sum(len(c.tokens) for c in choices),
                      cached_tokens=sum(g.cached_tokens for g in groups))
 
+    # ------------------------------------------------------------------ stream
+    async def begin_stream(self) -> None:
+        """Start every choice's stream and wait for each one's first event (its first token, or its
+        refusal): an error up to then is raised here, before anything of the response is sent."""
+        loop = asyncio.get_running_loop()
+        firsts = []
+        for i, g in enumerate(self.groups):
+            for j, s in enumerate(g.sessions):
+                first = loop.create_future()
+                firsts.append(first)
+                self._pumps.append(asyncio.create_task(self._pump(i, j, s, first)))
+        for r in await asyncio.gather(*firsts, return_exceptions=True):
+            if isinstance(r, BaseException):
+                raise r
+
     async def stream(self) -> AsyncIterator[Chunk]:
         """Chunks of every choice as their tokens arrive (choices interleaved); ends when all are done."""
-        queue: asyncio.Queue = asyncio.Queue()
-        pumps = [asyncio.create_task(self._pump(i * self.plan.n + j, s, self.plan.params(j), queue))
-                 for i, g in enumerate(self.groups) for j, s in enumerate(g.sessions)]
-        try:
-            left = len(pumps)
-            while left:
-                item = await queue.get()
-                if item is _END:
-                    left -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for p in pumps:
-                p.cancel()  # a client that went away: each stream interrupts its generate
-            await asyncio.gather(*pumps, return_exceptions=True)
+        left = len(self._pumps)
+        while left:
+            item = await self._queue.get()
+            if item is _END:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
 
-    async def _pump(self, index: int, session: "RemoteSession", params: SamplingParams, queue: asyncio.Queue) -> None:
+    async def _pump(self, i: int, j: int, session: "RemoteSession", first: asyncio.Future) -> None:
+        plan, index, queue = self.plan, i * self.plan.n + j, self._queue
+        params = plan.params(j)
         held, pending = HeldText(tuple(params.stop)), PendingTokens()
         try:
-            async for ev in session.stream(self.plan.max_tokens, params):
+            async for ev in session.stream_turn(self._prompt(i), plan.max_tokens, params):
+                if not first.done():
+                    first.set_result(None)
                 if isinstance(ev, FinalEvent):
-                    text = held.finish(ev.result.text)
-                    queue.put_nowait(Chunk(index, text, *pending.take(), final=Choice.of(index, ev.result)))
+                    res = ev.result
+                    self.groups[i].prompt_tokens = res.length - len(res)
+                    if not self.groups[i].prefilled:
+                        self.groups[i].cached_tokens += res.cached_tokens
+                    queue.put_nowait(Chunk(index, held.finish(res.text), *pending.take(), final=Choice.of(index, res)))
                     continue
                 if self.first_token_at is None:
                     self.first_token_at = time.perf_counter()
-                pending.add(ev.token, ev.logprob)
+                pending.add(ev.token, ev.logprob, ev.top_logprobs)
                 text = held.push(ev.text)
                 if text or ev.text is None:  # a model without tokenizer streams ids: every token is news
                     queue.put_nowait(Chunk(index, text, *pending.take()))
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            queue.put_nowait(e)
+            if first.done():
+                queue.put_nowait(e)
+            else:
+                first.set_exception(e)  # refused before its first event: begin_stream raises it
+        finally:
+            if not first.done():
+                first.cancel()
         queue.put_nowait(_END)

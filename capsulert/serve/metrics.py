@@ -8,7 +8,10 @@ every namespace, and a key holder must not learn the others' names from them.
     capsulert_requests_total{route,status}        requests answered, by route and HTTP status
     capsulert_prompt_tokens_total{route}          prompt tokens (those restored from capsules included)
     capsulert_generated_tokens_total{route}       completion tokens; rate() of it is tokens/s
+    capsulert_cached_prompt_tokens_total{route}   prompt tokens restored instead of prefilled (capsule or prefix
+                                                  cache); over prompt_tokens it is the prefix cache's hit rate
     capsulert_capsule_lookups_total{outcome}      requests that named a capsule: hit or miss
+    capsulert_capsule_hits_total{tier}            of the hits, the tier the capsule was read from: gpu, host, disk
     capsulert_restore_seconds                     restoring a request's capsule into a new session
     capsulert_ttft_seconds{route}                 request start to first generated token (streamed requests)
     capsulert_request_seconds{route}              request start to the last byte of the response
@@ -26,9 +29,9 @@ PREFIX = "capsulert_"
 
 class ServerMetrics(Protocol):
     def request(self, route: str, status: int, seconds: float) -> None: ...
-    def tokens(self, route: str, prompt: int, completion: int) -> None: ...
+    def tokens(self, route: str, prompt: int, completion: int, cached: int = 0) -> None: ...
     def ttft(self, route: str, seconds: float) -> None: ...
-    def capsule_lookup(self, hit: bool, restore_s: float | None = None) -> None: ...
+    def capsule_lookup(self, hit: bool, restore_s: float | None = None, tier: str | None = None) -> None: ...
     def inflight(self, n: int) -> None: ...
     def workers(self, queued: int, sessions: int) -> None: ...
 
@@ -37,9 +40,9 @@ class NoMetrics:
     """Records nothing (an app built outside Ray, in tests of the HTTP layer alone)."""
 
     def request(self, route: str, status: int, seconds: float) -> None: ...
-    def tokens(self, route: str, prompt: int, completion: int) -> None: ...
+    def tokens(self, route: str, prompt: int, completion: int, cached: int = 0) -> None: ...
     def ttft(self, route: str, seconds: float) -> None: ...
-    def capsule_lookup(self, hit: bool, restore_s: float | None = None) -> None: ...
+    def capsule_lookup(self, hit: bool, restore_s: float | None = None, tier: str | None = None) -> None: ...
     def inflight(self, n: int) -> None: ...
     def workers(self, queued: int, sessions: int) -> None: ...
 
@@ -53,7 +56,11 @@ class RayMetrics:
         self._requests = Counter(PREFIX + "requests", "requests answered", tag_keys=("route", "status"))
         self._prompt = Counter(PREFIX + "prompt_tokens", "prompt tokens of generation requests", tag_keys=("route",))
         self._generated = Counter(PREFIX + "generated_tokens", "tokens generated", tag_keys=("route",))
+        self._cached = Counter(PREFIX + "cached_prompt_tokens", "prompt tokens restored instead of prefilled",
+                               tag_keys=("route",))
         self._lookups = Counter(PREFIX + "capsule_lookups", "requests that named a capsule", tag_keys=("outcome",))
+        self._hits = Counter(PREFIX + "capsule_hits", "capsule hits by the tier the capsule was read from",
+                             tag_keys=("tier",))
         self._restore = Histogram(PREFIX + "restore_seconds", "restore of a request's capsule", LATENCY_BOUNDS)
         self._ttft = Histogram(PREFIX + "ttft_seconds", "time to first token (streamed requests)", LATENCY_BOUNDS,
                                tag_keys=("route",))
@@ -66,17 +73,21 @@ class RayMetrics:
         self._requests.inc(1, tags={"route": route, "status": str(status)})
         self._latency.observe(seconds, tags={"route": route})
 
-    def tokens(self, route: str, prompt: int, completion: int) -> None:
+    def tokens(self, route: str, prompt: int, completion: int, cached: int = 0) -> None:
         if prompt:
             self._prompt.inc(prompt, tags={"route": route})
+        if cached:
+            self._cached.inc(cached, tags={"route": route})
         if completion:
             self._generated.inc(completion, tags={"route": route})
 
     def ttft(self, route: str, seconds: float) -> None:
         self._ttft.observe(seconds, tags={"route": route})
 
-    def capsule_lookup(self, hit: bool, restore_s: float | None = None) -> None:
+    def capsule_lookup(self, hit: bool, restore_s: float | None = None, tier: str | None = None) -> None:
         self._lookups.inc(1, tags={"outcome": "hit" if hit else "miss"})
+        if hit and tier is not None:
+            self._hits.inc(1, tags={"tier": tier})
         if restore_s is not None:
             self._restore.observe(restore_s)
 

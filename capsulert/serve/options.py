@@ -16,12 +16,15 @@ from capsulert.worker.engine_config import EngineConfig
 RANDOM_PREFIX = "random:"
 # a server's requests wait this long for a free session slot (then 429) instead of failing at once
 DEFAULT_SLOT_WAIT_S = 30.0
+# what a server's engine config defaults to where the engine's own defaults differ: clients resend their
+# conversations, so a server reuses the longest cached prefix of every prompt (exact: worker/prefix_cache.py)
+SERVER_ENGINE_DEFAULTS = {"slot_wait_s": DEFAULT_SLOT_WAIT_S, "prefix_cache": True}
 
 
 class ServerOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    engine: EngineConfig = EngineConfig(slot_wait_s=DEFAULT_SLOT_WAIT_S)
+    engine: EngineConfig = EngineConfig(**SERVER_ENGINE_DEFAULTS)
     served_model_name: str | None = Field(None, description="the model id clients send; default: derived from engine.model")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -77,7 +80,7 @@ def _prepare(values: dict) -> dict:
         values["keys_file"] = absolute(values["keys_file"])
     engine = values.get("engine")
     if isinstance(engine, dict):
-        engine = {"slot_wait_s": DEFAULT_SLOT_WAIT_S, **engine}
+        engine = {**SERVER_ENGINE_DEFAULTS, **engine}
         model = engine.get("model")
         if isinstance(model, str) and model.startswith(RANDOM_PREFIX):
             engine["model"] = RANDOM_PREFIX + absolute(model[len(RANDOM_PREFIX):])
@@ -97,7 +100,7 @@ def model_dir(engine: EngineConfig) -> Path | None:
     if engine.model == "default":
         from capsulert.worker.default_model import ensure_default_model
 
-        return ensure_default_model(Path(engine.cache_dir) if engine.cache_dir else None)
+        return ensure_default_model(Path(engine.cache_dir) if engine.cache_dir else None, engine.progress)
     return Path(engine.model)
 
 

@@ -4,10 +4,9 @@ Finish reasons: eos, stop_token and stop_string are "stop"; length and max_seq a
 interrupted because its client went away is "stop" (nobody reads it).
 
 Logprobs are the raw model's (log_softmax of the logits, before temperature and top-k / top-p). In a
-stream each chunk carries the logprobs of its own tokens; with top-k alternatives asked for
-(completions `logprobs` > 0, chat `top_logprobs` > 0) the worker reports them when the choice ends, so
-they all come in the choice's last chunk. Concatenated over a choice's chunks, they are the same list
-as the non-streamed response's.
+stream each chunk carries the logprobs of its own tokens, with their top-k alternatives when asked for
+(completions `logprobs` > 0, chat `top_logprobs` > 0; the worker sends them with every token).
+Concatenated over a choice's chunks, they are the same list as the non-streamed response's.
 """
 from __future__ import annotations
 
@@ -75,11 +74,8 @@ class Shape:
         """The chunk of one choice's new output; `first`: the choice's first chunk (chat sends the role);
         `offset`: characters of the choice's text sent before (completions' text_offset)."""
         lp = None
-        if self.logprobs == 0 and ch.tokens:
-            lp = self._logprobs(ch.tokens, ch.logprobs, (), offset)
-        elif self.logprobs and ch.final is not None:  # top-k arrive with the result: all of them at the end
-            f = ch.final
-            lp = self._logprobs(f.tokens, f.logprobs, f.top_logprobs, 0)
+        if self.logprobs is not None and ch.tokens:
+            lp = self._logprobs(ch.tokens, ch.logprobs, ch.top_logprobs, offset)
         if self.chat:
             delta = {"role": "assistant", "content": ch.text} if first else {"content": ch.text}
             d = {"index": ch.index, "delta": delta, "logprobs": lp}

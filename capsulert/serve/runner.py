@@ -1,69 +1,47 @@
 """`capsulert serve`, the driver side: logging, Ray, Ray Serve, the app; then wait for Ctrl-C.
 
 Logging: capsulert logs through the `capsulert` logger only. The driver and every Ray worker process (the
-replica and the engine workers, through a worker setup hook) send it to stderr at --log-level; workers'
-output reaches this terminal through Ray (log_to_driver), prefixed with the process it came from.
+replica and the engine workers, through a worker setup hook) send it to stderr at --log-level
+(capsulert/logs.py); workers' output reaches this terminal through Ray (log_to_driver), prefixed with the
+process it came from. What the server says to its operator (where it serves, that it stops) are INFO
+records of `capsulert.serve`.
 """
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
-import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator
 
+from capsulert.progress import progress_bar
 from capsulert.errors import ConfigError
+from capsulert.logs import LEVEL_ENV, setup_logging
 from capsulert.serve.options import ServerOptions, model_dir, vocab_size
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-LEVEL_ENV = "CAPSULERT_LOG_LEVEL"
 APP_NAME = "capsulert"
 
 log = logging.getLogger("capsulert.serve")
 
-
-def setup_logging(level: str | None = None) -> None:
-    """Send the `capsulert` logger to stderr (once per process); the level from LEVEL_ENV by default."""
-    logger = logging.getLogger("capsulert")
-    logger.setLevel(level or os.environ.get(LEVEL_ENV, "INFO"))
-    if not any(getattr(h, "_capsulert", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(LOG_FORMAT))
-        handler._capsulert = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
-        logger.propagate = False  # Ray workers configure the root logger too: one line per record
+__all__ = ["serve_forever", "setup_logging", "start", "stop"]
 
 
 @contextmanager
 def _steps(total: int) -> Iterator:
-    """A progress bar over the start-up steps (tqdm when installed, log lines otherwise)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is None or not sys.stderr.isatty():
-        def step(what: str) -> None:
-            log.info("%s", what)
-        yield step
-        return
-    bar = tqdm(total=total, desc="capsulert serve", unit="step", file=sys.stderr, leave=False,
-               bar_format="{desc}: {n_fmt}/{total_fmt} {postfix}")
-    first = True
+    """The start-up steps: a progress bar on a terminal, a log line each otherwise."""
+    with progress_bar(total, "capsulert serve", progress=None, unit="step") as bar:
+        started = 0
 
-    def step(what: str) -> None:
-        nonlocal first
-        if not first:
-            bar.update(1)
-        first = False
-        bar.set_postfix_str(what)
-    try:
+        def step(what: str) -> None:
+            nonlocal started
+            if bar.disable:
+                log.info("%s", what)
+            bar.update(started - bar.n)  # the steps before this one are done
+            bar.set_postfix_str(what)
+            started += 1
         yield step
-        bar.update(1)
-    finally:
-        bar.close()
+        bar.update(total - bar.n)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -103,7 +81,7 @@ def start(opts: ServerOptions) -> str | None:
         _check_port(opts.host, opts.port)
         step("starting Ray")
         init = dict(include_dashboard=False, log_to_driver=True,
-                    runtime_env={"worker_process_setup_hook": "capsulert.serve.runner.setup_logging",
+                    runtime_env={"worker_process_setup_hook": "capsulert.logs.setup_logging",
                                  "env_vars": {LEVEL_ENV: opts.log_level}})
         if opts.ray_address:
             ray.init(address=opts.ray_address, **init)
@@ -116,12 +94,10 @@ def start(opts: ServerOptions) -> str | None:
         app = CapsuleServer.options(max_ongoing_requests=opts.max_inflight + 64).bind(opts.model_dump(), metrics_url)
         serve.run(app, name=APP_NAME, route_prefix="/",
                   logging_config={"log_level": opts.log_level, "enable_access_log": opts.access_log})
-    print(f"capsulert: serving {opts.model_name!r} at http://{opts.host}:{opts.port}/v1 "
-          f"({'API keys for ' + ', '.join(tenants.namespaces) if not tenants.open else 'no API keys: one namespace'})",
-          file=sys.stderr, flush=True)
+    log.info("serving %r at http://%s:%d/v1 (%s)", opts.model_name, opts.host, opts.port,
+             "API keys for " + ", ".join(tenants.namespaces) if not tenants.open else "no API keys: one namespace")
     if metrics_url:
-        print(f"capsulert: Prometheus metrics at http://{opts.host}:{opts.port}/metrics "
-              f"(all of Ray's at {metrics_url})", file=sys.stderr, flush=True)
+        log.info("Prometheus metrics at http://%s:%d/metrics (all of Ray's at %s)", opts.host, opts.port, metrics_url)
     return metrics_url
 
 
@@ -131,7 +107,7 @@ def stop() -> None:
 
     if not ray.is_initialized():  # refused before Ray started: nothing to stop
         return
-    print("capsulert: stopping", file=sys.stderr, flush=True)
+    log.info("stopping")
     try:
         serve.shutdown()
     finally:
@@ -156,7 +132,7 @@ def serve_forever(opts: ServerOptions) -> int:
         for sig in previous:  # again: Ray's core installs its own (crash-report) handler as it starts
             signal.signal(sig, on_signal)
         serving.set()
-        print("capsulert: press Ctrl-C to stop", file=sys.stderr, flush=True)
+        log.info("press Ctrl-C to stop")
         while not stopping.wait(0.5):
             pass
     except KeyboardInterrupt:

@@ -58,17 +58,22 @@ class HeldText:
 
 @dataclass
 class PendingTokens:
-    """Tokens produced since the choice's last chunk (a chunk goes out once it has text to show)."""
+    """Tokens produced since the choice's last chunk, with their logprobs and top-k alternatives (a chunk
+    goes out once it has text to show)."""
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
 
-    def add(self, token: int, logprob: float) -> None:
+    def add(self, token: int, logprob: float, top: tuple[tuple[int, float], ...] = ()) -> None:
         self.tokens.append(token)
         self.logprobs.append(logprob)
+        self.top_logprobs.append(top)
 
-    def take(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
-        out = tuple(self.tokens), tuple(self.logprobs)
+    def take(self) -> tuple[tuple[int, ...], tuple[float, ...], tuple[tuple[tuple[int, float], ...], ...]]:
+        """Everything pending (tokens, logprobs, top-k rows), and nothing pending afterwards."""
+        out = tuple(self.tokens), tuple(self.logprobs), tuple(self.top_logprobs)
         self.tokens.clear()
         self.logprobs.clear()
+        self.top_logprobs.clear()
         return out

@@ -68,24 +68,28 @@ class AsyncEngine:
             if not finished:
                 self.scheduler.cancel(job)
 
-    async def open(self, prompt=None) -> "AsyncSession":
-        info: SessionInfo = await self.submit(Open(prompt))
+    async def open(self, prompt=None, namespace: str | None = "default") -> "AsyncSession":
+        """A new session, prefilled with `prompt` when given (from the longest cached prefix in `namespace`
+        with EngineConfig.prefix_cache; None: no prefix reuse)."""
+        info: SessionInfo = await self.submit(Open(prompt, namespace))
         return AsyncSession(self, info.session, info.length)
 
     async def restore(self, name: str, namespace: str = "default") -> "AsyncSession":
         info: SessionInfo = await self.submit(Restore(name, namespace))
-        return AsyncSession(self, info.session, info.length)
+        return AsyncSession(self, info.session, info.length, info.restored_from)
 
     async def fork(self, name: str, n: int, namespace: str = "default") -> list["AsyncSession"]:
         infos = await self.submit(Fork(name, n, namespace))
-        return [AsyncSession(self, i.session, i.length) for i in infos]
+        return [AsyncSession(self, i.session, i.length, i.restored_from) for i in infos]
 
 
 class AsyncSession:
-    """A session served by an AsyncEngine; its calls run in the order they are made."""
+    """A session served by an AsyncEngine; its calls run in the order they are made. `restored_from`: for a
+    session made by restore or fork, the tier the capsule was read from (gpu, host or disk)."""
 
-    def __init__(self, owner: AsyncEngine, sid: int, length: int):
+    def __init__(self, owner: AsyncEngine, sid: int, length: int, restored_from: str | None = None):
         self.owner, self.id, self.length = owner, sid, length
+        self.restored_from = restored_from
 
     def __repr__(self) -> str:
         return f"AsyncSession(id={self.id}, len={self.length})"
@@ -100,12 +104,9 @@ class AsyncSession:
         self.length = res.length
         return res
 
-    async def stream(self, max_new_tokens: int, sampling: SamplingParams | None = None
-                     ) -> AsyncIterator[TokenEvent | FinalEvent]:
-        async for ev in self.owner.stream(Generate(self.id, max_new_tokens, sampling)):
-            if isinstance(ev, FinalEvent):
-                self.length = ev.result.length
-            yield ev
+    def stream(self, max_new_tokens: int, sampling: SamplingParams | None = None
+               ) -> AsyncIterator[TokenEvent | FinalEvent]:
+        return self._stream(Generate(self.id, max_new_tokens, sampling))
 
     async def turn(self, suffix=None, max_new_tokens: int = 0, sampling: SamplingParams | None = None, *,
                    restore: str | None = None, namespace: str = "default") -> GenerateResult:
@@ -114,12 +115,25 @@ class AsyncSession:
         self.length = res.length
         return res
 
+    def stream_turn(self, suffix=None, max_new_tokens: int = 0, sampling: SamplingParams | None = None, *,
+                    restore: str | None = None, namespace: str = "default") -> AsyncIterator[TokenEvent | FinalEvent]:
+        """turn() as a stream: [restore in place], append, then a TokenEvent per token and a FinalEvent."""
+        return self._stream(Turn(self.id, restore, suffix, max_new_tokens, sampling, namespace))
+
+    async def _stream(self, request: Generate | Turn) -> AsyncIterator[TokenEvent | FinalEvent]:
+        async for ev in self.owner.stream(request):
+            if isinstance(ev, FinalEvent):
+                self.length = ev.result.length
+            yield ev
+
     async def snapshot(self, name: str, tier: str = "device", pin: bool = False, namespace: str = "default"):
         return await self.owner.submit(Snapshot(self.id, name, tier, pin, namespace))
 
-    async def restore(self, name: str, namespace: str = "default") -> None:
+    async def restore(self, name: str, namespace: str = "default") -> str:
+        """Restore the capsule into this session in place; the tier it was read from."""
         info: SessionInfo = await self.owner.submit(Restore(name, namespace, into=self.id))
         self.length = info.length
+        return info.restored_from
 
     async def close(self) -> None:
         await self.owner.submit(Close(self.id))

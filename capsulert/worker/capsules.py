@@ -6,15 +6,23 @@ checkpoint (recurrent and conv state at G = floor(P / prefill_chunk) * prefill_c
 the live state). Restore writes those bytes back, so a restored session is the original one: generate
 continues exactly as it would have, and the next append re-runs [G, P) with the new tokens from the grid
 checkpoint on the chunk grid a cold prefill uses, so restore + append equals a cold prefill bitwise.
+
+The store cuts a capsule's KV rows [0, G) into prefix blocks shared with every capsule (and prefix-cache
+entry) of the same prefix (capsule_store/blocks.py); a restore writes each block and the tail into the
+slot's contiguous buffers in one grouped copy. Only a session whose state is canonical (prefix_cache.py)
+snapshots with this engine's origin, so only canonical bytes are ever shared or indexed.
 """
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 import torch
 
+from capsulert.capsule_store.blocks import BlockLayout, Parts
 from capsulert.capsule_store.capsule import CapsuleMeta, CapsuleRef, TensorSpec, model_of, weights_version_of
+from capsulert.capsule_store.prefix_index import PrefixMatch
 from capsulert.capsule_store.store import CapsuleStore
 from capsulert.errors import CapsuleError, IncompatibleCapsuleError, StaleCapsuleError, UnknownCapsuleError, UnsupportedStateModeError
 from capsulert.worker.state import LAYOUT_VERSION
@@ -24,10 +32,22 @@ if TYPE_CHECKING:
     from capsulert.worker.session import Session
 
 STATE_MODES = ("full",)
+BLOCK_TENSORS = ("kv_k", "kv_v")  # [attn_layers, P, kv_heads, head_dim]: token rows along dim 1
+
+
+def numerics_origin(engine: "Engine") -> str:
+    """What decides the bytes a forward pass computes besides the tokens and the weights: the device kind,
+    the torch build and the kernels. Capsules of another origin are restored byte-exact but never shared
+    by block or served as prefixes here (their state is not what this engine computes)."""
+    dev = engine.device
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine()
+    return f"{dev.type}:{where}:torch-{torch.__version__}:{engine.config.kernels}"
 
 
 class CapsuleVerbs:
     def __init__(self, engine: "Engine"):
+        from capsulert.worker.prefix_cache import PrefixCache
+
         self.engine = engine
         cfg = engine.config
         self.store = CapsuleStore(
@@ -37,7 +57,11 @@ class CapsuleVerbs:
             budgets=cfg.capsule_budgets.as_dict(),
             disk_dir=Path(cfg.disk_dir) if cfg.disk_dir else None,
             policy=cfg.policy,
+            blocks=BlockLayout(BLOCK_TENSORS, token_dim=1, origin=numerics_origin(engine), complete="last_hidden"),
+            prefix_policy=cfg.prefix_policy,
+            prefix_bytes=cfg.prefix_cache_bytes if cfg.prefix_cache else 0,
         )
+        self.prefix = PrefixCache(self, cfg.prefix_cache)
 
     def _views(self, slot: int, length: int, grid_pos: int) -> dict[str, torch.Tensor]:
         """The slot's bytes that make up a capsule of `length` tokens (views, no copies)."""
@@ -77,7 +101,8 @@ class CapsuleVerbs:
             nbytes=nbytes,
             recompute_cost_s=eng._prefill_s_per_token * P,
         )
-        return self.store.put(meta, views, tier=tier, pin=pin)
+        origin = self.store.block_origin if self.prefix.canonical(session) else None
+        return self.store.put(meta, views, tier=tier, pin=pin, origin=origin)
 
     def check_exists(self, name: str, namespace: str) -> None:
         if not self.store.contains(name, namespace):
@@ -113,17 +138,79 @@ class CapsuleVerbs:
         if set(specs) != set(expected):
             raise IncompatibleCapsuleError(f"capsule {meta.name!r} has tensors {sorted(specs)}, expected {sorted(expected)}")
 
-    def restore_into(self, session: "Session", name: str, namespace: str) -> None:
-        """Overwrite the session's slot with the capsule; validates everything before the first byte moves."""
+    def restore_into(self, session: "Session", name: str, namespace: str) -> str:
+        """Overwrite the session's slot with the capsule; validates everything before the first byte moves.
+        Returns the tier the capsule was read from (gpu, host or disk)."""
         eng = self.engine
-        with self.store.reading(name, namespace, check=self._check_compatible) as (meta, tensors):
+        with self.store.reading_parts(name, namespace, check=self._check_compatible) as (meta, parts, tier):
             slot, P, G = session.slot, meta.boundary, meta.grid_pos
-            dst = self._views(slot, P, G)
             st = eng.state
-            pairs = [(dst[k], tensors[k]) for k in dst]
+            pairs = self._block_pairs(slot, parts, 0)
+            dst = self._views(slot, P, G)
+            own = parts.own
+            for k in BLOCK_TENSORS:  # the rows past its blocks
+                dst[k] = dst[k][:, len(parts.blocks) * eng.chunk:]
+            pairs += [(dst[k], own[k]) for k in dst]
             if P == G:  # on the grid the live state is the grid checkpoint
-                pairs += [(st.ssm_grid[:, slot], tensors["ssm"]), (st.conv_grid[:, slot], tensors["conv"])]
+                pairs += [(st.ssm_grid[:, slot], own["ssm"]), (st.conv_grid[:, slot], own["conv"])]
             torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
             st.pos[slot] = P
         session.tokens = list(meta.tokens)
         session.stop_reason = None
+        canonical = parts.refs is not None and parts.refs.origin == self.store.block_origin
+        self.prefix.restored(session, namespace, canonical)
+        return tier
+
+    def _block_pairs(self, slot: int, parts: Parts, first: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(slot rows, block rows) of the KV of blocks first.. of a capsule's parts."""
+        st, C = self.engine.state, self.engine.chunk
+        pairs = []
+        for i in range(first, len(parts.blocks)):
+            rows = slice(i * C, (i + 1) * C)
+            pairs += [(st.kv_k[:, slot, rows], parts.blocks[i]["kv_k"]), (st.kv_v[:, slot, rows], parts.blocks[i]["kv_v"])]
+        return pairs
+
+    # -- prefix reuse (prefix_cache.py decides when) ----------------------------------------------
+    def restore_prefix(self, session: "Session", match: PrefixMatch, tokens: list[int]) -> bool:
+        """Write the grid checkpoint `match` found for `tokens` into the session's slot: the KV blocks past
+        the session's own grid point, the recurrent and conv state at the checkpoint (live and grid), its
+        last hidden state when it has one; the session then holds tokens[:match.grid]. False when the
+        checkpoint left the store meanwhile (nothing written)."""
+        eng, slot = self.engine, session.slot
+        start = len(session.tokens) // eng.chunk * eng.chunk
+        try:
+            with self.store.reading_prefix(match, start) as (meta, parts):
+                st, own = eng.state, parts.own
+                on_grid = meta.boundary == meta.grid_pos
+                ssm, conv = (own["ssm"], own["conv"]) if on_grid else (own["ssm_grid"], own["conv_grid"])
+                pairs = self._block_pairs(slot, parts, start // eng.chunk)
+                pairs += [(st.ssm[:, slot], ssm), (st.conv[:, slot], conv),
+                          (st.ssm_grid[:, slot], ssm), (st.conv_grid[:, slot], conv)]
+                if on_grid and "last_hidden" in own:
+                    pairs.append((st.last_hidden[slot], own["last_hidden"]))
+                torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
+                st.pos[slot] = match.grid
+        except UnknownCapsuleError:
+            return False
+        session.tokens = list(tokens[:match.grid])
+        return True
+
+    def keep_checkpoint(self, session: "Session", namespace: str) -> bool:
+        """Offer the session's last grid checkpoint to the store as an anonymous prefix entry: KV rows
+        [0, G), the recurrent and conv state at G and, when the session stands on G, its last hidden state."""
+        eng, slot = self.engine, session.slot
+        P = len(session.tokens)
+        G = P // eng.chunk * eng.chunk
+        if G == 0:
+            return False
+        st = eng.state
+        views = {"kv_k": st.kv_k[:, slot, :G], "kv_v": st.kv_v[:, slot, :G]}
+        if P == G:
+            views.update(ssm=st.ssm[:, slot], conv=st.conv[:, slot], last_hidden=st.last_hidden[slot])
+        else:
+            views.update(ssm=st.ssm_grid[:, slot], conv=st.conv_grid[:, slot])
+        meta = CapsuleMeta.build(name="prefix", namespace=namespace, tokens=session.tokens[:G], grid_pos=G,
+                                 fingerprint=eng.fingerprint, layout_version=LAYOUT_VERSION, prefill_chunk=eng.chunk,
+                                 nbytes=sum(t.numel() * t.element_size() for t in views.values()),
+                                 recompute_cost_s=eng._prefill_s_per_token * G)
+        return self.store.keep_prefix(meta, views)

@@ -76,10 +76,11 @@ def _advance(engine, streams, should_stop):
             res = st.result
             res.append(token)
             res.logprobs.append(draws.logprobs[r])
+            top = draws.top_logprobs[r]  # empty unless this stream asked for logprobs
             if st.params.logprobs:
-                res.top_logprobs.append(draws.top_logprobs[r])
+                res.top_logprobs.append(top)
             delta = deltas[id(st)] = st.text.push(token)
-            events.append((st, TokenEvent(token, draws.logprobs[r], delta, len(res.tokens) - 1)))
+            events.append((st, TokenEvent(token, draws.logprobs[r], delta, len(res.tokens) - 1, tuple(top))))
     for st in live:
         reason = st.rule.check(st.result.tokens[-1], len(st.result.tokens), st.text, deltas[id(st)])
         if reason is None and should_stop is not None and should_stop(st):

@@ -8,22 +8,26 @@ zeroing the recurrent state changes the greedy tokens). The tokenizer is a byte-
 deterministically on capsulert/data/corpus.txt.
 
 `ensure_default_model()` writes an HF-format directory (config.json, model.safetensors,
-tokenizer.json) into a cache directory once and reuses it afterwards.
+tokenizer.json) into a cache directory once and reuses it afterwards; the generation is logged (INFO, logger
+`capsulert.worker.default_model`) and shows a progress bar on a terminal (capsulert/progress.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
-import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from capsulert.progress import progress_bar
 from capsulert.model_config import ModelConfig
 from capsulert.errors import ModelLoadError
 from capsulert.worker.loader import CONFIG_FILE, SINGLE_FILE, TOKENIZER_FILE, expected_shapes
@@ -37,6 +41,8 @@ GENERATOR_VERSION = 1
 SEED = 20240607
 EOS_TOKEN = "<|endoftext|>"
 FILES = (CONFIG_FILE, SINGLE_FILE, TOKENIZER_FILE)
+
+log = logging.getLogger(__name__)
 
 #: how many times this process generated a model (tests use it to check cache reuse)
 generation_count = 0
@@ -101,10 +107,11 @@ def _log_uniform(n: int, lo: float, hi: float, g: torch.Generator) -> torch.Tens
 
 
 def init_weights(cfg: ModelConfig, seed: int = SEED, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                 dtype: torch.dtype = torch.float32,
+                 on_tensor: Callable[[], object] | None = None) -> dict[str, torch.Tensor]:
     """Deterministic weights for `cfg`, by HF Qwen3_5ForCausalLM name. Drawn in float32 on `device`
     (the same device and seed give the same bytes), stored as `dtype`: a 9B shape is generated on the
-    GPU in seconds with no file in between."""
+    GPU in seconds with no file in between. `on_tensor()` is called after each tensor (progress)."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def normal(shape: tuple[int, ...], std: float, mean: float = 0.0) -> torch.Tensor:
@@ -141,26 +148,39 @@ def init_weights(cfg: ModelConfig, seed: int = SEED, device: str | torch.device 
             t = normal(shape, 1.0 / math.sqrt(shape[1]))
         assert tuple(t.shape) == shape, name
         out[name] = t.to(dtype).contiguous()
+        if on_tensor is not None:
+            on_tensor()
     return out
 
 
-def generate(out_dir: Path, config_path: Path = DEFAULT_CONFIG_PATH, seed: int = SEED) -> None:
-    """Write config.json, model.safetensors and tokenizer.json for the config into out_dir."""
+def generate(out_dir: Path, config_path: Path = DEFAULT_CONFIG_PATH, seed: int = SEED,
+             progress: bool | None = None) -> None:
+    """Write config.json, model.safetensors and tokenizer.json for the config into out_dir. `progress`:
+    a bar over the steps (None: on a terminal)."""
     from safetensors.torch import save_file
 
     global generation_count
     cfg = ModelConfig.from_file(config_path)
-    tok = train_tokenizer(cfg.vocab_size)
-    if tok.get_vocab_size() > cfg.vocab_size:  # pragma: no cover - the trainer respects vocab_size
-        raise ModelLoadError(f"tokenizer has {tok.get_vocab_size()} tokens, more than vocab_size {cfg.vocab_size}")
-    cfg = dataclasses.replace(cfg, eos_token_id=tok.token_to_id(EOS_TOKEN))
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf = cfg.to_hf_dict()
-    hf["torch_dtype"] = "float32"
-    (out_dir / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    save_file(init_weights(cfg, seed), str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
-    tok.save(str(out_dir / TOKENIZER_FILE))
+    steps = len(expected_shapes(cfg)) + 2  # the tokenizer, every tensor, the files
+    with progress_bar(steps, "capsulert: generating the default model", progress=progress,
+                           unit="step") as bar:
+        bar.set_postfix_str("tokenizer")
+        tok = train_tokenizer(cfg.vocab_size)
+        bar.update()
+        if tok.get_vocab_size() > cfg.vocab_size:  # pragma: no cover - the trainer respects vocab_size
+            raise ModelLoadError(f"tokenizer has {tok.get_vocab_size()} tokens, more than vocab_size {cfg.vocab_size}")
+        cfg = dataclasses.replace(cfg, eos_token_id=tok.token_to_id(EOS_TOKEN))
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        hf = cfg.to_hf_dict()
+        hf["torch_dtype"] = "float32"
+        (out_dir / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        bar.set_postfix_str("weights")
+        weights = init_weights(cfg, seed, on_tensor=bar.update)
+        bar.set_postfix_str("files")
+        save_file(weights, str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
+        tok.save(str(out_dir / TOKENIZER_FILE))
+        bar.update()
     generation_count += 1
 
 
@@ -168,11 +188,12 @@ def _complete(d: Path) -> bool:
     return all((d / f).is_file() for f in FILES)
 
 
-def ensure_default_model(cache_dir: Path | None = None) -> Path:
+def ensure_default_model(cache_dir: Path | None = None, progress: bool | None = None) -> Path:
     """The directory of the default model (config.json, model.safetensors, tokenizer.json).
 
     Generated on first use into `cache_dir` (default ~/.cache/capsulert/models/default-<hash>),
-    atomically (temp dir + rename; if another process wins the race its copy is used).
+    atomically (temp dir + rename; if another process wins the race its copy is used). The generation
+    is logged (INFO) and shows a progress bar per `progress` (None: on a terminal).
     """
     target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if _complete(target):
@@ -180,8 +201,9 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        print(f"capsulert: generating default model into {target}", file=sys.stderr, flush=True)
-        generate(tmp)
+        log.info("generating the default model into %s (once: later runs reuse it)", target)
+        t0 = time.perf_counter()
+        generate(tmp, progress=progress)
         try:
             if target.is_dir() and not any(target.iterdir()):
                 target.rmdir()  # an empty directory (e.g. made by the caller) is replaced
@@ -192,6 +214,9 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
                     f"cannot place the default model at {target}: it exists but is incomplete; delete it and retry"
                 ) from None
             # another process won the race: use its copy
+            log.info("another process generated the default model into %s first; using its copy", target)
+        else:
+            log.info("generated the default model in %.1f s", time.perf_counter() - t0)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

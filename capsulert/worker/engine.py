@@ -5,6 +5,9 @@ tokens since the slot's last grid point from its grid checkpoint, so appends spl
 prefill give bitwise the same logits and state. Decode steps several slots at once; when decode reaches a
 grid point the crossed chunk is re-derived through the prefill path, so the state at every grid point is the
 one a cold prefill computes, whatever produced the tokens (canonical grid state).
+
+Long work shows a progress bar on a terminal (EngineConfig.progress, capsulert/progress.py): loading the
+weights, capturing the graphs, and a prefill of more than LONG_PREFILL_CHUNKS chunks in one call.
 """
 from __future__ import annotations
 
@@ -12,12 +15,13 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from pydantic import ValidationError
 
 from capsulert.model_config import ModelConfig
+from capsulert.progress import progress_bar
 from capsulert.errors import (
     ConfigError,
     ForeignSessionError,
@@ -38,6 +42,14 @@ RANDOM_PREFIX = "random:"  # model="random:<architecture yaml>": deterministic r
 # sessions per decode step; larger generate calls run several steps per token. On CUDA every dense op of a
 # step runs on exactly this many rows (batch invariance, worker/model.py).
 MAX_DECODE_BATCH = 64
+# a prefill of more chunks than this in one call shows a progress bar (when bars are on)
+LONG_PREFILL_CHUNKS = 4
+
+
+class Restored(NamedTuple):
+    """What restore_sessions made: the sessions, and the tier the capsule was read from."""
+    sessions: list[Session]
+    tier: str
 
 
 class Engine:
@@ -78,7 +90,7 @@ class Engine:
 
             buckets = decode_buckets(config.decode_batches, min(config.slots, MAX_DECODE_BATCH))
             self.graphs = GraphPlans(self.model, self.state, self.scratch_slot, config.max_seq, self.chunk, buckets)
-            self.graphs.capture()
+            self.graphs.capture(progress=config.progress)
 
     def _kernels(self, config: EngineConfig):
         from capsulert.kernels import ops
@@ -108,10 +120,10 @@ class Engine:
         if config.model.startswith(RANDOM_PREFIX):
             return cls._random(config, device, dtype)
         if config.model == "default":
-            path = ensure_default_model(Path(config.cache_dir) if config.cache_dir else None)
+            path = ensure_default_model(Path(config.cache_dir) if config.cache_dir else None, config.progress)
         else:
             path = Path(config.model)
-        model_cfg, weights = load_checkpoint(path, dtype=dtype, device=device)
+        model_cfg, weights = load_checkpoint(path, dtype=dtype, device=device, progress=config.progress)
         fingerprint = f"{weights_fingerprint(model_cfg, weights)}:{dtype}".replace("torch.", "")
         return cls(config, model_cfg, weights, load_tokenizer(path), fingerprint,
                    eos_ids_from_checkpoint(path, model_cfg.eos_token_id))
@@ -122,9 +134,12 @@ class Engine:
         import hashlib
 
         from capsulert.worker.default_model import SEED, init_weights
+        from capsulert.worker.loader import expected_shapes
 
         model_cfg = ModelConfig.from_file(config.model[len(RANDOM_PREFIX):])
-        weights = init_weights(model_cfg, SEED, device=device, dtype=dtype)
+        with progress_bar(len(expected_shapes(model_cfg)), "capsulert: random weights", progress=config.progress,
+                          unit="tensor") as bar:
+            weights = init_weights(model_cfg, SEED, device=device, dtype=dtype, on_tensor=bar.update)
         digest = hashlib.sha256(json.dumps(model_cfg.to_hf_dict(), sort_keys=True).encode()).hexdigest()
         fingerprint = f"random-{SEED}-{digest}-{device.type}:{dtype}".replace("torch.", "")
         return cls(config, model_cfg, weights, None, fingerprint)
@@ -134,6 +149,7 @@ class Engine:
         """Close every session and the capsule store (pending disk writes finish; its disk_dir lock is
         released, so another engine may take the directory). The engine is unusable afterwards."""
         with self._lock:
+            self.prefix.enabled = False  # closing sessions keep nothing: the store goes next
             for s in list(self._sessions.values()):
                 self.release(s)
             self.store.close()
@@ -145,11 +161,21 @@ class Engine:
         self.close()
 
     # ------------------------------------------------------------------ sessions
-    def open(self, wait_s: float | None = None) -> Session:
-        """A new empty session. With every slot taken, waits up to wait_s (default: the config's
-        slot_wait_s) for one to be released, then raises NoFreeSlotError."""
+    def open(self, wait_s: float | None = None, *, prompt=None, namespace: str | None = "default") -> Session:
+        """A new session, empty or prefilled with `prompt` (with EngineConfig.prefix_cache, the longest
+        cached grid prefix of it in `namespace` is restored and only the rest prefilled; namespace None:
+        no prefix reuse). With every slot taken, waits up to wait_s (default: the config's slot_wait_s)
+        for one to be released, then raises NoFreeSlotError."""
         with self._lock:
-            return self._take_slots(1, wait_s)[0]
+            session = self._take_slots(1, wait_s)[0]
+            self.prefix.opened(session, namespace)
+            if prompt is not None:
+                try:
+                    self.append(session, prompt)
+                except BaseException:
+                    self.release(session)
+                    raise
+            return session
 
     def _take_slots(self, n: int, wait_s: float | None = None, reset: bool = True) -> list[Session]:
         """Claim n slots. reset=False when a restore overwrites every state buffer of the slot next."""
@@ -184,6 +210,7 @@ class Engine:
     def release(self, session: Session) -> None:
         with self._lock:
             self._own(session)
+            self.prefix.closing(session)  # may keep its last grid checkpoint (prefix cache)
             session.closed = True
             del self._sessions[session.slot]
             self._free.append(session.slot)
@@ -223,16 +250,26 @@ class Engine:
             slots = torch.tensor([slot], device=self.device)
             ids = torch.tensor(tokens, device=self.device)
         a, end = start, start + len(tokens)
+        chunks = (end - 1) // self.chunk - start // self.chunk + 1
+        # a bar only for long prefills: a short one ends before any bar would show
+        bar = progress_bar(chunks, "capsulert: prefill", unit="chunk",
+                           progress=self.config.progress if chunks > LONG_PREFILL_CHUNKS else False)
+        # on CUDA the chunks are queued at once: a drawn bar waits for each, or it would fill before the work
+        pace = not bar.disable and self.device.type == "cuda"
         t0 = time.perf_counter()
-        while a < end:
-            b = min((a // self.chunk + 1) * self.chunk, end)
-            if self.graphs is not None:
-                self.graphs.prefill(slot, tokens[a - start:b - start])
-            else:
-                self.model.forward(self.state, slots, ids[None, a - start:b - start], self._kv_len(b))
-            if b % self.chunk == 0:
-                self.state.save_grid(slot)
-            a = b
+        with bar:
+            while a < end:
+                b = min((a // self.chunk + 1) * self.chunk, end)
+                if self.graphs is not None:
+                    self.graphs.prefill(slot, tokens[a - start:b - start])
+                else:
+                    self.model.forward(self.state, slots, ids[None, a - start:b - start], self._kv_len(b))
+                if b % self.chunk == 0:
+                    self.state.save_grid(slot)
+                a = b
+                if pace:
+                    torch.cuda.synchronize(self.device)
+                bar.update()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         per_token = (time.perf_counter() - t0) / len(tokens)
@@ -242,14 +279,27 @@ class Engine:
         with self._lock:
             self._own(session)
             new = self.codec.validate(tokens_or_text, self.config.max_seq - len(session.tokens))
-            P = len(session.tokens)
-            G = P // self.chunk * self.chunk
-            if P != G:  # re-run [G, P) with the new tokens from the grid checkpoint, as a cold prefill does
-                self.state.load_grid(session.slot)
-                self.state.pos[session.slot] = G
-            self._run_prefill(session.slot, session.tokens[G:] + new, G)
-            session.tokens.extend(new)
+            new = self.prefix.before_append(session, new)  # a cached prefix restored: only the rest is new
+            for piece in self.prefix.pieces(session, new):  # cut where checkpoints are to be kept
+                self._extend(session, piece)
+                self.prefix.reached(session)
             return self.logits(session)
+
+    def reuse_prefix(self, session: Session, tokens: list[int]) -> list[int]:
+        """Restore the longest cached grid prefix of the session's tokens + `tokens` (prefix cache); the
+        tokens left to append. For callers that append in pieces (the step scheduler)."""
+        with self._lock:
+            self._own(session)
+            return self.prefix.before_append(session, tokens)
+
+    def _extend(self, session: Session, new: list[int]) -> None:
+        P = len(session.tokens)
+        G = P // self.chunk * self.chunk
+        if P != G:  # re-run [G, P) with the new tokens from the grid checkpoint, as a cold prefill does
+            self.state.load_grid(session.slot)
+            self.state.pos[session.slot] = G
+        self._run_prefill(session.slot, session.tokens[G:] + new, G)
+        session.tokens.extend(new)
 
     def logits(self, session: Session) -> torch.Tensor:
         self._own(session)
@@ -363,7 +413,7 @@ class Engine:
         from capsulert.capsule_store.capsule import WEIGHTS_MARK, model_of
         from capsulert.worker.weights import check_update, read_update
 
-        new = check_update(self.model_weights, read_update(weights, self.model_cfg, self.dtype),
+        new = check_update(self.model_weights, read_update(weights, self.model_cfg, self.dtype, self.config.progress),
                            self.model_cfg.tie_word_embeddings)
         with self._lock:
             with torch.inference_mode():
@@ -385,7 +435,7 @@ class Engine:
             info = self.store.info(name, namespace)
             if info.meta.fingerprint == self.fingerprint:
                 return None
-            s = self.open()
+            s = self.open(namespace=None)  # no prefix reuse: the capsule's tokens are its namespace's
             try:
                 s.append(list(info.meta.tokens))  # the expensive, fallible part runs before anything changes
                 self.store.delete(name, namespace)
@@ -399,6 +449,11 @@ class Engine:
     def store(self):
         return self.capsules.store
 
+    @property
+    def prefix(self):
+        """Automatic prefix reuse (worker/prefix_cache.py); inert unless EngineConfig.prefix_cache."""
+        return self.capsules.prefix
+
     def snapshot(self, session: Session, name: str, tier: str = "gpu", pin: bool = False,
                  mode: str = "full", namespace: str = "default"):
         with self._lock:
@@ -406,32 +461,30 @@ class Engine:
             return self.capsules.snapshot(session, name, tier=tier, pin=pin, mode=mode, namespace=namespace)
 
     def restore(self, name: str, namespace: str = "default", wait_s: float | None = None) -> Session:
-        with self._lock:
-            self.capsules.check_exists(name, namespace)
-            session = self._take_slots(1, wait_s, reset=False)[0]
-            try:
-                self.capsules.restore_into(session, name, namespace)
-            except BaseException:
-                self.release(session)
-                raise
-            return session
+        return self.restore_sessions(name, 1, namespace, wait_s).sessions[0]
 
-    def restore_into(self, session: Session, name: str, namespace: str = "default") -> None:
+    def restore_into(self, session: Session, name: str, namespace: str = "default") -> str:
+        """Restore the capsule into an open session in place; the tier it was read from (gpu, host or disk)."""
         with self._lock:
             self._own(session)
-            self.capsules.restore_into(session, name, namespace)
+            return self.capsules.restore_into(session, name, namespace)
 
     def fork(self, name: str, n: int, namespace: str = "default", wait_s: float | None = None) -> list[Session]:
+        return self.restore_sessions(name, n, namespace, wait_s).sessions
+
+    def restore_sessions(self, name: str, n: int = 1, namespace: str = "default",
+                         wait_s: float | None = None) -> Restored:
+        """n new sessions holding the capsule (restore: 1, fork: n), and the tier the first read found it in
+        (gpu, host or disk; the later reads find it where the first one promoted it)."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise InvalidRequestError(f"fork needs n >= 1 branches, got {n!r}")
         with self._lock:
             self.capsules.check_exists(name, namespace)
             sessions = self._take_slots(n, wait_s, reset=False)
             try:
-                for s in sessions:
-                    self.capsules.restore_into(s, name, namespace)
+                tiers = [self.capsules.restore_into(s, name, namespace) for s in sessions]
             except BaseException:
                 for s in sessions:
                     self.release(s)
                 raise
-            return sessions
+            return Restored(sessions, tiers[0])

@@ -34,12 +34,21 @@ class EngineConfig(BaseModel):
     capsule_budgets: TierBudgets = TierBudgets()
     disk_dir: str | None = None
     policy: str = "pinned_lru"
+    prefix_cache: bool = Field(False, description="automatic exact prefix reuse: keep grid checkpoints of sessions "
+                               "as anonymous entries and restore the longest cached prefix of every new prompt "
+                               "(on in `capsulert serve`)")
+    prefix_cache_bytes: int | None = Field(2 << 30, ge=0, description="the most bytes prefix entries hold alone "
+                                           "(blocks shared with capsules not counted); None: tier budgets only")
+    prefix_policy: str = Field("cost_aware", description="the policy that admits and evicts prefix entries")
     kernels: Literal["auto", "reference", "triton"] = Field(
         "auto", description="CUDA kernels: auto = Triton + fla chunked prefill when installed")
     slot_wait_s: float = Field(0.0, ge=0.0, le=3600.0,
                                description="how long open/restore/fork wait for a free slot before NoFreeSlotError")
     cuda_graphs: bool = Field(True, description="capture CUDA graphs at start (CUDA only)")
     decode_batches: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32, 64), description="batch sizes of the decode graphs (capped at slots; the largest is always captured)")
+    progress: bool | None = Field(None, description="progress bars on stderr for default-model generation, weight "
+                                  "loading, graph capture and long prefills: None = when stderr is a terminal "
+                                  "(never in Ray workers unless True)")
 
     @field_validator("prefill_chunk")
     @classmethod

@@ -3,7 +3,8 @@
 A plan reads its inputs from static buffers (token ids, slot ids, valid lengths) and positions from
 `state.pos`, so one captured graph serves every slot and every position. Prefill of n tokens replays the
 graph of the smallest bucket >= n with the tail marked as padding; a decode batch of b sessions replays
-the graph of the smallest batch bucket >= b, padding rows pointing at the scratch slot.
+the graph of the smallest batch bucket >= b, padding rows pointing at the scratch slot. Capture shows a
+progress bar over the shapes warmed up and captured on a terminal (capsulert/progress.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from capsulert.progress import Bar, progress_bar
 from capsulert.worker.model import HybridModel
 from capsulert.worker.state import StateSet
 
@@ -72,21 +74,31 @@ class GraphPlans:
             logits = self.model.logits(self.state, self.slots[:B])
             self.logits[:logits.shape[0]].copy_(logits)
 
-    def capture(self, prefill: bool = True) -> None:
+    def capture(self, prefill: bool = True, progress: bool | None = None) -> None:
+        """Warm up every shape, then capture its graph; `progress`: a bar over both passes (None: on a
+        terminal)."""
         keys = [ShapeKey("decode", b, 1) for b in self.decode_batches]
         keys += [ShapeKey("prefill", 1, t) for t in self.prefill_sizes] if prefill else []
+        with progress_bar(2 * len(keys), "capsulert: CUDA graphs", progress=progress, unit="shape") as bar:
+            self._capture(keys, bar)
+        log.info("captured %d CUDA graphs in %.1f s (warm-up of every shape %.1f s)", len(keys), self.capture_s,
+                 self.warmup_s)
+
+    def _capture(self, keys: list[ShapeKey], bar: Bar) -> None:
         t0 = time.perf_counter()
         saved = {n: b.clone() for n, b in self.state.buffers.items() if n in ("pos",)}
         self.slots.fill_(self.scratch)
         self.valid.fill_(1)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        bar.set_postfix_str("warm-up")
         with torch.cuda.stream(side):
             for key in keys:  # warm up every shape (allocator, Triton compiles and autotuning) before capture
                 t = time.perf_counter()
                 self._run(key)
                 torch.cuda.synchronize()
                 self.warmup_by_key[key] = time.perf_counter() - t
+                bar.update()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         self.warmup_s = time.perf_counter() - t0
@@ -97,6 +109,7 @@ class GraphPlans:
         gc.collect()
         gc_was_enabled = gc.isenabled()
         gc.disable()
+        bar.set_postfix_str("capture")
         try:
             for i, key in enumerate(keys):
                 g = torch.cuda.CUDAGraph()
@@ -105,6 +118,7 @@ class GraphPlans:
                 self.pool = g.pool()
                 self.graphs[key] = g
                 log.debug("captured CUDA graph %d/%d (%s b=%d t=%d)", i + 1, len(keys), key.phase, key.batch, key.tokens)
+                bar.update()
         finally:
             if gc_was_enabled:
                 gc.enable()
@@ -112,8 +126,6 @@ class GraphPlans:
         for n, b in saved.items():
             self.state.buffers[n].copy_(b)
         self.capture_s = time.perf_counter() - t0
-        log.info("captured %d CUDA graphs in %.1f s (warm-up of every shape %.1f s)", len(keys), self.capture_s,
-                 self.warmup_s)
 
     def prefill(self, slot: int, tokens: list[int]) -> None:
         n = len(tokens)

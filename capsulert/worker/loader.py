@@ -4,7 +4,8 @@ Weight names are normalised to the form `Qwen3_5ForCausalLM` writes (`model.laye
 `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight`). Checkpoints written by
 `Qwen3_5ForConditionalGeneration` (`model.language_model....`) are accepted; their vision tower
 (`model.visual.*`) and multi-token-prediction head (`mtp.*`) are ignored. Only safetensors is read,
-never pickle.
+never pickle. A load that takes a while shows a progress bar over the tensors on a terminal, naming the
+shard it reads (capsulert/progress.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 from capsulert.model_config import FULL, LINEAR, ModelConfig
 from capsulert.errors import ModelLoadError
+from capsulert.progress import progress_bar
 
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers
@@ -113,9 +115,11 @@ def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
 
 
 def load_checkpoint(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    progress: bool | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read an HF-format checkpoint directory; return its config and its weights by HF CausalLM name."""
+    """Read an HF-format checkpoint directory; return its config and its weights by HF CausalLM name.
+    `progress`: a bar over the tensors (None: on a terminal)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -133,42 +137,49 @@ def load_checkpoint(
     unexpected: list[str] = []
     ignored = 0
     tied_lm_head: torch.Tensor | None = None
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                keys = list(f.keys())
-                if weight_map is not None:
-                    listed = [k for k, v in weight_map.items() if v == file.name]
-                    absent = sorted(set(listed) - set(keys))
-                    if absent:
-                        raise ModelLoadError(
-                            f"{INDEX_FILE} places tensor(s) in {file.name} that it does not hold: {_names(absent)}"
-                        )
-                for key in keys:
-                    name = _normalise(key)
-                    if name is None:
-                        ignored += 1
-                        continue
-                    if name in origin:
-                        raise ModelLoadError(f"tensor {name} appears twice in {path} (as {origin[name]} and {key})")
-                    origin[name] = key
-                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                        tied_lm_head = f.get_tensor(key)
-                        continue
-                    if name not in shapes:
-                        unexpected.append(key)
-                        continue
-                    shape = tuple(f.get_slice(key).get_shape())
-                    if shape != shapes[name]:
-                        raise ModelLoadError(
-                            f"tensor {key} in {file.name} has shape {list(shape)}, expected {list(shapes[name])} "
-                            "for this config"
-                        )
-                    found[name] = f.get_tensor(key)
-        except ModelLoadError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for truncated or malformed files
-            raise ModelLoadError(f"cannot read safetensors file {file}: {type(e).__name__}: {e}") from None
+    # a sharded checkpoint names every tensor in its index; a single file's count is known once it is open
+    with progress_bar(len(weight_map) if weight_map is not None else None, "capsulert: loading weights",
+                      progress=progress, unit="tensor") as bar:
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    keys = list(f.keys())
+                    if weight_map is not None:
+                        listed = [k for k, v in weight_map.items() if v == file.name]
+                        absent = sorted(set(listed) - set(keys))
+                        if absent:
+                            raise ModelLoadError(
+                                f"{INDEX_FILE} places tensor(s) in {file.name} that it does not hold: {_names(absent)}"
+                            )
+                    elif bar.total is None:
+                        bar.total = len(keys)
+                    bar.set_postfix_str(file.name)
+                    for key in keys:
+                        bar.update()
+                        name = _normalise(key)
+                        if name is None:
+                            ignored += 1
+                            continue
+                        if name in origin:
+                            raise ModelLoadError(f"tensor {name} appears twice in {path} (as {origin[name]} and {key})")
+                        origin[name] = key
+                        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                            tied_lm_head = f.get_tensor(key)
+                            continue
+                        if name not in shapes:
+                            unexpected.append(key)
+                            continue
+                        shape = tuple(f.get_slice(key).get_shape())
+                        if shape != shapes[name]:
+                            raise ModelLoadError(
+                                f"tensor {key} in {file.name} has shape {list(shape)}, expected {list(shapes[name])} "
+                                "for this config"
+                            )
+                        found[name] = f.get_tensor(key)
+            except ModelLoadError:
+                raise
+            except Exception as e:  # safetensors raises its own error types for truncated or malformed files
+                raise ModelLoadError(f"cannot read safetensors file {file}: {type(e).__name__}: {e}") from None
 
     if unexpected:
         raise ModelLoadError(f"unexpected tensor(s) in {path} for this config: {_names(unexpected)}")

@@ -9,7 +9,9 @@ the engine and runs steps. Each step:
    NoFreeSlotError;
 2. runs prefill work under a token budget (`step_prefill_tokens`, default one chunk): appends are cut at
    grid points, so a long prefill advances one chunk per step while decoding sessions keep producing
-   tokens, and the pieces give bitwise the same state as one append;
+   tokens, and the pieces give bitwise the same state as one append. Before an append is cut, the whole
+   of it is looked up in the prefix cache (EngineConfig.prefix_cache): the longest cached grid prefix is
+   restored and only the rest is prefilled (a Turn's `cached_tokens` counts what was served);
 3. advances every running generate by one token in one batched decode step (worker/decoding.py).
 Every running generate advances once per step, so a long generate never starves a short one.
 
@@ -68,6 +70,8 @@ class _Job:
     prefill: list[int] | None = None  # tokens still to append
     stream: DecodeStream | None = None
     cancelled: bool = False
+    restored_from: str | None = None  # the tier its restore read the capsule from
+    cached_tokens: int = 0  # tokens its appends restored from the prefix cache instead of prefilling
 
 
 class StepScheduler:
@@ -194,7 +198,7 @@ class StepScheduler:
         """Run a request's immediate part; True when it continues (prefill or decode) in later steps."""
         r, eng = job.request, self.engine
         if isinstance(r, Open):
-            job.session = self._adopt(eng.open(wait_s=0))
+            job.session = self._adopt(eng.open(wait_s=0, namespace=r.namespace))
             if r.prompt is not None:
                 job.phases.append(("append", r.prompt))
         elif isinstance(r, Append):
@@ -206,15 +210,14 @@ class StepScheduler:
             job.sink.done(eng.snapshot(s, r.name, tier=r.tier, pin=r.pin, namespace=r.namespace))
             return False
         elif isinstance(r, Restore):
-            if job.session is None:
-                job.session = self._adopt(eng.restore(r.name, r.namespace, wait_s=0))
-            else:
-                eng.restore_into(self._session(job.session), r.name, r.namespace)
-            job.sink.done(SessionInfo(job.session, len(self._session(job.session).tokens)))
+            self._restore(job, r.name, r.namespace)
+            job.sink.done(SessionInfo(job.session, len(self._session(job.session).tokens),
+                                      restored_from=job.restored_from))
             return False
         elif isinstance(r, Fork):
-            sessions = eng.fork(r.name, r.n, r.namespace, wait_s=0)
-            job.sink.done([SessionInfo(self._adopt(s), len(s.tokens)) for s in sessions])
+            restored = eng.restore_sessions(r.name, r.n, r.namespace, wait_s=0)
+            job.sink.done([SessionInfo(self._adopt(s), len(s.tokens), restored_from=restored.tier)
+                           for s in restored.sessions])
             return False
         elif isinstance(r, Delete):
             eng.store.delete(r.name, r.namespace)
@@ -228,11 +231,8 @@ class StepScheduler:
             return False
         elif isinstance(r, Turn):
             if r.restore is not None:
-                if r.session is None:
-                    job.session = self._adopt(eng.restore(r.restore, r.namespace, wait_s=0))
-                else:
-                    eng.restore_into(self._session(r.session), r.restore, r.namespace)
-            self._session(job.session)
+                self._restore(job, r.restore, r.namespace)
+            eng.prefix.claim(self._session(job.session), r.namespace)  # its prompts are that namespace's
             if r.suffix is not None:
                 job.phases.append(("append", r.suffix))
             job.phases.append(("generate", r.max_new_tokens, r.sampling))
@@ -248,6 +248,17 @@ class StepScheduler:
             raise
         return True
 
+    def _restore(self, job: _Job, name: str, namespace: str) -> None:
+        """Restore capsule `name` into the job's session in place, or into a new one when it has none; the
+        tier it was read from goes to the job's reply."""
+        eng = self.engine
+        if job.session is None:
+            restored = eng.restore_sessions(name, 1, namespace, wait_s=0)
+            job.session = self._adopt(restored.sessions[0])
+            job.restored_from = restored.tier
+        else:
+            job.restored_from = eng.restore_into(self._session(job.session), name, namespace)
+
     def _next_phase(self, job: _Job) -> None:
         """Enter the job's next phase, or finish it."""
         s = self._sessions.get(job.session)
@@ -257,7 +268,10 @@ class StepScheduler:
         while job.phases:
             phase = job.phases.popleft()
             if phase[0] == "append":
-                job.prefill = self.engine.codec.validate(phase[1], self.engine.config.max_seq - len(s.tokens))
+                tokens = self.engine.codec.validate(phase[1], self.engine.config.max_seq - len(s.tokens))
+                held = len(s.tokens)
+                job.prefill = self.engine.reuse_prefix(s, tokens)  # a cached prefix: only the rest is prefilled
+                job.cached_tokens += len(s.tokens) - held
                 return
             _, n, sampling = phase
             eng = self.engine
@@ -275,7 +289,8 @@ class StepScheduler:
         r, s = job.request, self._sessions.get(job.session)
         if job.stream is not None:
             res: GenerateResult = job.stream.result
-            res.session = job.session
+            res.session, res.restored_from = job.session, job.restored_from
+            res.cached_tokens = job.cached_tokens
             res.length = len(s.tokens) if s is not None else res.length
             if isinstance(r, Turn) and r.close and s is not None:
                 self._sessions.pop(job.session, None)

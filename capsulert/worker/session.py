@@ -61,9 +61,10 @@ class Session:
                  namespace: str = "default") -> "CapsuleRef":
         return self.engine.snapshot(self, name, tier=tier, pin=pin, mode=mode, namespace=namespace)
 
-    def restore(self, name: str, namespace: str = "default") -> None:
-        """Replace this session's state with the capsule's, in place (rollback, episode reset)."""
-        self.engine.restore_into(self, name, namespace)
+    def restore(self, name: str, namespace: str = "default") -> str:
+        """Replace this session's state with the capsule's, in place (rollback, episode reset); returns the
+        tier the capsule was read from (gpu, host or disk)."""
+        return self.engine.restore_into(self, name, namespace)
 
     def close(self) -> None:
         if not self.closed:

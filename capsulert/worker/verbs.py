@@ -63,8 +63,10 @@ class ControlRequest(Request):
 # ---------------------------------------------------------------------- session verbs (step scheduler)
 @dataclass(frozen=True)
 class Open(Request):
-    """A new session, optionally prefilled with `prompt`."""
+    """A new session, optionally prefilled with `prompt`. `namespace`: the prefix cache's namespace the
+    session is served from and keeps its checkpoints in (None: no prefix reuse until a Turn names one)."""
     prompt: Tokens | None = None
+    namespace: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,23 @@ class Fork(Request):
 class Close(Request):
     """Close a session; closing one the worker does not hold (any more) does nothing."""
     session: int
+
+
+@dataclass(frozen=True)
+class Batch(Request):
+    """Short session requests to one worker in one round trip: the orchestrator coalesces the calls its
+    callers make at the same moment (the resets of many RL envs, many closes). The worker submits them to
+    the step scheduler in order; the reply holds, in order, each request's reply or its error (one
+    refusal does not fail the others)."""
+    requests: tuple[Request, ...]
+
+    @property
+    def rerunnable(self) -> bool:
+        return all(r.rerunnable for r in self.requests)
+
+
+# what a Batch may hold: short requests with no stream and no call-targeted interrupt
+BATCHABLE = (Restore, Close)
 
 
 @dataclass(frozen=True)
@@ -257,10 +276,12 @@ class LastCall(ControlRequest):
 @dataclass(frozen=True)
 class SessionInfo:
     """A session's id and length after a request; `logits`: its next-token logits (a float32 numpy array)
-    when the request asked for them (Append(logits=True))."""
+    when the request asked for them (Append(logits=True)); `restored_from`: after a Restore or Fork, the
+    tier the capsule was read from (see GenerateResult)."""
     session: int
     length: int
     logits: Any = field(default=None, compare=False)
+    restored_from: str | None = None
 
 
 class GenerateResult(list):
@@ -273,10 +294,16 @@ class GenerateResult(list):
     - `stop_reason`: eos, stop_token, stop_string, length, max_seq or interrupted;
     - `text`: the detokenized output, cut before a matched stop string (None without a tokenizer);
     - `length`: the session length afterwards; `session`: its id (scheduler / worker APIs);
-    - `weights_version`: the engine's weights version the tokens were sampled under (update_weights)."""
+    - `weights_version`: the engine's weights version the tokens were sampled under (update_weights);
+    - `cached_tokens`: prompt tokens the request restored from the prefix cache instead of prefilling
+      (EngineConfig.prefix_cache);
+    - `restored_from`: when the request restored a capsule (a Turn with `restore`), the tier it was read
+      from: "gpu" (device memory), "host" or "disk", where the restore found it (before the promotion the
+      read may make); None when it restored nothing."""
 
     def __init__(self, tokens=(), logprobs=None, top_logprobs=None, stop_reason: str | None = None,
-                 text: str | None = None, length: int = 0, session: int | None = None, weights_version: int = 0):
+                 text: str | None = None, length: int = 0, session: int | None = None, weights_version: int = 0,
+                 restored_from: str | None = None, cached_tokens: int = 0):
         super().__init__(tokens)
         self.logprobs: list[float] = list(logprobs or [])
         self.top_logprobs: list[list[tuple[int, float]]] = list(top_logprobs or [])
@@ -285,6 +312,8 @@ class GenerateResult(list):
         self.length = length
         self.session = session
         self.weights_version = weights_version
+        self.restored_from = restored_from
+        self.cached_tokens = cached_tokens
 
     @property
     def tokens(self) -> list[int]:
@@ -297,11 +326,13 @@ class GenerateResult(list):
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One produced token of a stream."""
+    """One produced token of a stream; `top_logprobs`: the top-k (token, logprob) pairs of its position
+    when SamplingParams.logprobs = k, best first (the same row as GenerateResult.top_logprobs[index])."""
     token: int
     logprob: float
     text: str | None  # the text this token completes (may be "" mid-character); None without a tokenizer
     index: int
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,15 @@ from capsulert.errors import CapsuleRTError, InvalidRequestError, WeightUpdateEr
 from capsulert.model_config import ModelConfig
 
 
-def read_update(source, cfg: ModelConfig, dtype: torch.dtype) -> Mapping[str, torch.Tensor]:
+def read_update(source, cfg: ModelConfig, dtype: torch.dtype,
+                progress: bool | None = None) -> Mapping[str, torch.Tensor]:
     """The tensors of an update: a mapping of HF names to tensors, or an HF checkpoint directory of the
-    same architecture (safetensors only)."""
+    same architecture (safetensors only; `progress`: a bar over its tensors, None: on a terminal)."""
     if isinstance(source, (str, Path)):
         from capsulert.worker.loader import load_checkpoint
 
         try:
-            new_cfg, tensors = load_checkpoint(source, dtype=dtype, device="cpu")
+            new_cfg, tensors = load_checkpoint(source, dtype=dtype, device="cpu", progress=progress)
         except CapsuleRTError as e:
             raise WeightUpdateError(f"cannot load the update from {source}: {e}") from None
         if new_cfg.to_hf_dict() != cfg.to_hf_dict():

@@ -1,10 +1,12 @@
 """Through the orchestrator: generates of independent tasks share the worker's decode steps and equal the
 in-process engine; streaming yields every token in order, then the result; closing a stream stops it at a
-token boundary with the tokens committed; results carry logprobs and stop reasons."""
+token boundary with the tokens committed; results carry logprobs and stop reasons; a streaming turn equals
+append then stream; restores report the tier they read the capsule from."""
 import asyncio
 
 import pytest
 
+from capsulert.errors import SequenceTooLongError
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.verbs import FinalEvent, TokenEvent
 
@@ -62,3 +64,63 @@ async def test_closing_a_stream_stops_it_with_tokens_committed(orch, fresh):
     ref.append(PROMPT)
     assert produced + rest == ref.generate(len(produced) + 5, NOEOS)
     await s.close()
+
+
+async def test_a_streaming_turn_equals_append_then_stream(orch, fresh):
+    params = SamplingParams(temperature=0.8, seed=11, ignore_eos=True, logprobs=3)
+    turn_text = " The storm came early that year."
+    a, b = await orch.open(PROMPT), await orch.open(PROMPT)
+    turn = [ev async for ev in a.stream_turn(turn_text, 12, params)]
+    await b.append(turn_text)
+    split = [ev async for ev in b.stream(12, params)]
+    assert turn[:-1] == split[:-1]  # token, logprob, text, index and top-k of every event, bitwise
+    one, two = turn[-1].result, split[-1].result
+    assert one == two and (one.logprobs, one.top_logprobs, one.text) == (two.logprobs, two.top_logprobs, two.text)
+    assert [list(e.top_logprobs) for e in turn[:-1]] == one.top_logprobs  # top-k per token, as it is produced
+    assert a.length == b.length == one.length
+    ref = fresh.open()
+    ref.append(PROMPT + turn_text)
+    want = ref.generate(12, params)
+    assert one == want and one.top_logprobs == want.top_logprobs
+    await b.close()
+    # with a restore in place: the same events again, and the tier the capsule was read from
+    await a.snapshot("turn-start")
+    await a.generate(3, NOEOS)  # moves away from the capsule
+    c = await orch.restore("turn-start")
+    await c.snapshot("start")
+    await c.close()
+    again = [ev async for ev in a.stream_turn(None, 12, params, restore="start")]
+    assert again[-1].result.restored_from == "gpu" and a.length == one.length + 12
+    await orch.demote("start", "host")
+    from_host = [ev async for ev in a.stream_turn(None, 4, params, restore="start")]
+    assert from_host[-1].result.restored_from == "host" and from_host[:-1] == again[:len(from_host) - 1]
+    with pytest.raises(SequenceTooLongError):  # a refused append comes out of the first step of the stream
+        async for _ in a.stream_turn("x" * 4000, 4, params):
+            pass
+    assert (await a.generate(2, NOEOS)).tokens  # the session is still usable
+    for name in ("turn-start", "start"):
+        await orch.delete(name)
+    await a.close()
+
+
+async def test_restores_report_the_tier_they_read_from(orch):
+    s = await orch.open(PROMPT)
+    await s.snapshot("tiers")
+    r = await orch.restore("tiers")
+    assert r.restored_from == "gpu"
+    await r.close()
+    await orch.demote("tiers", "host")
+    r = await orch.restore("tiers")
+    assert r.restored_from == "host"
+    await r.close()
+    await orch.demote("tiers", "host")
+    assert await s.restore("tiers") == "host"
+    await orch.demote("tiers", "host")
+    res = await orch.restore_append_generate("tiers", " Next.", 2, NOEOS)
+    assert res.restored_from == "host"
+    branches = await orch.fork("tiers", 2)
+    assert [b.restored_from for b in branches] == ["gpu", "gpu"]  # promoted by the last read
+    for b in branches:
+        await b.close()
+    await s.close()
+    await orch.delete("tiers")

@@ -10,7 +10,7 @@ import pytest_asyncio
 import ray
 
 from capsulert.capsule_store.capsule import CapsuleRef
-from capsulert.errors import InvalidRequestError
+from capsulert.errors import InvalidRequestError, WorkerLost
 from capsulert.orchestrator import EpisodeDriver, Orchestrator, Thought, best_of_n, tree_search
 from capsulert.orchestrator.worker_actor import WorkerActorBody
 from capsulert.orchestrator.worker_core import WorkerCore
@@ -106,7 +106,7 @@ async def test_method_names_are_refused_at_every_layer(orch_tv, engine_cfg, tmp_
             with pytest.raises(InvalidRequestError):
                 core.execute(bad)
         with pytest.raises(InvalidRequestError):
-            next(core.stream(Open(PROMPT)))
+            next(core.stream(Open(PROMPT)))  # noqa: B018
     finally:
         core.scheduler.stop()
 
@@ -132,6 +132,7 @@ async def test_every_caller_sends_typed_requests_to_the_one_entry_point(orch_tv,
     await acme.delete("tv-c")
     assert {name for name, _ in spy.calls} == {"execute", "stream"}
     sent = [args[0] for _, args in spy.calls]
+    sent += [r for b in sent if isinstance(b, verbs.Batch) for r in b.requests]  # coalesced short requests
     assert all(isinstance(r, Request) for r in sent)
     assert {type(r).__name__ for r in sent} >= {"Open", "Append", "Generate", "Snapshot", "Restore", "Turn", "Fork",
                                                 "Close", "Delete", "ListCapsules", "Stats"}
@@ -264,3 +265,48 @@ async def test_episode_envs_share_decode_steps(orch_tv):
     assert [len(t.steps) for t in trajs] == [2] * 4
     assert 2 * 6 <= steps < 4 * 2 * 6 // 2  # each env's turns are its own requests, decoded together
     await orch.delete("ep-c")
+
+
+# ---------------------------------------------------------------------- coalesced short requests
+async def test_concurrent_resets_travel_as_one_batch_and_equal_fresh_restores(orch_tv, spy):
+    s = await orch_tv.open(PROMPT)
+    await s.snapshot("reset-c0")
+    n = s.length
+    await s.close()
+    envs = [await orch_tv.restore("reset-c0") for _ in range(6)]
+    for e in envs:
+        await e.generate(3, NOEOS)  # every env leaves C0
+    spy.calls.clear()
+    tiers = await asyncio.gather(*(e.restore("reset-c0") for e in envs))
+    assert [type(args[0]) for _, args in spy.calls] == [verbs.Batch]  # one round trip for six resets
+    assert [type(r) for r in spy.calls[0][1][0].requests] == [verbs.Restore] * 6
+    assert len(set(tiers)) == 1 and all(e.length == n for e in envs)
+    fresh = await orch_tv.restore("reset-c0")
+    want = await fresh.generate(5, NOEOS)
+    got = await asyncio.gather(*(e.generate(5, NOEOS) for e in envs))
+    assert all(g.tokens == want.tokens and g.logprobs == want.logprobs for g in got)
+    # a refusal inside a batch is its own caller's error only
+    spy.calls.clear()
+    bad, good = await asyncio.gather(orch_tv.call(0, verbs.Restore("reset-c0", into=987654321)),
+                                     envs[1].restore("reset-c0"), return_exceptions=True)
+    assert [type(args[0]) for _, args in spy.calls] == [verbs.Batch]
+    assert isinstance(bad, WorkerLost) and good == tiers[1]
+    await asyncio.gather(fresh.close(), *(e.close() for e in envs))
+    assert [type(args[0]) for _, args in spy.calls[-1:]] == [verbs.Batch]  # the closes travel together too
+
+
+async def test_a_lagging_stream_consumer_gets_the_events_in_fewer_items(engine_cfg, tmp_path):
+    core = WorkerCore(engine_cfg, persist_dir=str(tmp_path))
+    try:
+        sid = core.execute(Open(PROMPT)).session
+        items = core.stream(verbs.Generate(sid, 24, NOEOS))
+        first = next(items)  # blocks until the first token; then the consumer lags while the worker decodes
+        await asyncio.sleep(1.0)
+        rest = list(items)
+        events = first + [e for item in rest for e in item]
+        assert isinstance(events[-1], verbs.FinalEvent) and len(events) == 25
+        assert [e.index for e in events[:-1]] == list(range(24))
+        assert events[-1].result.tokens == [e.token for e in events[:-1]]
+        assert len(rest) < 24 and max(len(i) for i in rest) > 1  # coalesced while nobody was reading
+    finally:
+        core.scheduler.stop()

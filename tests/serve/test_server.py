@@ -96,6 +96,13 @@ def test_top_logprobs_match_the_engine(acme, oracle):
     piece = lambda t: oracle.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
     assert lp.tokens == [piece(t) for t in want]
     assert lp.top_logprobs == [{piece(t): v for t, v in row} for row in want.top_logprobs]
+    # streamed: each chunk carries the top-k of its own tokens, as they are produced (not all at the end)
+    chunks = [c.choices[0] for c in acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                                             logprobs=3, stream=True) if c.choices]
+    with_tokens = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert len(with_tokens) > 1 and all(len(x.top_logprobs) == len(x.tokens) for x in with_tokens)
+    assert [row for x in with_tokens for row in x.top_logprobs] == lp.top_logprobs
+    assert [v for x in with_tokens for v in x.token_logprobs] == lp.token_logprobs
 
 
 def test_n_branches_fork_and_match_seeded_runs(acme, oracle):
@@ -131,6 +138,33 @@ def test_chat_renders_the_template_and_matches_the_engine(server, acme, oracle):
     stream = acme.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0, stream=True)
     deltas = [ch.choices[0].delta for ch in stream if ch.choices]
     assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == want.text
+
+
+# -------------------------------------------------------------------------------------- prefix cache
+def test_a_second_chat_turn_resending_its_history_hits_the_prefix_cache(server, acme, globex, oracle):
+    """The server reuses the longest cached grid prefix of every prompt (on by default): the second turn of
+    a conversation skips the prefill of the first turn's grid prefix, and answers exactly as the in-process
+    engine does after a cold prefill; another tenant's identical conversation is not served from it."""
+    system = {"role": "system", "content": " ".join(["You answer briefly, and only about capsules."] * 12)}
+    turn1 = [system, {"role": "user", "content": "What is a capsule?"}]
+    r1 = acme.chat.completions.create(model=MODEL, messages=turn1, max_tokens=12, temperature=0, extra_body=TOKEN_IDS)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And how is it restored?"}]
+    ids = chat_prompt(server, oracle, turn2)
+    assert len(ids) > 2 * 128  # past two grid points of the server's prefill_chunk
+    want = reference(oracle, ids, 12)
+    r2 = acme.chat.completions.create(model=MODEL, messages=turn2, max_tokens=12, temperature=0, extra_body=TOKEN_IDS)
+    assert r2.choices[0].model_extra["token_ids"] == list(want)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 128 and cached % 128 == 0 and r2.usage.prompt_tokens == len(ids)
+    g = globex.chat.completions.create(model=MODEL, messages=turn2, max_tokens=12, temperature=0, extra_body=TOKEN_IDS)
+    assert g.usage.prompt_tokens_details.cached_tokens == 0  # namespaces isolate the cache
+    assert g.choices[0].model_extra["token_ids"] == list(want)
+    streamed = acme.chat.completions.create(model=MODEL, messages=turn2, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
 
 
 # -------------------------------------------------------------------------------------------- capsules
@@ -196,6 +230,7 @@ def test_keys_are_required_and_checked(server):
     ({"prompt": "", "max_tokens": 1}, None),
     ({"prompt": "x", "snapshot_as": "a/b"}, None),
     ({"prompt": "x " * 600, "max_tokens": 1}, None),  # past max_seq
+    ({"prompt": "x " * 600, "max_tokens": 1, "stream": True}, None),  # refused by the streaming turn itself
 ])
 def test_bad_requests_are_400_openai_json(server, body, param):
     r = server.http("POST", "/v1/completions", json={"model": MODEL, **body})
@@ -258,9 +293,12 @@ def test_metrics_count_requests_and_tokens(server):
         text = server.http("GET", "/metrics", tenant=None).text
         names = {line.split("{")[0] for line in text.splitlines() if line and not line.startswith("#")}
         want = {"ray_capsulert_requests_total", "ray_capsulert_generated_tokens_total",
-                "ray_capsulert_ttft_seconds_count", "ray_capsulert_capsule_lookups_total"}
+                "ray_capsulert_ttft_seconds_count", "ray_capsulert_capsule_lookups_total",
+                "ray_capsulert_capsule_hits_total"}
         if want <= names or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert want <= names, sorted(names)
     assert all(line.startswith(("#", "ray_capsulert_")) for line in text.splitlines() if line)
+    hits = [line for line in text.splitlines() if line.startswith("ray_capsulert_capsule_hits_total{")]
+    assert any('tier="gpu"' in line for line in hits), hits  # the capsule round trip read from device memory

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -68,15 +69,21 @@ def test_default_cache_dir_is_keyed():
     assert d.parent.name == "models"
 
 
-def test_deterministic_bytes(model_dir, tmp_path):
+def test_deterministic_bytes(model_dir, tmp_path, terminal):
+    # generated on a (fake) terminal: the progress bar is drawn there, and changes nothing of the bytes
+    terminal.attach()
     dm.generate(tmp_path)
+    drawn = terminal.getvalue()
+    n_steps = len(dm.expected_shapes(dm.default_config())) + 2
+    assert "capsulert: generating the default model" in drawn and f"0/{n_steps}" in drawn
+    assert "files]" in drawn  # it was drawn up to the last step (tqdm need not draw the final count)
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / name).read_bytes() == (model_dir / name).read_bytes(), name
     cfg, w = load_checkpoint(tmp_path)
     assert weights_fingerprint(cfg, w) == weights_fingerprint(*load_checkpoint(model_dir))
 
 
-def test_lost_race_uses_winner(model_dir, tmp_path, monkeypatch, capsys):
+def test_lost_race_uses_winner(model_dir, tmp_path, monkeypatch, capsys, caplog):
     target = tmp_path / "shared" / "default"
 
     def fake_generate(out_dir, *a, **k):  # another process finishes first, while we "generate"
@@ -86,10 +93,31 @@ def test_lost_race_uses_winner(model_dir, tmp_path, monkeypatch, capsys):
         dm.generation_count += 1
 
     monkeypatch.setattr(dm, "generate", fake_generate)
-    assert dm.ensure_default_model(target) == target
+    with caplog.at_level(logging.INFO, logger=dm.__name__):
+        assert dm.ensure_default_model(target) == target
     assert (target / "model.safetensors").read_bytes() == (model_dir / "model.safetensors").read_bytes()
     assert os.listdir(target.parent) == ["default"]  # our temp dir is gone
-    assert "generating default model into" in capsys.readouterr().err
+    # the library logs what it did (generating, then that it uses the winner's copy) and prints nothing
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == dm.__name__]
+    assert said == [(logging.INFO, f"generating the default model into {target} (once: later runs reuse it)"),
+                    (logging.INFO, f"another process generated the default model into {target} first; using its copy")]
+    assert capsys.readouterr() == ("", "")
+
+
+def test_generation_logs_its_time_and_draws_no_bar_off_a_terminal(tmp_path, monkeypatch, capsys, caplog):
+    calls = []
+
+    def fake_generate(out_dir, *a, progress=None, **k):
+        calls.append(progress)
+        for f in dm.FILES:
+            (Path(out_dir) / f).write_text("x")
+    monkeypatch.setattr(dm, "generate", fake_generate)
+    with caplog.at_level(logging.INFO, logger=dm.__name__):
+        dm.ensure_default_model(tmp_path / "m", progress=False)
+    assert calls == [False]  # the caller's choice reaches the generation
+    said = [r.getMessage() for r in caplog.records if r.name == dm.__name__]
+    assert said[0].startswith("generating the default model into") and said[1].startswith("generated the default model in")
+    assert capsys.readouterr() == ("", "")
 
 
 def test_hf_loads_without_missing_or_unexpected(hf_model):

@@ -14,6 +14,15 @@ def cuda_engine(make_engine):
     return make_engine(device="cuda", slots=4)
 
 
+def test_capture_draws_a_bar_over_the_shapes_when_asked(cuda_engine, make_engine, capsys, monkeypatch):
+    monkeypatch.setattr("capsulert.progress.SHOW_AFTER_S", 0)
+    eng = make_engine(device="cuda", slots=4, progress=True)
+    err = capsys.readouterr().err
+    shapes = len(eng.graphs.graphs)
+    assert "capsulert: CUDA graphs" in err and f"0/{2 * shapes}" in err and "capture]" in err
+    eng.close()
+
+
 def test_graph_count_is_bounded(cuda_engine):
     g = cuda_engine.graphs
     assert set(g.graphs) == {ShapeKey("decode", b, 1) for b in (1, 2, 4)} | {ShapeKey("prefill", 1, t) for t in (16, 32, 64, 128)}

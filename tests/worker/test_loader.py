@@ -74,14 +74,24 @@ def test_load_hf_save_pretrained(name, tmp_path):
     _assert_matches_hf(weights, model, cfg.tie_word_embeddings)
 
 
-def test_load_sharded(tmp_path):
+def test_load_sharded(tmp_path, terminal):
     cfg = _cfg("test_b")
     model = _hf_model(cfg, seed=1)
     model.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
-    _, weights = load_checkpoint(tmp_path)
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    terminal.attach()
+    _, weights = load_checkpoint(tmp_path)  # on a (fake) terminal: a bar over the tensors, naming each shard
     _assert_matches_hf(weights, model, tied=True)
+    drawn = terminal.getvalue()
+    n_tensors = len(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"])
+    assert "capsulert: loading weights" in drawn and f"0/{n_tensors}" in drawn
+    assert all(f"{shard}]" in drawn for shard in shards)
+    terminal.seek(0)
+    terminal.truncate()
+    load_checkpoint(tmp_path, progress=False)  # the caller turns it off
+    assert terminal.getvalue() == ""
 
 
 def _vlm_checkpoint(path: Path, cfg: ModelConfig, model) -> Path:

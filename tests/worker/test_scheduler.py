@@ -251,7 +251,7 @@ async def test_token_events_carry_the_top_logprobs_of_the_logits(make_engine, co
     engine = make_engine()
     k = 4
     async with AsyncEngine(engine) as aeng:
-        s = await aeng.open(corpus[:200])  # 12 tokens cross the grid point at 256: its re-derivation too
+        s = await aeng.open(corpus[:200])  # its 70 tokens cross the grid point at 256: the re-derivation too
         events = [ev async for ev in s.stream(70, SamplingParams(logprobs=k, ignore_eos=True))]
     tokens, final = [e for e in events[:-1]], events[-1].result
     assert [list(e.top_logprobs) for e in tokens] == final.top_logprobs and len(tokens) == 70

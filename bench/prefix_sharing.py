@@ -1,0 +1,233 @@
+"""Prefix-sharing benchmark: memory of capsules that share a prefix, and automatic prefix reuse on a
+multi-turn chat trace (issue 17).
+
+1. Memory. N capsules share an L-token prefix, each with its own T-token tail (an agent fleet on one
+   system prompt). Store bytes (the block store: each prefix block once) vs the per-capsule copies the
+   store held before (sum of the capsules' whole sizes) vs the unique bytes (the shared prefix's KV once,
+   plus everything else of each capsule: its tail KV and its recurrent/conv/hidden state). Also best-of-8:
+   8 branches forked from one L-token context, each 32 tokens further, against one capsule.
+2. Chat trace. C conversations x K turns on a shared S-token system prompt; every turn resends the
+   whole history (system + earlier user messages and answers) plus a U-token user message and generates
+   R tokens; conversations take turns round-robin. Three ways to serve it:
+   - cold:   prefix cache off, every turn prefills its whole prompt;
+   - prefix: prefix cache on (what `capsulert serve` does): the engine restores the longest cached grid
+             prefix of the prompt and prefills the rest;
+   - named:  the client keeps a named capsule per conversation and restores it, appending the new message
+             (the best a client that manages capsules itself can do).
+   TTFT = until the next-token logits of the prompt are ready (open + prefill, or restore + append).
+   Hit rate: prompt tokens served from the prefix cache over prompt tokens. Memory: store bytes after.
+
+Writes bench/out/prefix_sharing.json, bench/out/prefix_sharing_ttft.png (TTFT per turn) and
+bench/out/prefix_sharing_memory.png (store bytes vs N), and prints the tables.
+
+    python bench/prefix_sharing.py --quick          # CPU, default model, ~1-2 min on 2 cores
+    python bench/prefix_sharing.py                  # the issue's sizes: 100 x 8k prefix, 16 x 8 turns on 2k
+    python bench/prefix_sharing.py --device cuda --model random:capsulert/configs/models/qwen3_5-9b-shape.yaml
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from common import OUT_DIR, cuda_sync, log, machine_info, plot_lines, print_table, write_json  # noqa: E402
+
+from capsulert.worker.engine import Engine  # noqa: E402
+from capsulert.worker.sampler import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(ignore_eos=True)
+MODES = ("cold", "prefix", "named")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes for a CPU run in ~1-2 min")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--model", default="default", help="'default', a checkpoint dir or random:<shape YAML>")
+    p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1: a shared small box)")
+    p.add_argument("--out", default=str(OUT_DIR))
+    return p.parse_args(argv)
+
+
+def sizes(args) -> dict:
+    if args.quick:
+        return dict(chunk=128, prefix=2048, tail=64, ns=[1, 4, 16, 32], system=1024, user=32, answer=16,
+                    conversations=8, turns=6)
+    return dict(chunk=256, prefix=8192, tail=256, ns=[1, 10, 50, 100], system=2048, user=64, answer=32,
+                conversations=16, turns=8)
+
+
+def make_engine(args, cfg: dict, max_seq: int, prefix_cache: bool) -> Engine:
+    return Engine.from_config(dict(model=args.model, device=args.device, slots=8, max_seq=max_seq,
+                                   prefill_chunk=cfg["chunk"], prefix_cache=prefix_cache, prefix_cache_bytes=None,
+                                   cuda_graphs=False))
+
+
+def tokens(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def memory(args, cfg: dict) -> list[dict]:
+    L, T = cfg["prefix"], cfg["tail"]
+    max_seq = -(-(L + T + 32) // cfg["chunk"]) * cfg["chunk"]
+    rows = []
+    for n in cfg["ns"]:
+        eng = make_engine(args, cfg, max_seq, prefix_cache=False)
+        vocab = eng.model_cfg.vocab_size
+        s = eng.open()
+        s.append(tokens(L, 1, vocab))
+        s.snapshot("base")
+        s.close()
+        refs = []
+        for i in range(n):
+            b = eng.fork("base", 1)[0]
+            b.append(tokens(T, 100 + i, vocab))
+            refs.append(b.snapshot(f"agent{i}"))
+            b.close()
+        eng.store.delete("base")
+        stored = eng.store.stats()["gpu"]["bytes"]
+        copies = sum(r.nbytes for r in refs)
+        unique = copies - (n - 1) * prefix_kv_bytes(eng, L)
+        rows.append(dict(case=f"{n} agents", n=n, store_mb=stored / 2**20, copies_mb=copies / 2**20,
+                         unique_mb=unique / 2**20, store_over_unique=stored / unique, copies_over_store=copies / stored))
+        log(f"memory N={n}: store {stored / 2**20:.1f} MB, per-capsule copies {copies / 2**20:.1f} MB, "
+            f"unique {unique / 2**20:.1f} MB")
+        eng.close()
+    eng = make_engine(args, cfg, max_seq, prefix_cache=False)
+    rows.append(best_of_8(eng, L, eng.model_cfg.vocab_size))
+    eng.close()
+    return rows
+
+
+def prefix_kv_bytes(eng: Engine, L: int) -> int:
+    """Bytes of the attention KV of L tokens: what each capsule beyond the first held again before."""
+    kv = eng.state.kv_k
+    return 2 * L * kv[:, 0, 0].numel() * kv.element_size()
+
+
+def best_of_8(eng: Engine, L: int, vocab: int) -> dict:
+    """8 branches of one L-token context, 32 sampled tokens each, kept as capsules: against one capsule."""
+    s = eng.open()
+    s.append(tokens(L, 2, vocab))
+    one = s.snapshot("ctx")
+    s.close()
+    for i, b in enumerate(eng.fork("ctx", 8)):
+        b.generate(32, SamplingParams(temperature=0.8, seed=i, ignore_eos=True))
+        b.snapshot(f"branch{i}")
+        b.close()
+    eng.store.delete("ctx")
+    stored = eng.store.stats()["gpu"]["bytes"]
+    unique = sum(i.meta.nbytes for i in eng.store.list()) - 7 * prefix_kv_bytes(eng, L)
+    log(f"best-of-8: store {stored / 2**20:.1f} MB = {stored / one.nbytes:.2f} x one capsule")
+    return dict(case="best-of-8 branches", n=8, store_mb=stored / 2**20, copies_mb=8 * one.nbytes / 2**20,
+                unique_mb=unique / 2**20, store_over_unique=stored / unique, copies_over_store=8 * one.nbytes / stored,
+                store_over_one=stored / one.nbytes)
+
+
+# ------------------------------------------------------------------------------------------------ chat
+def chat(args, cfg: dict) -> tuple[list[dict], dict]:
+    C, K = cfg["conversations"], cfg["turns"]
+    longest = cfg["system"] + K * (cfg["user"] + cfg["answer"])
+    max_seq = -(-(longest + cfg["chunk"]) // cfg["chunk"]) * cfg["chunk"]
+    per_turn: dict[str, list[list[float]]] = {}
+    summary = {}
+    answers = {}
+    for mode in MODES:
+        eng = make_engine(args, cfg, max_seq, prefix_cache=mode == "prefix")
+        vocab = eng.model_cfg.vocab_size
+        system = tokens(cfg["system"], 3, vocab)
+        history = [list(system) for _ in range(C)]
+        ttft = [[] for _ in range(K)]
+        prompt_tokens = cached_tokens = 0
+        outs = []
+        warm = eng.open(namespace=None)  # one prefill first: the first measured turn pays no warm-up
+        warm.append(tokens(cfg["chunk"] + 7, 9, vocab))
+        warm.close()
+        for k in range(K):
+            for c in range(C):
+                user = tokens(cfg["user"], 1000 * c + k, vocab)
+                prompt = history[c] + user
+                before = eng.store.stats()["prefix"]["hit_tokens"]
+                cuda_sync(args.device)
+                t0 = time.perf_counter()
+                if mode == "named" and k > 0:
+                    s = eng.restore(f"conv{c}")
+                    s.append(user)
+                else:
+                    s = eng.open(prompt=prompt, namespace="default" if mode == "prefix" else None)
+                s.logits()
+                cuda_sync(args.device)
+                ttft[k].append((time.perf_counter() - t0) * 1e3)
+                prompt_tokens += len(prompt)
+                cached_tokens += eng.store.stats()["prefix"]["hit_tokens"] - before
+                answer = s.generate(cfg["answer"], GREEDY)
+                outs.append(list(answer))
+                history[c] = prompt + list(answer)
+                if mode == "named":
+                    if k > 0:
+                        eng.store.delete(f"conv{c}")
+                    s.snapshot(f"conv{c}")
+                s.close()
+        answers[mode] = outs
+        per_turn[mode] = ttft
+        later = [t for turn in ttft[1:] for t in turn]
+        summary[mode] = dict(mode=mode, ttft_turn1_ms=statistics.median(ttft[0]),
+                             ttft_later_ms=statistics.median(later), hit_rate=cached_tokens / prompt_tokens,
+                             store_mb=eng.store.stats()["gpu"]["bytes"] / 2**20,
+                             prefix_entries=eng.store.stats()["prefix"]["entries"])
+        log(f"chat {mode:6s}: TTFT turn 1 {summary[mode]['ttft_turn1_ms']:.1f} ms, later turns "
+            f"{summary[mode]['ttft_later_ms']:.1f} ms, hit rate {summary[mode]['hit_rate']:.2f}, "
+            f"store {summary[mode]['store_mb']:.1f} MB")
+        eng.close()
+    assert answers["prefix"] == answers["cold"] == answers["named"], "the modes must answer identically"
+    rows = [summary[m] for m in MODES]
+    named = summary["named"]["ttft_later_ms"]
+    for r in rows:
+        r["later_over_named"] = r["ttft_later_ms"] / named
+    medians = {m: [statistics.median(t) for t in per_turn[m]] for m in MODES}
+    return rows, medians
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cpu" and args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = sizes(args)
+    t_start = time.perf_counter()
+    log(f"device={args.device} model={args.model} sizes={cfg}")
+    mem = memory(args, cfg)
+    print_table(mem, [("case", "case"), ("store_mb", "store MB"), ("copies_mb", "per-capsule copies MB"),
+                      ("unique_mb", "unique MB"), ("store_over_unique", "store / unique"),
+                      ("copies_over_store", "copies / store")])
+    rows, medians = chat(args, cfg)
+    print_table(rows, [("mode", "mode"), ("ttft_turn1_ms", "TTFT turn 1 ms"), ("ttft_later_ms", "TTFT turns 2+ ms"),
+                       ("later_over_named", "turns 2+ / named"), ("hit_rate", "hit rate"), ("store_mb", "store MB"),
+                       ("prefix_entries", "prefix entries")])
+    out = Path(args.out)
+    turns = list(range(1, cfg["turns"] + 1))
+    plot_lines(out / "prefix_sharing_ttft.png", turns, {m: medians[m] for m in MODES}, xlabel="turn",
+               ylabel="TTFT median (ms)", title=f"{cfg['conversations']} conversations, system prompt "
+                                                f"{cfg['system']} tokens, history resent each turn")
+    agents = [r for r in mem if r["case"].endswith("agents")]
+    plot_lines(out / "prefix_sharing_memory.png", [r["n"] for r in agents],
+               {"block store": [r["store_mb"] for r in agents], "per-capsule copies": [r["copies_mb"] for r in agents],
+                "unique bytes": [r["unique_mb"] for r in agents]}, xlabel="capsules sharing the prefix",
+               ylabel="MB", logx=True, title=f"{cfg['prefix']}-token shared prefix, {cfg['tail']}-token tails")
+    write_json(out / "prefix_sharing.json", {"machine": machine_info(args.device), "params": {**vars(args), **cfg},
+                                             "memory": mem, "chat": rows, "ttft_per_turn_ms": medians,
+                                             "wall_s": round(time.perf_counter() - t_start, 1)})
+    log(f"wrote {out / 'prefix_sharing.json'} and two PNGs in {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

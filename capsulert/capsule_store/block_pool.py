@@ -1,0 +1,83 @@
+"""The blocks one tier holds, each once, with a count of the capsules in that tier that reference it.
+
+A memory tier (gpu, host) holds a block's tensors; the disk tier holds its file (once renamed into place).
+A capsule in a tier holds one reference to each of its blocks there, so a block lives in a tier exactly as
+long as some capsule of that tier needs it: a pinned capsule pins its blocks. When the last reference
+goes, the block is released at the end of the store verb (collect()), not at once: a plan of moves may
+drop one capsule and, later in the same plan, bring in another that references the same block, which
+then finds it still there (for the disk tier: a file another capsule file may depend on is never
+unlinked early).
+
+Bytes: a block counts in its tier's bytes while it has references. `anon_refs` counts the references of
+anonymous prefix entries, so the bytes anonymous entries hold alone are known (their cap).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(eq=False)  # mutable on purpose: counted up and down under the store's lock
+class BlockRecord:
+    nbytes: int
+    tensors: dict[str, torch.Tensor] | None = None  # memory tiers
+    event: Any = None  # CUDA event of the copy that filled `tensors`
+    path: Path | None = None  # disk tier: the block file, once renamed into place
+    refs: int = 0
+    anon_refs: int = 0
+
+
+class BlockPool:
+    """The blocks of one tier."""
+
+    def __init__(self, tier: str):
+        self.tier = tier
+        self.records: dict[str, BlockRecord] = {}
+        self.external: Counter[str] = Counter()  # disk: references from capsule files not indexed (yet)
+
+    def count(self, key: str) -> int:
+        rec = self.records.get(key)
+        return 0 if rec is None else rec.refs
+
+    def get(self, key: str) -> BlockRecord | None:
+        return self.records.get(key)
+
+    def add(self, key: str, rec: BlockRecord) -> BlockRecord:
+        """Hold a new block (no references yet); an existing record wins."""
+        return self.records.setdefault(key, rec)
+
+    def ref(self, key: str, anon: bool) -> int:
+        """Reference a block the pool holds; the bytes this adds to the tier."""
+        rec = self.records[key]
+        rec.refs += 1
+        rec.anon_refs += anon
+        return rec.nbytes if rec.refs == 1 else 0
+
+    def unref(self, key: str, anon: bool) -> int:
+        """Drop a reference; the bytes this frees in the tier (released at collect())."""
+        rec = self.records[key]
+        rec.refs -= 1
+        rec.anon_refs -= anon
+        return rec.nbytes if rec.refs == 0 else 0
+
+    def anon_only_nbytes(self) -> int:
+        """Bytes of the blocks only anonymous entries reference."""
+        return sum(r.nbytes for r in self.records.values() if r.refs and r.refs == r.anon_refs)
+
+    def unreferenced(self) -> list[tuple[str, BlockRecord]]:
+        return [(k, r) for k, r in self.records.items() if r.refs == 0]
+
+    def collect(self) -> list[tuple[str, BlockRecord]]:
+        """Forget the blocks nothing references; returns them (the disk tier unlinks their files, unless a
+        capsule file not indexed yet references them)."""
+        gone = [(k, r) for k, r in self.records.items() if r.refs == 0]
+        for k, _ in gone:
+            del self.records[k]
+        return [(k, r) for k, r in gone if not self.external[k]]
+
+    def clear(self) -> None:
+        self.records.clear()

@@ -1,0 +1,141 @@
+"""Capsule file headers: the checks every reader runs before trusting a byte of a safetensors file
+(lengths, offsets, JSON, format, metadata, the file name against the capsule it holds, and for a capsule
+cut into prefix blocks its block references). No tensor is read here (`capsules ls` runs on this alone).
+"""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+from capsulert.capsule_store.blocks import BlockRefs, keys_for
+from capsulert.capsule_store.capsule import CapsuleMeta, capsule_file_name
+from capsulert.errors import CorruptCapsuleError
+
+FORMAT_VERSION = "1"
+BLOCKED_FORMAT = "2"  # own tensors + references to block files
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; token lists make headers large
+_DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+_ST_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.float16: "F16",
+              torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32", torch.int64: "I64", torch.float64: "F64"}
+
+
+def _corrupt(path: Path, why: str) -> CorruptCapsuleError:
+    return CorruptCapsuleError(f"capsule file {path.name}: {why}")
+
+
+def parse_file(path: Path, max_bytes: int | None = None) -> tuple[dict, dict, int]:
+    """A safetensors file's checked header: (tensor entries, __metadata__, data bytes). Checks: header
+    length within the file, JSON well formed, every tensor entry well formed, the declared data size equal
+    to the bytes the file holds and within `max_bytes`."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _corrupt(path, f"file is {size} bytes, too short for a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > MAX_HEADER_BYTES:
+                raise _corrupt(path, f"header claims {n} bytes but the file holds {size - 8} after the length")
+            raw = f.read(n)
+    except OSError as e:
+        raise CorruptCapsuleError(f"capsule file {path}: cannot read: {e}") from None
+    if len(raw) != n:
+        raise _corrupt(path, "file shrank while reading its header")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _corrupt(path, f"header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise _corrupt(path, "header is not a JSON object")
+    md = header.pop("__metadata__", None)
+    if not isinstance(md, dict):
+        raise _corrupt(path, "not a capsulert capsule (no capsulert.format in the header metadata)")
+    data_len = size - 8 - n
+    spans = []
+    for name, e in header.items():
+        if not (isinstance(e, dict) and set(e) == {"dtype", "shape", "data_offsets"}
+                and isinstance(e["dtype"], str) and e["dtype"] in _DTYPE_SIZES and isinstance(e["shape"], list)
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in e["shape"])
+                and isinstance(e["data_offsets"], list) and len(e["data_offsets"]) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) for o in e["data_offsets"])):
+            raise _corrupt(path, f"malformed header entry for tensor {name!r}")
+        b, end = e["data_offsets"]
+        numel = 1
+        for d in e["shape"]:
+            numel *= d
+        if not 0 <= b <= end or end - b != numel * _DTYPE_SIZES[e["dtype"]]:
+            raise _corrupt(path, f"tensor {name!r}: data_offsets {e['data_offsets']} do not match its shape and dtype")
+        spans.append((b, end))
+    spans.sort()
+    declared = 0
+    for b, end in spans:
+        if b != declared:
+            raise _corrupt(path, "tensor data regions overlap or leave gaps")
+        declared = end
+    if declared != data_len:
+        raise _corrupt(path, f"header declares {declared} data bytes but the file holds {data_len} (truncated?)")
+    if max_bytes is not None and declared > max_bytes:
+        raise _corrupt(path, f"capsule declares {declared} bytes, more than the allowed {max_bytes}")
+    return header, md, declared
+
+
+def read_header(path: str | Path, max_bytes: int | None = None) -> tuple[CapsuleMeta, dict]:
+    """Parse and check a capsule file's header without loading tensors.
+
+    Returns (meta, tensor entries). Checks: header length within the file, JSON well formed, format
+    version, metadata valid, file name matches (namespace, name), every tensor entry well formed, the
+    declared data size equal to the bytes the file holds and within `max_bytes`; for a capsule cut into
+    blocks, its block references (their keys derive from its tokens).
+    """
+    meta, header, _ = read_header_refs(path, max_bytes)
+    return meta, header
+
+
+def read_header_refs(path: str | Path, max_bytes: int | None = None) -> tuple[CapsuleMeta, dict, BlockRefs | None]:
+    """read_header, and the capsule's block references (None for a whole capsule, format 1)."""
+    path = Path(path)
+    header, md, declared = parse_file(path, max_bytes)
+    fmt = md.get("capsulert.format")
+    if fmt is None:
+        raise _corrupt(path, "not a capsulert capsule (no capsulert.format in the header metadata)")
+    if fmt not in (FORMAT_VERSION, BLOCKED_FORMAT):
+        raise _corrupt(path, f"unknown capsule format {fmt!r}; this build reads {FORMAT_VERSION!r} and {BLOCKED_FORMAT!r}")
+    meta_json = md.get("capsulert.meta")
+    if not isinstance(meta_json, str):
+        raise _corrupt(path, "header metadata has no capsulert.meta string")
+    meta = CapsuleMeta.from_json(meta_json)
+    if path.name != capsule_file_name(meta.namespace, meta.name):
+        raise _corrupt(path, f"file name does not match the capsule it holds "
+                             f"({meta.namespace!r}/{meta.name!r}); files must not be renamed")
+    refs = _block_refs(path, md, meta, header) if fmt == BLOCKED_FORMAT else None
+    shared = refs.nbytes if refs is not None else 0
+    if declared + shared != meta.nbytes:
+        raise _corrupt(path, f"metadata says {meta.nbytes} bytes but the tensors hold {declared + shared}")
+    return meta, header, refs
+
+
+def _block_refs(path: Path, md: dict, meta: CapsuleMeta, header: dict) -> BlockRefs:
+    raw = md.get("capsulert.blocks")
+    try:
+        refs = BlockRefs.from_json(raw) if isinstance(raw, str) else None
+    except (ValueError, TypeError, RecursionError) as e:
+        raise _corrupt(path, f"block references are malformed: {e}") from None
+    if refs is None:
+        raise _corrupt(path, "a capsule of format 2 carries no capsulert.blocks")
+    if refs.rows != meta.prefill_chunk or refs.grid != meta.grid_pos or refs.grid > meta.boundary:
+        raise _corrupt(path, f"its {len(refs.keys)} blocks of {refs.rows} rows do not match its grid point {meta.grid_pos}")
+    if list(refs.keys) != keys_for(meta, refs.origin, len(refs.keys)):
+        raise _corrupt(path, "its block keys do not derive from its tokens (altered header?)")
+    for name, s in refs.specs.items():
+        e = header.get(name)
+        tail = list(s.shape)
+        tail[refs.token_dim] = meta.boundary - refs.grid
+        if e is None or e["shape"] != tail or e["dtype"] != _ST_DTYPES.get(s.dtype):
+            raise _corrupt(path, f"the KV rows past its blocks ({name!r}) do not match its blocks")
+    return refs

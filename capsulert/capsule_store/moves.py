@@ -1,0 +1,291 @@
+"""Moves: the acting half of the tier machinery (tiers.py plans): copies between tiers, disk writes and
+reads, drops, and the background writer's side of a cascade write.
+
+A capsule in a memory tier holds its own tensors and one reference to each of its blocks in that tier's
+pool; moving it copies its own tensors and only the blocks the destination lacks, in one grouped copy.
+Into the disk tier it writes its capsule file and the block files disk_dir lacks: blocks renamed and the
+directory fsynced before the capsule file is renamed, so a capsule file never names a missing block.
+Blocks nothing references any more are released at the end of each verb (_collect); their files are
+unlinked only after a directory fsync has made the capsule files that named them durably gone.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from capsulert.capsule_store.block_pool import BlockRecord
+from capsulert.capsule_store.blockfiles import stage_block
+from capsulert.capsule_store.blocks import Parts
+from capsulert.capsule_store.capsule import CapsuleMeta
+from capsulert.capsule_store.disk import StagedWrite, fsync_dir, read_capsule_parts, stage_capsule
+from capsulert.capsule_store.plan import Entry, Key, Plan
+from capsulert.capsule_store.tiers import MEMORY_TIERS, RANK, TierCore, pkey
+from capsulert.capsule_store.transfer import copy_tensors
+from capsulert.errors import BudgetExceededError
+from capsulert.policies.base import TIERS
+
+log = logging.getLogger("capsulert.capsule_store.store")
+
+BlockBytes = Mapping[str, tuple[Mapping[str, torch.Tensor], Any]]  # block key -> (tensors, CUDA event)
+
+
+@dataclass(frozen=True)
+class StagedCapsule:
+    """A capsule file and the block files its directory lacked, written and fsynced under temp names."""
+
+    blocks: tuple[tuple[str, StagedWrite], ...]
+    capsule: StagedWrite
+
+    def discard(self) -> None:
+        for _, s in self.blocks:
+            s.discard()
+        self.capsule.discard()
+
+
+class Moves(TierCore):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self._prefix_counters = dict(kept=0, evicted=0)
+
+    # -- copies -----------------------------------------------------------------------------------
+    def _copy(self, tensors: Mapping[str, torch.Tensor], tier: str, *, wait=None, copy_stream: bool = True):
+        dev = self.device if tier == "gpu" else torch.device("cpu")
+        return copy_tensors(tensors, dev, pin=tier == "host" and self._pin_host, wait=wait,
+                            stream=self._stream if copy_stream else None)
+
+    def _materialize(self, e: Entry, tier: str, own: Mapping[str, torch.Tensor], own_wait: Any, blocks: BlockBytes,
+                     *, copy_stream: bool = True) -> None:
+        """Copy e's own tensors into memory tier `tier` and reference its blocks there, copying (from
+        `blocks`) those the tier lacks: one grouped copy."""
+        pool = self._pools[tier]
+        missing = [k for k in e.block_keys if pool.get(k) is None]
+        flat, waits = {f"/{n}": t for n, t in own.items()}, [own_wait]
+        for k in missing:
+            tensors, ev = blocks[k]
+            flat.update({f"{k}/{n}": t for n, t in tensors.items()})
+            waits.append(ev)
+        copied, ev = self._copy(flat, tier, wait=waits, copy_stream=copy_stream)
+        e.tensors, e.event = {n: copied[f"/{n}"] for n in own}, ev
+        for k in missing:
+            tensors = {n: copied[f"{k}/{n}"] for n in e.blocks.specs}  # type: ignore[union-attr]
+            pool.add(k, BlockRecord(e.blocks.block_nbytes, tensors, ev))  # type: ignore[union-attr]
+        self._ref(tier, e)
+
+    def _ref(self, tier: str, e: Entry) -> None:
+        if tier == "disk":
+            for k in e.block_keys:
+                self._pools[tier].add(k, BlockRecord(e.blocks.block_nbytes))  # type: ignore[union-attr]
+        for k in e.block_keys:
+            self._used[tier] += self._pools[tier].ref(k, e.anonymous)
+
+    def _unref(self, tier: str, e: Entry) -> None:
+        for k in e.block_keys:
+            self._used[tier] -= self._pools[tier].unref(k, e.anonymous)
+
+    def _held_blocks(self, e: Entry) -> BlockBytes:
+        """Where the bytes of e's blocks are in memory: its tier's pool, or what it holds itself while its
+        disk write is pending ({} when only files hold them)."""
+        if e.held is not None:
+            return e.held
+        if e.tier not in MEMORY_TIERS:
+            return {}
+        pool = self._pools[e.tier]
+        return {k: (pool.records[k].tensors, pool.records[k].event) for k in e.block_keys}  # type: ignore[misc]
+
+    def _source(self, e: Entry, have: frozenset = frozenset()) -> tuple[Parts, list]:
+        """e's bytes where they are, moving nothing: memory tensors (and the CUDA events they are complete
+        after), or its files read and verified (blocks in `have` are not read)."""
+        if e.tensors is None:
+            _, parts = read_capsule_parts(e.path, self.fingerprint, self.layout_version,  # type: ignore[arg-type]
+                                          e.meta.nbytes, have)
+            return parts, []
+        held = self._held_blocks(e)
+        return (Parts(e.tensors, tuple(held[k][0] for k in e.block_keys), e.blocks),
+                [e.event] + [held[k][1] for k in e.block_keys])
+
+    def _to_device(self, parts: Parts, waits: list) -> tuple[Parts, Any]:
+        """A transient device copy of a capsule's parts (one grouped copy), and its CUDA event."""
+        flat = {f"/{n}": t for n, t in parts.own.items()}
+        for i, b in enumerate(parts.blocks):
+            flat.update({f"{i}/{n}": t for n, t in b.items()})
+        copied, ev = self._copy(flat, "gpu", wait=waits, copy_stream=False)
+        return Parts({n: copied[f"/{n}"] for n in parts.own},
+                     tuple({n: copied[f"{i}/{n}"] for n in b} for i, b in enumerate(parts.blocks)), parts.refs), ev
+
+    # -- disk -------------------------------------------------------------------------------------
+    def _stage(self, meta: CapsuleMeta, parts: Parts) -> StagedCapsule:
+        """The capsule's file and the block files disk_dir lacks, written and fsynced under their temp names
+        (nothing renamed yet)."""
+        disk, staged = self._pools["disk"], []
+        try:
+            for k, b in zip(parts.refs.keys if parts.refs is not None else (), parts.blocks):
+                rec = disk.get(k)
+                if rec is None or rec.path is None:
+                    staged.append((k, stage_block(self._disk_dir, k, b)))  # type: ignore[arg-type]
+            capsule = stage_capsule(self._disk_dir, meta, parts.own, parts.refs)  # type: ignore[arg-type]
+        except BaseException:
+            for _, s in staged:
+                s.discard()
+            raise
+        return StagedCapsule(tuple(staged), capsule)
+
+    def _stage_entry(self, e: Entry) -> StagedCapsule:
+        if e.tensors is None:
+            raise AssertionError("only a capsule held in memory is staged")
+        parts, events = self._source(e)
+        for ev in events:
+            if ev is not None:
+                ev.synchronize()
+        return self._stage(e.meta, parts)
+
+    def _settle_on_disk(self, e: Entry, staged: StagedCapsule) -> None:
+        """Rename a staged capsule into place, its missing blocks first: from now on the files alone hold
+        it. Its blocks are referenced in the disk pool already."""
+        disk = self._pools["disk"]
+        for k, s in staged.blocks:
+            rec = disk.get(k)
+            if rec is not None and rec.path is None:
+                s.commit()
+                rec.path = s.final
+            else:
+                s.discard()
+        if staged.blocks:
+            fsync_dir(staged.capsule.final.parent)  # the blocks are durable before the capsule file naming them
+        staged.capsule.commit()
+        fsync_dir(staged.capsule.final.parent)
+        e.path, e.meta = staged.capsule.final, staged.capsule.meta  # type: ignore[assignment]
+        e.tensors, e.event, e.pending, e.held = None, None, None, None
+
+    def _forget_file(self, e: Entry) -> None:
+        """The capsule leaves the disk tier: cancel its pending write, unlink its file (its blocks are
+        released by _unref and unlinked by _collect)."""
+        e.pending = None
+        if e.path is not None:
+            e.path.unlink(missing_ok=True)
+            e.path = None
+
+    def _collect(self) -> None:
+        """Release the blocks nothing references (at the end of every verb that may drop references)."""
+        for t in MEMORY_TIERS:
+            self._pools[t].collect()
+        files = [r.path for _, r in self._pools["disk"].collect() if r.path is not None]
+        if files:
+            fsync_dir(files[0].parent)  # the capsule files that named them are durably gone first
+            for p in files:
+                p.unlink(missing_ok=True)
+
+    # -- moves ------------------------------------------------------------------------------------
+    def _remove(self, key: Key, e: Entry) -> None:
+        """Take a capsule out of the store (delete, drop)."""
+        self._forget_file(e)
+        self._unref(e.tier, e)
+        del self._entries[key]
+        self._used[e.tier] -= e.own_nbytes
+        self._policy_of(e).on_remove(pkey(key))
+        self._index.remove(key, e)
+        e.held = None
+
+    def _drop(self, key: Key, e: Entry) -> None:
+        self._remove(key, e)
+        if e.anonymous:
+            self._prefix_counters["evicted"] += 1
+            return
+        self._counters["evictions"] += 1
+        self._counters["dropped"] += 1
+        self._counters["dropped_bytes"] += e.meta.nbytes
+        log.warning("dropped capsule %s/%s (%d bytes, unpinned) from tier %r: every slower tier is full or "
+                    "disabled; raise a budget, or pin the capsules that must stay", key[0], key[1],
+                    e.meta.nbytes, e.tier)
+
+    def _move(self, key: Key, dest: str | None, preloaded: Parts | None = None,
+              staged: StagedCapsule | None = None) -> None:
+        e = self._entries[key]
+        src, n = e.tier, e.own_nbytes
+        if dest is None:
+            self._drop(key, e)
+            return
+        if dest == "disk":
+            self._ref("disk", e)
+            try:
+                if staged is not None:  # a write the caller asked for: durable before the verb returns
+                    self._settle_on_disk(e, staged)
+                else:  # a cascade: written in the background, readable from its bytes until durable
+                    self._write_later(key, e)
+            except BaseException:
+                self._unref("disk", e)  # it stays where it was
+                raise
+        else:
+            if e.tensors is None:
+                parts = preloaded if preloaded is not None else self._source(e, self._have(dest, e))[0]
+                own, wait, blocks = parts.own, None, {k: (b, None) for k, b in zip(e.block_keys, parts.blocks) if b}
+            else:
+                own, wait, blocks = e.tensors, e.event, self._held_blocks(e)
+            self._materialize(e, dest, own, wait, blocks)
+            if src == "disk":
+                self._forget_file(e)
+                e.held = None
+        self._unref(src, e)
+        e.tier = dest
+        self._used[src] -= n
+        self._used[dest] += n
+        self._counters["promotions" if RANK[dest] < RANK[src] else "demotions"] += 1
+        self._policy_of(e).on_move(pkey(key), dest)
+
+    def _write_later(self, key: Key, e: Entry) -> None:
+        """Queue the capsule's files for the background writer (background.py)."""
+        raise NotImplementedError
+
+    def _have(self, tier: str, e: Entry) -> frozenset:
+        """e's blocks that memory tier `tier` holds already (not read from disk again)."""
+        return frozenset(k for k in e.block_keys if self._pools[tier].get(k) is not None)
+
+    def _apply(self, plan: Plan, preloaded: dict | None = None, staged: dict | None = None) -> None:
+        for key, dest in plan.actions:
+            self._move(key, dest, (preloaded or {}).get(key), (staged or {}).get(key) if dest == "disk" else None)
+        self._collect()
+
+    def _acquire(self, key: Key, e: Entry) -> tuple[Parts, str]:
+        """Device tensors of a capsule for reading (promoting it to gpu when that tier is usable), and the
+        tier it was found in (before that promotion)."""
+        found = e.tier
+        if e.tier == "gpu":
+            self._counters["hits"] += 1
+        else:
+            self._counters["misses"] += 1
+            if self._usable("gpu"):
+                self._try_promote(key, "gpu")
+        pk, policy = pkey(key), self._policy_of(e)
+        policy.on_access(pk)
+        e.last_used = time.time()
+        want = policy.should_promote(pk)
+        if want in TIERS and RANK[want] < RANK[e.tier] and self._usable(want):
+            self._try_promote(key, want)
+        if e.tier == "gpu":
+            parts, events = self._source(e)
+        else:
+            # the gpu tier is disabled, or pinned capsules leave it no room: the read is served from a
+            # transient device copy (not counted in any budget) and the capsule stays where it is
+            parts, ev = self._to_device(*self._source(e))
+            events = [ev]
+        if self._cuda:
+            for ev in events:
+                if ev is not None:
+                    torch.cuda.current_stream(self.device).wait_event(ev)
+        return parts, found
+
+    def _try_promote(self, key: Key, tier: str) -> bool:
+        """Promote if room can be made; a refusal (pins fill the tier) moves nothing and returns False."""
+        try:
+            self._promote(key, tier)
+        except BudgetExceededError:
+            return False
+        return True
+
+    def _promote(self, key: Key, tier: str) -> None:
+        e = self._entries[key]
+        preloaded = {key: self._source(e, self._have(tier, e))[0]} if e.tensors is None else None  # verified first
+        self._apply(self._plan_to(key, tier), preloaded)
