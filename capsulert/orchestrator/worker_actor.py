@@ -46,6 +46,8 @@ class WorkerActorBody(WorkerCore):
         if engine_config.get("progress") is None:  # nobody watches a worker's stderr as a terminal
             engine_config = {**engine_config, "progress": False}
         super().__init__(engine_config, persist_dir, torch_threads, worker_index)
+        # which Ray node runs this worker (health() shows it): placement on a cluster is Ray's choice
+        self.node = ray.get_runtime_context().get_node_id()
 
     @ray.method(concurrency_group=SESSION_GROUP)
     def execute(self, request: Request, call_id=None):

@@ -48,6 +48,7 @@ class WorkerCore:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.index = worker_index
+        self.node: str | None = None  # the Ray node id, set by the actor (None in-process)
         self.engine = Engine.from_config(dict(engine_config))
         # ids never reused by a restarted actor: a session of the old process is unknown to the new one
         self.scheduler = StepScheduler(self.engine, first_id=random.getrandbits(40) << 20)
@@ -228,7 +229,7 @@ class WorkerCore:
 
     # ------------------------------------------------------------------ control requests
     def _ping(self, r: Ping, call_id) -> dict:
-        return {"worker": self.index, "pid": os.getpid(), "reloaded": list(self.reloaded)}
+        return {"worker": self.index, "pid": os.getpid(), "node": self.node, "reloaded": list(self.reloaded)}
 
     def _stats(self, r: Stats, call_id) -> dict:
         sch = self.scheduler
