@@ -297,7 +297,7 @@ class Client:
                 self.pinned_from_killed += 1
             checks = []
             for w in row["workers"]:
-                _, checksum, _ = await orch.call(w, ExportCapsule(name, self.ns.ns))
+                checksum = (await orch.call(w, ExportCapsule(name, self.ns.ns))).checksum
                 checks.append(checksum)
             probe = await self.ns.restore_append_generate(name, PROBE, PROBE_TOKENS)
             self.final[name] = {"checksums": checks, "probe": probe, "pinned": info["pinned"]}

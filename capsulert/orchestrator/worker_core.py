@@ -31,7 +31,7 @@ from capsulert.orchestrator.running_calls import RunningCalls
 from capsulert.worker.engine import Engine
 from capsulert.worker.scheduler import Sink, StepScheduler, queue_sink, stream_item
 from capsulert.worker.state import LAYOUT_VERSION
-from capsulert.worker.verbs import (BATCHABLE, CONTROL, Append, Batch, Close, Delete, Demote, Detokenize,
+from capsulert.worker.verbs import (BATCHABLE, CONTROL, Append, Batch, CapsuleExport, Close, Delete, Demote, Detokenize,
                                     ExportCapsule, ExportToDir, FinalEvent, Fork, Generate, ImportCapsule,
                                     ImportFromFile, Interrupt, LastCall, ListCapsules, Open, Ping, Promote, ReadTokens,
                                     Rebuild, Request, Restore, Snapshot, Stats, TokenEvent, Tokenize, Turn,
@@ -196,20 +196,25 @@ class WorkerCore:
                     self.pinned.rewrite(self.engine.store, info.name, info.namespace)
         return version
 
-    def _export(self, r: ExportCapsule, call_id) -> tuple[str, str, bytes]:
-        with self.engine.store.reading(r.name, r.namespace) as (meta, tensors):
-            cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    def _export(self, r: ExportCapsule, call_id) -> CapsuleExport:
+        with self.engine.store.reading_parts(r.name, r.namespace) as (meta, parts, _):
+            origin = parts.refs.origin if parts.refs is not None else None
+            cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in parts.full().items()}
         checksum = tensors_checksum(cpu)
-        return meta.replace(checksum=checksum).to_json(), checksum, st_save(cpu)
+        return CapsuleExport(meta.replace(checksum=checksum).to_json(), checksum, st_save(cpu), origin)
 
     def _import(self, r: ImportCapsule, call_id) -> dict:
-        meta_json, checksum, blob = r.payload
-        meta = CapsuleMeta.from_json(meta_json)
+        payload = r.payload
+        if not isinstance(payload, CapsuleExport):
+            raise InvalidRequestError(f"ImportCapsule takes a CapsuleExport, got {type(payload).__name__}")
+        meta = CapsuleMeta.from_json(payload.meta_json)
         _check_namespace(meta, r.namespace)
-        tensors = st_load(blob)
-        if tensors_checksum(tensors) != checksum:
+        tensors = st_load(payload.blob)
+        if tensors_checksum(tensors) != payload.checksum:
             raise CorruptCapsuleError(f"capsule {meta.name!r} changed in transit (checksum mismatch)")
-        return self._put(meta.replace(checksum=checksum), tensors, r.tier, r.pin)
+        # the store shares the blocks only when the origin is its own (equal tokens give equal bytes only
+        # under equal numerics); another origin's capsule stays whole
+        return self._put(meta.replace(checksum=payload.checksum), tensors, r.tier, r.pin, origin=payload.origin)
 
     def _export_to_dir(self, r: ExportToDir, call_id) -> str:
         with self.engine.store.reading(r.name, r.namespace) as (meta, tensors):
@@ -221,8 +226,8 @@ class WorkerCore:
         _check_namespace(meta, r.namespace)
         return self._put(meta, tensors, r.tier, r.pin)
 
-    def _put(self, meta: CapsuleMeta, tensors, tier: str, pin: bool) -> dict:
-        ref = self.engine.store.put(meta, tensors, tier=tier, pin=pin)
+    def _put(self, meta: CapsuleMeta, tensors, tier: str, pin: bool, origin: str | None = None) -> dict:
+        ref = self.engine.store.put(meta, tensors, tier=tier, pin=pin, origin=origin)
         if pin:
             self.pinned.write_or_delete(self.engine.store, meta.name, meta.namespace)
         return {"name": ref.name, "tier": ref.tier, "nbytes": ref.nbytes, "boundary": ref.boundary}

@@ -185,7 +185,8 @@ class Rebuild(StoreRequest):
 
 @dataclass(frozen=True)
 class ExportCapsule(StoreRequest):
-    """A capsule as host bytes for another worker: (meta JSON, checksum, safetensors bytes)."""
+    """A capsule as host bytes for another worker: a CapsuleExport (meta JSON, checksum, safetensors bytes,
+    block origin)."""
     memory_only: ClassVar[bool] = True  # a read
     name: str
     namespace: str = "default"
@@ -273,6 +274,18 @@ class LastCall(ControlRequest):
 
 
 # ---------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class CapsuleExport:
+    """A capsule in transit between workers (ExportCapsule's reply, ImportCapsule's payload): its metadata
+    JSON, the checksum of its tensors, the tensors as safetensors bytes, and its block origin: the numerics
+    that computed a canonical capsule (None for one that is not), so a worker of the same origin can share
+    its KV blocks with its own capsules of the same prefix."""
+    meta_json: str
+    checksum: str
+    blob: bytes
+    origin: str | None = None
+
+
 @dataclass(frozen=True)
 class SessionInfo:
     """A session's id and length after a request; `logits`: its next-token logits (a float32 numpy array)

@@ -81,8 +81,8 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 async def _check_bytes(orch, name: str, w: int, ref: dict) -> None:
-    meta_json, checksum, blob = await orch.call(w, ExportCapsule(name))
-    tensors = st_load(blob)
+    export = await orch.call(w, ExportCapsule(name))
+    checksum, tensors = export.checksum, st_load(export.blob)
     assert checksum == ref["checksum"] == tensors_checksum(tensors), (name, w)
     assert set(tensors) == set(ref["tensors"])
     for key, t in ref["tensors"].items():
