@@ -89,15 +89,24 @@ def gated_delta_step_fused(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     q = q.reshape(B, Hk, Dk)
     k = k.reshape(B, Hk, Dk)
     v = v.reshape(B, Hv, Dv)
-    beta = torch.sigmoid(b.contiguous()).float()
-    g = neg_A * F.softplus(a.float() + dt_bias)
-    if Hv != Hk:
-        q = q.repeat_interleave(Hv // Hk, dim=1)
-        k = k.repeat_interleave(Hv // Hk, dim=1)
-    q = l2_normalize(q.float()) * Dk**-0.5
-    k = l2_normalize(k.float())
-    v = v.float()
-    return gated_delta_step_inplace_ref(q, k, v, g, beta, ssm_buf, slots)
+    g, beta = gated_delta_gates(a, b, neg_A, dt_bias)
+    q, k = gated_delta_qk(q, k, Hv)
+    return gated_delta_step_inplace_ref(q, k, v.float(), g, beta, ssm_buf, slots)
+
+
+def gated_delta_gates(a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor, dt_bias: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decay g = -A * softplus(a + dt_bias) and the write strength beta = sigmoid(b), both fp32."""
+    return neg_A * F.softplus(a.float() + dt_bias), torch.sigmoid(b.contiguous()).float()
+
+
+def gated_delta_qk(q: torch.Tensor, k: torch.Tensor, value_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [..., Hk, Dk] -> [..., Hv, Dk] fp32: key heads shared by Hv // Hk value heads, L2-normalised,
+    q scaled by Dk**-0.5."""
+    if value_heads != q.shape[-2]:
+        q = q.repeat_interleave(value_heads // q.shape[-2], dim=-2)
+        k = k.repeat_interleave(value_heads // k.shape[-2], dim=-2)
+    return l2_normalize(q.float()) * q.shape[-1]**-0.5, l2_normalize(k.float())
 
 
 def gated_delta_step_inplace_ref(q, k, v, g, beta, ssm_buf, slots) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from capsulert.model_config import FULL, ModelConfig
-from capsulert.kernels.fused import l2_normalize
+from capsulert.kernels.fused import gated_delta_gates, gated_delta_qk
 from capsulert.kernels.ops import KernelSet, reference_kernels
 from capsulert.worker.packing import PACKS, pack_layer, split_sizes
 from capsulert.worker.state import StateSet
@@ -185,19 +185,13 @@ class HybridModel:
         q = q.reshape(R, T, Hk, Dk)
         k = k.reshape(R, T, Hk, Dk)
         v = v.reshape(R, T, Hv, Dv)
-        beta = torch.sigmoid(b).float()
-        g = w["neg_A"] * F.softplus(a.float() + w["linear_attn.dt_bias"])
+        g, beta = gated_delta_gates(a, b, w["neg_A"], w["linear_attn.dt_bias"])
         if valid is not None:  # padding tokens neither decay nor write the state
             real = (torch.arange(T, device=x.device)[None, :] < valid[:, None]).float()[..., None]
             beta = beta * real
             g = g * real
-        if Hv != Hk:
-            q = q.repeat_interleave(Hv // Hk, dim=2)
-            k = k.repeat_interleave(Hv // Hk, dim=2)
-        q = l2_normalize(q.float()) * Dk**-0.5
-        k = l2_normalize(k.float())
-        v = v.float()
-        o = self.kernels.gated_delta_prefill(q, k, v, g, beta, ssm_buf, slots)
+        q, k = gated_delta_qk(q, k, Hv)
+        o = self.kernels.gated_delta_prefill(q, k, v.float(), g, beta, ssm_buf, slots)
         o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
         return F.linear(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
 
