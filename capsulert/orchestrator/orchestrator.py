@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 from pydantic import ValidationError
 
 from capsulert.capsule_store import validate_name
@@ -77,7 +76,12 @@ class Orchestrator(Namespace):
             kw = dict(include_dashboard=False, log_to_driver=True)
             ray.init(address=cfg.address, **kw) if cfg.address else ray.init(num_cpus=cfg.local_num_cpus, **kw)
             owns = True
-        use_gpu = torch.cuda.is_available() and cfg.engine.device != "cpu"
+        try:
+            use_gpu = _workers_take_gpus(cfg)
+        except ConfigError:
+            if owns:
+                ray.shutdown()
+            raise
         log_level = cfg.worker_log_level or level_name()
         handles = []
         for i in range(cfg.num_workers):
@@ -141,8 +145,9 @@ class Orchestrator(Namespace):
         """New weights on every worker, in place: a checkpoint directory (each worker reads it) or a
         mapping of HF names to tensors (sent once through the object store as safetensors bytes). Returns
         each worker's new weights version. Capsules made before are stale until rebuilt (`rebuild(name)`,
-        or rebuild_pinned=True for the pinned ones). A worker Ray restarts afterwards comes back with the
-        configured weights: update it again."""
+        or rebuild_pinned=True for the pinned ones). A worker Ray restarts afterwards is given the last
+        update again, at the same version, before it serves a call (the orchestrator keeps the checkpoint
+        path or the tensors' bytes in the object store for that)."""
         if isinstance(weights, (str, Path)):
             payload = str(weights)
         elif isinstance(weights, dict):
@@ -153,13 +158,29 @@ class Orchestrator(Namespace):
             raise InvalidRequestError("update_weights takes a checkpoint path or a dict of tensors, "
                                       f"got {type(weights).__name__}")
         request = UpdateWeights(payload, rebuild_pinned)
-        return list(await asyncio.gather(*(self.pool.call(w, request) for w in self.pool.alive())))
+        versions = list(await asyncio.gather(*(self.pool.call(w, request) for w in self.pool.alive())))
+        self.pool.weights = UpdateWeights(payload, version=max(versions))
+        return versions
 
     async def stats(self) -> list[dict]:
         return await self.pool.each(Stats())
 
     async def health(self) -> list[dict]:
         return await self.pool.each(Ping())
+
+
+def _workers_take_gpus(cfg: OrchestratorConfig) -> bool:
+    """Whether each worker asks Ray for one GPU: decided by the cluster's resources, not by what this
+    process sees (a CPU-only head node may drive GPU workers). device="cuda" insists on GPUs, "auto" takes
+    them when the cluster has any, "cpu" never does."""
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if cfg.engine.device == "cpu" or (cfg.engine.device == "auto" and gpus < 1):
+        return False
+    if gpus < cfg.num_workers:
+        raise ConfigError(f"each of the {cfg.num_workers} worker(s) takes a GPU of its own (device="
+                          f"{cfg.engine.device!r}), and the Ray cluster has {gpus:g}: add GPUs, start fewer "
+                          f"workers, or use device='cpu'")
+    return True
 
 
 __all__ = ["GenerateResult", "Namespace", "Orchestrator", "OrchestratorConfig", "RemoteSession"]

@@ -189,7 +189,7 @@ class WorkerCore:
 
     def _update_weights(self, r: UpdateWeights, call_id) -> int:
         source = st_load(bytes(r.source)) if isinstance(r.source, (bytes, bytearray)) else r.source
-        version = self.engine.update_weights(source, rebuild_pinned=r.rebuild_pinned)
+        version = self.engine.update_weights(source, rebuild_pinned=r.rebuild_pinned, version=r.version)
         if r.rebuild_pinned:
             for info in self.engine.store.list():
                 if info.pinned:
@@ -234,7 +234,8 @@ class WorkerCore:
 
     # ------------------------------------------------------------------ control requests
     def _ping(self, r: Ping, call_id) -> dict:
-        return {"worker": self.index, "pid": os.getpid(), "node": self.node, "reloaded": list(self.reloaded)}
+        return {"worker": self.index, "pid": os.getpid(), "node": self.node, "device": self.engine.device.type,
+                "weights_version": self.engine.weights_version, "reloaded": list(self.reloaded)}
 
     def _stats(self, r: Stats, call_id) -> dict:
         sch = self.scheduler

@@ -4,11 +4,13 @@ Every failure becomes a typed error: engine refusals keep their capsulert class,
 is WorkerLost within the timeout. A worker Ray restarts under a call is waited for (bounded by
 call_timeout_s), and the call runs once more on the new process when its request is rerunnable (its
 type says so: verbs.Request.rerunnable); otherwise it is WorkerLost. A worker that comes back has its
-capsules re-listed into the CapsuleMap.
+capsules re-listed into the CapsuleMap, and the last weights update re-applied (at the same version, so
+the capsules of its peers are current on it too).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
@@ -20,11 +22,13 @@ from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutErr
 from capsulert.errors import CapsuleRTError, ConfigError, WorkerLost
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.worker_actor import send, send_stream
-from capsulert.worker.verbs import BATCHABLE, Batch, FinalEvent, ListCapsules, Ping, Request, Stats, TokenEvent
+from capsulert.worker.verbs import (BATCHABLE, Batch, FinalEvent, ListCapsules, Ping, Request, Stats, TokenEvent,
+                                    UpdateWeights)
 
 if TYPE_CHECKING:
     from capsulert.orchestrator.remote_session import RemoteSession
 
+log = logging.getLogger(__name__)
 _LOST = (RayActorError, WorkerCrashedError, ObjectLostError, GetTimeoutError)
 
 
@@ -52,6 +56,8 @@ class WorkerPool:
         self.closed = False
         self.sessions: weakref.WeakSet[RemoteSession] = weakref.WeakSet()  # open sessions handed out
         self.batches: dict[int, list] = {}  # worker -> [(request, reply future)] for its next Batch
+        # the last weights every worker took (update_weights), re-applied to a worker Ray restarts
+        self.weights: UpdateWeights | None = None
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -226,6 +232,10 @@ class WorkerPool:
             left = deadline - loop.time()
             try:
                 pong = await asyncio.wait_for(send(worker.handle, Ping()), max(left, 0.05))
+                if self.weights is not None and pong["weights_version"] != self.weights.version:
+                    # a restarted process came back with its configured weights: give it the update again
+                    log.info("worker %d restarted: re-applying weights version %d", w, self.weights.version)
+                    await asyncio.wait_for(send(worker.handle, self.weights), max(deadline - loop.time(), 1.0))
                 listing = await asyncio.wait_for(send(worker.handle, ListCapsules()), max(deadline - loop.time(), 1.0))
                 stats = await asyncio.wait_for(send(worker.handle, Stats()), max(deadline - loop.time(), 1.0))
                 break

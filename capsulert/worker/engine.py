@@ -27,6 +27,7 @@ from capsulert.errors import (
     ForeignSessionError,
     InvalidRequestError,
     NoFreeSlotError,
+    WeightUpdateError,
 )
 from capsulert.worker.engine_config import EngineConfig
 from capsulert.worker.model import HybridModel, pad_rows
@@ -404,15 +405,20 @@ class Engine:
         self._run_prefill(session.slot, session.tokens[G - self.chunk:G], G - self.chunk)
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, weights, *, rebuild_pinned: bool = False) -> int:
+    def update_weights(self, weights, *, rebuild_pinned: bool = False, version: int | None = None) -> int:
         """Replace the model's weights in place (a mapping of HF names to tensors, or a checkpoint
         directory); returns the new weights version. Checked in full before the first byte is copied
         (WeightUpdateError, engine unchanged); the buffers stay the same, so captured graphs stay valid.
         Capsules made before are stale (StaleCapsuleError on restore) until rebuilt; rebuild_pinned=True
-        rebuilds the pinned ones now (RL start capsules)."""
+        rebuilds the pinned ones now (RL start capsules). `version` sets the new version instead of the
+        next one (a restarted worker catching up with its peers); it must be above the current one."""
         from capsulert.capsule_store.capsule import WEIGHTS_MARK, model_of
         from capsulert.worker.weights import check_update, read_update
 
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)
+                                    or version <= self.weights_version):
+            raise WeightUpdateError(f"version must be an int above the current weights version "
+                                    f"{self.weights_version}, got {version!r}")
         new = check_update(self.model_weights, read_update(weights, self.model_cfg, self.dtype, self.config.progress),
                            self.model_cfg.tie_word_embeddings)
         with self._lock:
@@ -420,7 +426,7 @@ class Engine:
                 for name, t in new.items():
                     self.model_weights[name].copy_(t)
                 self.model.refresh_derived()
-            self.weights_version += 1
+            self.weights_version = self.weights_version + 1 if version is None else version
             self.fingerprint = f"{model_of(self.fingerprint)}{WEIGHTS_MARK}{self.weights_version}"
             if rebuild_pinned:
                 for info in self.store.list():

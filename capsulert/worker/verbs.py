@@ -23,7 +23,8 @@ STOP_REASONS = ("eos", "stop_token", "stop_string", "length", "max_seq", "interr
 SESSION = "session"  # the worker's step scheduler: ordered per session, decodes batched across sessions
 STORE = "store"  # the capsule store and the weights outside the scheduler: one at a time per worker
 CONTROL = "control"  # reads and interrupts: answer while anything else runs
-LANES = (SESSION, STORE, CONTROL)
+TRANSFER = "transfer"  # worker-to-worker transfers: each blocks until its peer's half runs (see TransferRequest)
+LANES = (SESSION, STORE, CONTROL, TRANSFER)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,19 @@ class StoreRequest(Request):
 class ControlRequest(Request):
     """A read or an interrupt."""
     lane: ClassVar[str] = CONTROL
+
+
+@dataclass(frozen=True)
+class TransferRequest(Request):
+    """One half of a worker-to-worker transfer over a pair link (orchestrator/peer_link.py): it blocks until
+    the peer runs the other half, so it has a lane of its own. Not the session lane (its calls are the step
+    scheduler's), not the store lane (one at a time: a send waiting there for its receiver would hold up the
+    worker's imports and exports, and two workers migrating to each other while the object store path runs
+    would wait on each other for good), not the control lane (its few threads must answer health checks and
+    interrupts). Its own threads let a send and a receive run while the worker keeps serving. Never rerun:
+    the peer's half is gone with the old process."""
+    lane: ClassVar[str] = TRANSFER
+    memory_only: ClassVar[bool] = False
 
 
 # ---------------------------------------------------------------------- session verbs (step scheduler)
@@ -222,15 +236,71 @@ class ImportFromFile(StoreRequest):
 @dataclass(frozen=True)
 class UpdateWeights(StoreRequest):
     """New weights in place: a checkpoint path, or safetensors bytes (or a reference to them in the
-    transport's object store); never pickle. The reply is the new weights version."""
+    transport's object store); never pickle. The reply is the new weights version: the next one, or
+    `version` when given (a restarted worker catching up with the others takes their version, so their
+    capsules are current on it too)."""
     source: Any
     rebuild_pinned: bool = False
+    version: int | None = None
+
+
+# ---------------------------------------------------------------------- worker-to-worker transfers
+@dataclass(frozen=True)
+class PeerConnect(TransferRequest):
+    """Join pair link `peer_key` with worker `peer` as `rank`; both workers are sent it at once, rank 0
+    hosts the link's store at host:port (PeerAddress). Fails with PeerLinkError after `timeout_s`."""
+    peer_key: str
+    peer: int
+    rank: int
+    host: str
+    port: int
+    timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class SendCapsule(TransferRequest):
+    """Send a capsule over pair link `peer_key` to the worker running the matching ReceiveCapsule: its
+    tensors packed into one buffer on the engine device, sent in one op. The small part, the manifest
+    (metadata JSON, origin, tensor names, dtypes, shapes and offsets), goes first, then the buffer, then the
+    checksum. The reply says whether the receiver took it and the checksum."""
+    name: str
+    peer_key: str
+    namespace: str = "default"
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class ReceiveCapsule(TransferRequest):
+    """Receive the capsule a SendCapsule sends over `peer_key` into one buffer on the engine device, check
+    it (namespace, checksum) and store it like ImportCapsule; a refusal or a failure stores nothing."""
+    peer_key: str
+    tier: str = "device"
+    pin: bool = False
+    namespace: str | None = None
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class LinkProbe(TransferRequest):
+    """Benchmark only: send (or receive) an `nbytes` buffer `repeats` times over pair link `peer_key`, with
+    nothing else around it; the reply is the seconds each took on this worker (the raw link speed)."""
+    peer_key: str
+    nbytes: int
+    send: bool
+    repeats: int = 5
+    timeout_s: float = 60.0
 
 
 # ---------------------------------------------------------------------- control verbs
 @dataclass(frozen=True)
 class Ping(ControlRequest):
-    """The worker's index, process id and the pinned capsules it reloaded at start."""
+    """The worker's index, process id, Ray node, engine device, weights version and the pinned capsules it
+    reloaded at start."""
+
+
+@dataclass(frozen=True)
+class PeerAddress(ControlRequest):
+    """(host, port): this worker's node address and a TCP port free on it now, for a pair link's store."""
 
 
 @dataclass(frozen=True)

@@ -37,3 +37,48 @@ async def test_update_weights_on_every_worker_and_rebuild(orch, engine_cfg, defa
         ref.append(PROMPT)
         assert got == ref.generate(8, NOEOS) and got.weights_version == 1
         await r.close()
+
+
+async def test_a_restarted_worker_takes_the_last_update_again(orch, engine_cfg, default_model_dir):
+    import ray
+
+    from capsulert.worker.engine import Engine
+    from capsulert.worker.verbs import Close, Generate, Open
+
+    async def generate_on_worker0():
+        info = await orch.call(0, Open(PROMPT))
+        try:
+            return await orch.call(0, Generate(info.session, 6, NOEOS))
+        finally:
+            await orch.call(0, Close(info.session))
+
+    weights = load_file(str(default_model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(11)
+    new = {k: v + 0.05 * v.abs().mean() * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+    before = (await orch.health())[0]
+    versions = await orch.update_weights(new)
+    assert versions == [before["weights_version"] + 1] * len(orch.workers)
+    want = await generate_on_worker0()
+
+    ray.kill(orch.workers[0].handle, no_restart=False)  # Ray starts a new process with the configured weights
+    got = await generate_on_worker0()  # waits for the restart
+    after = (await orch.health())[0]
+    assert after["pid"] != before["pid"] and after["weights_version"] == versions[0]
+    assert got == want and got.logprobs == want.logprobs and got.weights_version == versions[0]
+    fresh = Engine.from_config(engine_cfg)  # the update's weights, not the configured ones
+    fresh.update_weights(new)
+    ref = fresh.open()
+    ref.append(PROMPT)
+    assert got == ref.generate(6, NOEOS)
+
+
+async def test_a_version_must_move_forward(engine_cfg):
+    from capsulert.worker.engine import Engine
+
+    eng = Engine.from_config(engine_cfg)
+    weights = {k: v.clone() for k, v in eng.model_weights.items()}
+    assert eng.update_weights(weights, version=3) == 3 and eng.fingerprint.endswith("3")
+    for bad in (3, 2, "4", True):
+        with pytest.raises(WeightUpdateError, match="version"):
+            eng.update_weights(weights, version=bad)
+    assert eng.weights_version == 3

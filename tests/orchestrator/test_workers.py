@@ -103,3 +103,23 @@ async def test_killed_worker_fails_fast_restarts_and_reloads_pinned(orch2):
         await victim.generate(1)  # its session died with the old process
     await other.close()
     await orch2.delete("sys-prefix")
+
+
+async def test_workers_take_gpus_by_the_clusters_resources_not_the_drivers(ray_session, engine_cfg, monkeypatch):
+    from capsulert.errors import ConfigError
+    from capsulert.orchestrator import orchestrator as mod
+    from capsulert.orchestrator.orchestrator_config import OrchestratorConfig
+
+    def cfg(device, n):
+        return OrchestratorConfig.model_validate(dict(engine={**engine_cfg, "device": device}, num_workers=n))
+
+    # this CPU cluster: device="cuda" is refused before any worker starts, "auto" runs CPU workers
+    with pytest.raises(ConfigError, match="takes a GPU of its own"):
+        await Orchestrator.start(dict(engine={**engine_cfg, "device": "cuda"}, num_workers=1))
+    assert mod._workers_take_gpus(cfg("auto", 2)) is False
+    # a cluster with two GPUs on other nodes, seen from a driver without CUDA
+    monkeypatch.setattr(mod.ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0})
+    assert mod._workers_take_gpus(cfg("auto", 2)) is True and mod._workers_take_gpus(cfg("cuda", 1)) is True
+    assert mod._workers_take_gpus(cfg("cpu", 2)) is False
+    with pytest.raises(ConfigError, match="3 worker"):
+        mod._workers_take_gpus(cfg("auto", 3))
