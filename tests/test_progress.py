@@ -3,6 +3,7 @@ caller turns them off, and so never in the test suite's captured output. Weight 
 draw theirs through EngineConfig.progress. (Default-model generation: tests/worker/test_default_model.py;
 shards named while loading: tests/worker/test_loader.py; graph capture: tests/worker/test_graphs.py, GPU.)"""
 import io
+import queue
 
 import pytest
 
@@ -63,3 +64,29 @@ def test_no_bar_in_captured_output_or_when_turned_off(make_engine, text, capsys,
     s.append(text * 3)  # a long prefill
     s.close()
     assert capsys.readouterr() == ("", "")
+
+
+def test_a_long_prefill_through_the_step_scheduler_draws_one_bar_over_its_pieces(make_engine, text, capsys,
+                                                                                monkeypatch):
+    from capsulert.worker.scheduler import StepScheduler, queue_sink
+    from capsulert.worker.verbs import Open
+
+    monkeypatch.setattr("capsulert.progress.SHOW_AFTER_S", 0)
+    eng = make_engine(progress=True)
+    capsys.readouterr()
+    ids = eng.tokenize(text * 3)
+    chunks = -(-len(ids) // CHUNK)
+    assert chunks > LONG_PREFILL_CHUNKS
+    sch = StepScheduler(eng)  # its loop cuts the prompt into one chunk per step
+    try:
+        for prompt, drawn in ((ids[:LONG_PREFILL_CHUNKS * CHUNK], False), (ids, True)):
+            out = queue.Queue()
+            sch.submit(Open(prompt), queue_sink(out.put))
+            kind, value = out.get(timeout=60)
+            assert kind == "done" and value.length == len(prompt)
+            err = capsys.readouterr().err
+            assert ("capsulert: prefill (session" in err) is drawn
+            if drawn:  # one bar over the whole prompt, not one per piece
+                assert err.count(f"| 0/{chunks} ") == 1
+    finally:
+        sch.stop()

@@ -31,8 +31,9 @@ import torch
 
 from capsulert.errors import (InvalidRequestError, NoFreeSlotError, QueueFullError,
                               SessionClosedError)
+from capsulert.progress import Bar, NullBar, progress_bar
 from capsulert.worker.decoding import DecodeStream, advance
-from capsulert.worker.engine import Engine
+from capsulert.worker.engine import LONG_PREFILL_CHUNKS, Engine
 from capsulert.worker.session import Session
 from capsulert.worker.verbs import (SESSION, Append, Close, Delete, FinalEvent, Fork, Generate, GenerateResult,
                                     Open, Request, Restore, SessionInfo, Snapshot, TokenEvent, Turn)
@@ -72,6 +73,7 @@ class _Job:
     cancelled: bool = False
     restored_from: str | None = None  # the tier its restore read the capsule from
     cached_tokens: int = 0  # tokens its appends restored from the prefix cache instead of prefilling
+    bar: Bar = field(default_factory=NullBar)  # a long prefill's progress, one chunk piece per update
 
 
 class StepScheduler:
@@ -90,6 +92,10 @@ class StepScheduler:
         self._ids = itertools.count(first_id)
         self._stopped = False
         self.steps = 0
+        # where the loop's time goes (seconds): starting requests and capsule copies, prefill pieces, decode
+        # steps (sampling, the batched step, stop rules and the events handed to sinks); read by Stats
+        self.busy_s = {"start": 0.0, "prefill": 0.0, "decode": 0.0}
+        self.decoded_tokens = 0
         # CPU kernels may reduce in another order with another thread count, and a new thread starts with
         # torch's default count, not the one its creator set: run the loop with the creator's
         self._threads = torch.get_num_threads()
@@ -146,9 +152,17 @@ class StepScheduler:
                 self._waiting += self._incoming
                 self._incoming.clear()
             try:
+                t0 = time.perf_counter()
                 self._start_ready()
+                t1 = time.perf_counter()
                 self._prefill()
+                t2 = time.perf_counter()
                 self._decode()
+                t3 = time.perf_counter()
+                busy = self.busy_s
+                busy["start"] += t1 - t0
+                busy["prefill"] += t2 - t1
+                busy["decode"] += t3 - t2
             except BaseException as e:  # a bug in the loop must not hang every caller
                 for job in self._waiting + self._active:
                     job.sink.error(e)
@@ -272,6 +286,11 @@ class StepScheduler:
                 held = len(s.tokens)
                 job.prefill = self.engine.reuse_prefix(s, tokens)  # a cached prefix: only the rest is prefilled
                 job.cached_tokens += len(s.tokens) - held
+                chunk = self.engine.chunk
+                pieces = (len(s.tokens) + len(job.prefill) - 1) // chunk - len(s.tokens) // chunk + 1
+                if pieces > LONG_PREFILL_CHUNKS:  # drawn only where someone watches (EngineConfig.progress)
+                    job.bar = progress_bar(pieces, f"capsulert: prefill (session {job.session})", unit="chunk",
+                                           progress=self.engine.config.progress)
                 return
             _, n, sampling = phase
             eng = self.engine
@@ -321,10 +340,13 @@ class StepScheduler:
                     piece, job.prefill = job.prefill[:end - P], job.prefill[end - P:]
                     self.engine.append(s, piece)
                     budget -= end - P // chunk * chunk
+                    job.bar.update()
                 if not job.prefill:
                     job.prefill = None
+                    job.bar.close()
                     self._next_phase(job)
             except BaseException as e:
+                job.bar.close()
                 self._fail(job, e)
 
     def _decode(self) -> None:
@@ -335,6 +357,7 @@ class StepScheduler:
         by_stream = {id(j.stream): j for j in jobs}
         events = advance(self.engine, [j.stream for j in jobs],
                          should_stop=lambda st: by_stream[id(st)].cancelled)
+        self.decoded_tokens += len(events)
         for st, ev in events:
             job = by_stream[id(st)]
             if job.sink.event is not None:
