@@ -5,8 +5,14 @@ Each agent restores its own capsule (a context of --context tokens), appends a -
 --gen tokens, as a separate asyncio task; all N start together. Reported per N: aggregate decode tokens/s,
 p50 / p99 TTFT (task start -> first streamed token) and inter-token latency, the speed-up over running the
 same N sessions sequentially, and over HF transformers (generate per session, --hf-sessions of them timed
-and scaled to N). Every session's tokens are checked against its solo run. Prints a table, writes
-bench/out/serving.json and bench/out/serving.png.
+and scaled to N). Also per N: the decode throughput (tokens streamed while every session is decoding, over
+that window) and, from the workers' step loops, the milliseconds per decode step spent decoding and
+prefilling. Every session's tokens are checked against its solo run. Prints a table, writes
+bench/out/serving.json and bench/out/serving.png (serving_w2.json etc. with --workers / --skew).
+
+`--workers W` spreads the agents' capsules round-robin over W workers (one GPU each on cuda; agents follow
+their capsule); `--skew` has every agent restore one hot capsule, and `--replicate-hot GAP` lets the
+router copy it to a worker with GAP fewer sessions (OrchestratorConfig.replicate_hot).
 
 `--http` runs the same workload through `capsulert serve` (Ray Serve + FastAPI) with the official openai
 client (async), after running it through the async API, and reports the HTTP overhead: p50 / p99 wall
@@ -50,7 +56,7 @@ async def agent(orch, name: str, turn: list[int], gen: int) -> dict:
         tokens.append(ev.token)
     await s.close()
     itl = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
-    return {"ttft_ms": (stamps[0] - t0) * 1e3, "itl_ms": itl, "tokens": tokens, "end": stamps[-1], "start": t0,
+    return {"ttft_ms": (stamps[0] - t0) * 1e3, "itl_ms": itl, "tokens": tokens, "stamps": stamps, "start": t0,
             "wall_ms": (time.perf_counter() - t0) * 1e3}
 
 
@@ -62,12 +68,46 @@ async def run_n(orch, names, turns, gen: int, concurrent: bool) -> dict:
         outs = [await agent(orch, nm, tn, gen) for nm, tn in zip(names, turns)]
     wall = time.perf_counter() - t0
     itl = [x for o in outs for x in o["itl_ms"]]
-    return {"wall_s": wall, "tokens_per_s": len(names) * gen / wall,
+    return {"wall_s": wall, "tokens_per_s": len(names) * gen / wall, "decode_tokens_per_s": steady_rate(outs),
             "ttft_p50_ms": percentile([o["ttft_ms"] for o in outs], 50),
             "ttft_p99_ms": percentile([o["ttft_ms"] for o in outs], 99),
             "itl_p50_ms": percentile(itl, 50) if itl else float("nan"),
             "itl_p99_ms": percentile(itl, 99) if itl else float("nan"),
             "tokens": [o["tokens"] for o in outs]}
+
+
+def steady_rate(outs: list[dict]) -> float:
+    """Aggregate decode tokens/s while every session is decoding: the tokens streamed between the last
+    session's first token and the first session's last token, over that window (NaN when the windows of
+    the sessions do not overlap). The end-to-end rate (tokens_per_s) also counts restores and prefills."""
+    lo, hi = max(o["stamps"][0] for o in outs), min(o["stamps"][-1] for o in outs)
+    if hi <= lo:
+        return float("nan")
+    inside = sum(lo < t <= hi for o in outs for t in o["stamps"])
+    return inside / (hi - lo)
+
+
+async def loop_busy(orch) -> dict:
+    """The workers' step-loop counters summed: decode steps, decoded tokens and seconds per loop phase."""
+    rows = await orch.stats()
+    out = {"decode_steps": 0, "decoded_tokens": 0, "start": 0.0, "prefill": 0.0, "decode": 0.0}
+    for r in rows:
+        out["decode_steps"] += r["decode_steps"]
+        out["decoded_tokens"] += r["decoded_tokens"]
+        for k, v in r["loop_busy_s"].items():
+            out[k] += v
+    return out
+
+
+def loop_figures(before: dict, after: dict, wall_s: float, workers: int) -> dict:
+    """Per decode step: the loop's milliseconds in each phase, and the share of the run the loops were busy
+    (the rest they waited for requests: time spent outside the worker's step loop)."""
+    d = {k: after[k] - before[k] for k in after}
+    steps = max(d["decode_steps"], 1)
+    busy = d["start"] + d["prefill"] + d["decode"]
+    return {"steps": d["decode_steps"], "rows_per_step": d["decoded_tokens"] / steps,
+            "decode_ms_per_step": d["decode"] * 1e3 / steps, "prefill_ms_per_step": d["prefill"] * 1e3 / steps,
+            "start_ms_per_step": d["start"] * 1e3 / steps, "busy_share": busy / (wall_s * workers)}
 
 
 def hf_seconds_per_session(engine_cfg: dict, contexts, turns, gen: int, sessions: int) -> float:
@@ -100,24 +140,32 @@ async def main(args) -> int:
     max_seq = -(-(args.context + args.turn + args.gen + 1) // chunk) * chunk
     n_max = max(args.ns)
     engine_cfg = dict(model=args.model, device=args.device, slots=n_max + 2, max_seq=max_seq, prefill_chunk=chunk)
-    orch = await Orchestrator.start(dict(engine=engine_cfg, num_workers=1, call_timeout_s=3600,
-                                         torch_threads=args.threads))
+    ocfg = dict(engine=engine_cfg, num_workers=args.workers, call_timeout_s=3600, torch_threads=args.threads)
+    if args.replicate_hot is not None:
+        ocfg["replicate_hot"] = args.replicate_hot
+    orch = await Orchestrator.start(ocfg)
     try:
         vocab = 4000
         g = torch.Generator().manual_seed(0)
         contexts = [torch.randint(10, vocab, (args.context,), generator=g).tolist() for _ in range(n_max)]
         turns = [torch.randint(10, vocab, (args.turn,), generator=g).tolist() for _ in range(n_max)]
-        log(f"making {n_max} capsules of {args.context} tokens")
-        for i, ctx in enumerate(contexts):
-            s = await orch.open(ctx)
+        if args.skew:  # every agent restores one hot capsule (the first context); its turns still differ
+            contexts = [contexts[0]] * n_max
+        log(f"making {1 if args.skew else n_max} capsule(s) of {args.context} tokens over {args.workers} worker(s)")
+        for i, ctx in enumerate(contexts[:1] if args.skew else contexts):
+            s = await orch.open(ctx, worker=i % args.workers)  # capsule affinity: agent i lives where its capsule is
             await s.snapshot(f"agent{i}")
             await s.close()
+        hot = ["agent0"] * n_max
         solo = [None] * n_max
         rows = []
         for n in args.ns:
-            names = [f"agent{i}" for i in range(n)]
+            names = hot[:n] if args.skew else [f"agent{i}" for i in range(n)]
             log(f"N={n}: concurrent")
+            before = await loop_busy(orch)
             conc = await run_n(orch, names, turns[:n], args.gen, True)
+            loop = loop_figures(before, await loop_busy(orch), conc["wall_s"], args.workers)
+            placed = sorted(len(v) for v in orch.placement().values())
             if n <= args.max_sequential:
                 log(f"N={n}: sequential")
                 seq = await run_n(orch, names, turns[:n], args.gen, False)
@@ -129,33 +177,39 @@ async def main(args) -> int:
                 if solo[i] is None and not args.check_all:
                     continue  # checked: the sessions also run one after another
                 if solo[i] is None:  # not run alone yet: run it alone now
-                    solo[i] = (await run_n(orch, [f"agent{i}"], [turns[i]], args.gen, False))["tokens"][0]
+                    solo[i] = (await run_n(orch, [names[i]], [turns[i]], args.gen, False))["tokens"][0]
                 assert a == solo[i], f"session {i}: batched tokens differ from its solo run"
-            rows.append({"n": n, "tokens_per_s": conc["tokens_per_s"], "seq_tokens_per_s": seq["tokens_per_s"],
+            rows.append({"n": n, "tokens_per_s": conc["tokens_per_s"], "decode_tokens_per_s": conc["decode_tokens_per_s"],
+                         "seq_tokens_per_s": seq["tokens_per_s"], "loop": loop, "copies_per_capsule": placed,
                          "speedup_vs_sequential": conc["tokens_per_s"] / seq["tokens_per_s"],
                          "ttft_p50_ms": conc["ttft_p50_ms"], "ttft_p99_ms": conc["ttft_p99_ms"],
                          "itl_p50_ms": conc["itl_p50_ms"], "itl_p99_ms": conc["itl_p99_ms"],
                          "checked_exact": sum(x is not None for x in solo[:n])})
     finally:
         await orch.close()
-    base = rows[0]["tokens_per_s"]
+    base, dbase = rows[0]["tokens_per_s"], rows[0]["decode_tokens_per_s"]
     for r in rows:
         r["throughput_vs_n1"] = r["tokens_per_s"] / base
+        r["decode_vs_n1"] = r["decode_tokens_per_s"] / dbase
+        r.update({f"loop_{k}": v for k, v in r["loop"].items()})
     if not args.no_hf:
         log("HF transformers per session")
         hf_s = hf_seconds_per_session(engine_cfg, contexts, turns, args.gen, args.hf_sessions)
         for r in rows:
             r["hf_tokens_per_s"] = args.gen / hf_s
             r["speedup_vs_hf"] = r["tokens_per_s"] / r["hf_tokens_per_s"]
-    cols = ["n", "tokens_per_s", "throughput_vs_n1", "seq_tokens_per_s", "speedup_vs_sequential", "ttft_p50_ms",
-            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"] + ([] if args.no_hf else ["hf_tokens_per_s", "speedup_vs_hf"])
+    cols = ["n", "tokens_per_s", "throughput_vs_n1", "decode_tokens_per_s", "decode_vs_n1", "seq_tokens_per_s",
+            "speedup_vs_sequential", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+            "loop_decode_ms_per_step", "loop_prefill_ms_per_step", "loop_busy_share"] + ([] if args.no_hf else ["hf_tokens_per_s", "speedup_vs_hf"])
     print_table(rows, cols)
-    write_json(OUT_DIR / "serving.json", {"machine": machine_info(args.device), "args": vars(args), "rows": rows})
+    tag = f"_w{args.workers}" + ("_skew" if args.skew else "") + ("_rep" if args.replicate_hot else "")
+    write_json(OUT_DIR / f"serving{'' if tag == '_w1' else tag}.json",
+               {"machine": machine_info(args.device), "args": vars(args), "rows": rows})
     curves = {"concurrent (scheduler)": [r["tokens_per_s"] for r in rows],
               "sequential": [r["seq_tokens_per_s"] for r in rows]}
     if not args.no_hf:
         curves["HF transformers, per session"] = [r["hf_tokens_per_s"] for r in rows]
-    plot_lines(OUT_DIR / "serving.png", [r["n"] for r in rows], curves, "concurrent sessions N",
+    plot_lines(OUT_DIR / f"serving{'' if tag == '_w1' else tag}.png", [r["n"] for r in rows], curves, "concurrent sessions N",
                "aggregate decode tokens/s", logx=True, logy=True, title=f"serving, {args.device}")
     return 0
 
@@ -171,6 +225,11 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-chunk", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hf-sessions", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=1, help="GPU workers (one GPU each on cuda); capsules are "
+                    "made round-robin over them and agents follow their capsule")
+    ap.add_argument("--skew", action="store_true", help="every agent restores the same (hot) capsule")
+    ap.add_argument("--replicate-hot", type=int, default=None, metavar="GAP",
+                    help="OrchestratorConfig.replicate_hot: copy a capsule to a worker with GAP fewer sessions")
     ap.add_argument("--max-sequential", type=int, default=16, help="largest N also run one after another")
     ap.add_argument("--check-all", action="store_true",
                     help="check every session against its solo run (default: those run one after another)")

@@ -103,6 +103,12 @@ class WorkerLost(CapsuleRTError):
     """A worker actor died or did not answer in time; the call did not complete."""
 
 
+class PeerLinkError(WorkerLost):
+    """A point-to-point link between two workers (capsule migration via="device") could not be set up, or
+    broke or timed out during a transfer (the peer died, restarted, hung or cannot be reached). The transfer
+    did not complete; the link is dropped and set up again on next use."""
+
+
 class InvalidRequestError(CapsuleRTError, ValueError):
     """An argument of a verb is out of range (n < 1 branches, negative max_new_tokens, a promotion to a
     slower tier, ...). Also a ValueError, so generic callers can catch it as one."""

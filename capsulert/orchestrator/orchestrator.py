@@ -1,6 +1,7 @@
 """Orchestrator: the async API. Starts (or joins) Ray, spawns one WorkerActor per GPU (or CPU worker),
-routes each session to the worker holding its capsule, migrates capsules between workers through host
-bytes in the Ray object store (or a disk directory), and turns every failure into a typed error:
+routes each session to the worker holding its capsule, migrates capsules between workers (device to
+device over a pair link between CUDA workers, else as bytes in the Ray object store, or through a disk
+directory; router.py), and turns every failure into a typed error:
 engine refusals keep their capsulert class, a dead or silent worker is WorkerLost within the timeout
 (worker_pool.py).
 
@@ -94,7 +95,7 @@ class Orchestrator(Namespace):
                 opts["num_cpus"] = cfg.worker_num_cpus
             handles.append(WorkerActor.options(**opts).remote(ecfg, persist, cfg.torch_threads, i, log_level))
         capsule_map = CapsuleMap()
-        pool = WorkerPool(handles, capsule_map, cfg.call_timeout_s)
+        pool = WorkerPool(handles, capsule_map, cfg.call_timeout_s, cfg.replicate_hot)
         orch = cls(cfg, pool, capsule_map, owns, dir_lock)
         try:
             await asyncio.gather(*(pool.resync(i, cfg.start_timeout_s) for i in range(len(handles))))

@@ -32,6 +32,10 @@ class OrchestratorConfig(BaseModel):
         None, description="level of the workers' `capsulert` loggers, whose records reach the driver's stderr; "
                           "None: the driver's `capsulert` logger's effective level when the orchestrator starts")
     persist_pinned: bool = True
+    replicate_hot: int | None = Field(
+        None, ge=1, description="copy a capsule to the least loaded worker when its best holder carries this many "
+                                "more sessions (open or in flight): a hot capsule spreads on demand. None: never "
+                                "(a capsule moves only when a session needs it elsewhere or on migrate())")
 
 
 _Tier = TypeAdapter(Literal["device", "gpu", "host", "disk"])  # "gpu": the older name of "device"

@@ -1,8 +1,10 @@
 """CapsuleRouter: a namespace's capsule verbs, and where its sessions go.
 
 A session goes to the worker holding its capsule (the least loaded one when several do); a capsule
-needed on another worker is copied there byte-exact, as safetensors bytes through the Ray object store
-(the bytes go worker to worker, never through the caller) or as a verified capsule file on disk. The
+needed on another worker is copied there byte-exact: over a pair link between the two workers' devices
+(NCCL between CUDA workers, Gloo between CPU ones; the default between CUDA workers), as safetensors bytes
+through the Ray object store (the default otherwise), or as a verified capsule file on disk. The bytes go
+worker to worker, never through the caller. The
 view (capsule_map.py) is rebuilt from the workers' own listings whenever a worker was lost or restarted.
 
 Every view is per namespace: a name is looked up only among the capsules of the caller's namespace, and
@@ -19,17 +21,22 @@ racing a delete either sees the whole capsule or fails with UnknownCapsuleError.
 from __future__ import annotations
 
 import asyncio
-from contextlib import asynccontextmanager
+import logging
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
-from capsulert.errors import ConfigError, DuplicateCapsuleError, UnknownCapsuleError, WorkerLost
+from capsulert.errors import CapsuleRTError, ConfigError, DuplicateCapsuleError, UnknownCapsuleError, WorkerLost
 from capsulert.orchestrator.capsule_map import NamespaceMap
 from capsulert.orchestrator.orchestrator_config import name_arg, tier_arg
 from capsulert.orchestrator.worker_pool import WorkerPool
 from capsulert.worker.verbs import (Delete, Demote, ExportCapsule, ExportToDir, ImportCapsule, ImportFromFile,
-                                    ListCapsules, Promote, Rebuild, Request)
+                                    ListCapsules, PeerClose, Promote, ReceiveCapsule, Rebuild, Request,
+                                    SendCapsule)
 
+log = logging.getLogger(__name__)
 _TIER_ORDER = ("gpu", "host", "disk")  # fastest first, as workers list them
+MIGRATION_PATHS = ("auto", "device", "object_store", "disk")
+LINK_CONNECT_TIMEOUT_S = 30.0  # at most: a pair link that is not up by then is not coming
 
 
 class CapsuleRouter:
@@ -75,26 +82,67 @@ class CapsuleRouter:
 
     async def _on_holder(self, name: str, request: Request, **kw):
         """`request` on the least loaded worker holding capsule `name`; (worker, reply)."""
-        w = self.pool.least_loaded(self._holders(name))
+        w = await self._serving_worker(name)
         return w, await self.pool.call(w, request, **kw)
 
+    async def _serving_worker(self, name: str) -> int:
+        """The least loaded worker holding capsule `name`. With OrchestratorConfig.replicate_hot = GAP, a
+        capsule whose best holder carries GAP or more sessions (open or in flight) than the least loaded
+        live worker is first copied there (migrate, via="auto"): a hot capsule spreads over idle workers on
+        demand. A copy that fails is logged and the request stays with the holders."""
+        holders = self._holders(name)
+        w, gap = self.pool.least_loaded(holders), self.pool.replicate_hot
+        if gap is None:
+            return w
+        idle = self.pool.least_loaded(self.pool.alive())
+        if idle not in holders and self.pool.load(w) - self.pool.load(idle) >= gap:
+            try:
+                path = await self.migrate(name, idle)
+                if path is not None:
+                    log.info("capsule %r: replicated to worker %d (%s) for load", name, idle, path)
+            except CapsuleRTError as e:
+                log.warning("capsule %r: could not replicate it to the idle worker %d (%s); serving it from "
+                            "worker(s) %s", name, idle, e, sorted(self._holders(name)))
+            w = self.pool.least_loaded(self._holders(name))  # again: others may have taken the copy meanwhile
+        return w
+
     # ------------------------------------------------------------------ capsule verbs
-    async def migrate(self, name: str, worker: int, *, via: str = "object_store", directory: str | None = None,
-                      tier: str = "gpu") -> None:
-        """Copy capsule `name` to `worker`, byte-exact: as safetensors bytes through the Ray object store
-        (default), or as a verified capsule file written to and read from `directory` (via="disk")."""
+    async def migrate(self, name: str, worker: int, *, via: str = "auto", directory: str | None = None,
+                      tier: str = "gpu") -> str | None:
+        """Copy capsule `name` to `worker`, byte-exact, by one of these paths (`via`):
+
+        - "device": worker to worker over a pair link (orchestrator/peer_link.py), set up on first use: the
+          capsule packed into one buffer on the source's engine device, received into one on the target's
+          and checked against the source's digest (packed_capsule.py). NCCL between CUDA workers, Gloo between
+          CPU workers;
+        - "object_store": as safetensors bytes through the Ray object store;
+        - "disk": as a verified capsule file written to and read from `directory`;
+        - "auto" (the default): "device" when both workers' engines are on CUDA, else "object_store". If the
+          pair link cannot be set up, a warning names the reason and the object store is used instead.
+
+        Returns the path used ("device", "object_store" or "disk"; the way to see what "auto" chose), or
+        None when `worker` held the capsule already. The view gains the copy only once it is complete and
+        verified on `worker`; a failed copy raises a typed error (WorkerLost, or its PeerLinkError, for a
+        lost or unreachable worker; the target's refusal otherwise) and leaves no capsule on `worker`."""
         name, tier = name_arg(name), tier_arg(tier)
         worker = self.pool.worker_arg(worker)
-        if via not in ("object_store", "disk"):
-            raise ConfigError(f"via must be 'object_store' or 'disk', got {via!r}")
+        if via not in MIGRATION_PATHS:
+            raise ConfigError(f"via must be one of {', '.join(map(repr, MIGRATION_PATHS))}; got {via!r}")
         if via == "disk" and directory is None:
             raise ConfigError("via='disk' needs a directory both workers can read")
         self._holders(name)
         async with self.space.locks.hold(name):
             holders = self._holders(name)  # again: it may have been deleted while we waited
             if worker in holders:
-                return
+                return None
             src, ns = min(holders), self.ns
+            if via == "auto":
+                via = "device" if self.pool.workers[src].device == self.pool.workers[worker].device == "cuda" \
+                    else "object_store"
+                if via == "device" and not await self._by_device(name, src, worker, tier, fall_back=True):
+                    via = "object_store"
+            elif via == "device":
+                await self._by_device(name, src, worker, tier, fall_back=False)
             if via == "object_store":
                 await self.pool.check(src)
                 # the bytes stay in the object store: worker to worker, never through the caller
@@ -105,13 +153,58 @@ class CapsuleRouter:
                     # a lost source fails the import too: have the next call on either worker check it
                     self.pool.mark_stale(src)
                     raise
-            else:
+            elif via == "disk":
                 path = await self.pool.call(src, ExportToDir(name, directory, ns))
                 try:
                     await self.pool.call(worker, ImportFromFile(path, tier, namespace=ns))
                 finally:
                     Path(path).unlink(missing_ok=True)
             self.space.add(name, worker)
+            return via
+
+    async def _by_device(self, name: str, src: int, dst: int, tier: str, *, fall_back: bool) -> bool:
+        """Copy capsule `name` from src to dst over their pair link: SendCapsule and ReceiveCapsule run at
+        once, one on each worker. False when the link could not be set up and `fall_back` allows another
+        path (logged as a warning with the reason); raises when the copy fails."""
+        timeout = self.pool.call_timeout_s  # each half's own deadline; its call waits a little longer
+        async with self.pool.transferring(src, dst):
+            try:
+                key = await self.pool.link(src, dst, min(LINK_CONNECT_TIMEOUT_S, timeout))
+            except WorkerLost as e:  # PeerLinkError is one
+                if not fall_back:
+                    raise
+                log.warning("capsule %r: no device link between workers %d and %d (%s); migrating it through the "
+                            "object store instead", name, src, dst, e)
+                return False
+            halves = {src: asyncio.ensure_future(self.pool.call(src, SendCapsule(name, key, self.ns, timeout),
+                                                                timeout=timeout + 10)),
+                      dst: asyncio.ensure_future(self.pool.call(dst, ReceiveCapsule(key, tier, namespace=self.ns,
+                                                                                    timeout_s=timeout),
+                                                                timeout=timeout + 10))}
+            await asyncio.wait(halves.values(), return_when=asyncio.FIRST_EXCEPTION)
+            broke = any(t.done() and isinstance(t.exception(), WorkerLost) for t in halves.values())
+            if broke and not all(t.done() for t in halves.values()):
+                # the exchange cannot complete, and the half still running would wait for its peer until its
+                # deadline (NCCL never notices a dead peer): drop the link on each worker still answering, so
+                # it fails at once (a Gloo op fails when its peer closes the link; an NCCL op when its own does)
+                for w in (src, dst):
+                    if not self.pool.workers[w].stale:
+                        with suppress(CapsuleRTError):
+                            await self.pool.call(w, PeerClose(key), timeout=10)
+            sent, got = await asyncio.gather(*halves.values(), return_exceptions=True)
+        if not isinstance(sent, BaseException) and not isinstance(got, BaseException):
+            return True
+        if isinstance(sent, WorkerLost) or isinstance(got, WorkerLost):
+            self.pool.drop_link(src, dst)  # broken or out of step: the next transfer sets up a new link
+        if not isinstance(got, BaseException):
+            # the target stored a verified copy, the source failed afterwards: the next call on the target
+            # re-lists its capsules, so the view learns of the copy from the worker itself
+            self.pool.mark_stale(dst)
+        # the root cause first: the source's own failure (the target then only heard that nothing comes),
+        # else the target's refusal or failure, else the source's link error
+        if isinstance(sent, BaseException) and not isinstance(sent, WorkerLost):
+            raise sent
+        raise got if isinstance(got, BaseException) else sent
 
     async def capsules(self) -> list[dict]:
         """This namespace's capsules on every worker: name, namespace, tier (the fastest copy's), pinned

@@ -5,7 +5,8 @@ streaming generator). Which Ray concurrency group a call runs in follows from th
 session requests wait on the step scheduler in a group of many threads (the scheduler's loop thread is
 the one that drives the engine, batching every caller's decode); store requests run one at a time; control
 requests (stats, listing, health, token reads, interrupts) have their own group, so they answer while a
-long prefill, decode or capsule copy runs. Callers use `send` and `send_stream`, never a method name.
+long prefill, decode or capsule copy runs; worker-to-worker transfers (verbs.TransferRequest), which block
+until the peer runs its half, have theirs too. Callers use `send` and `send_stream`, never a method name.
 
 Logs: the actor sends the `capsulert` logger to its stderr at the level the orchestrator passes (the
 driver's, or OrchestratorConfig.worker_log_level); Ray forwards that stream to the driver (log_to_driver).
@@ -20,11 +21,15 @@ import ray
 from capsulert.errors import InvalidRequestError
 from capsulert.logs import setup_logging
 from capsulert.orchestrator.worker_core import WorkerCore
-from capsulert.worker.verbs import CONTROL, SESSION, STORE, Request
+from capsulert.worker.verbs import CONTROL, SESSION, STORE, TRANSFER, Request
 
-SESSION_GROUP, STORE_GROUP, CONTROL_GROUP = "session", "store", "control"
+SESSION_GROUP, STORE_GROUP, CONTROL_GROUP, TRANSFER_GROUP = "session", "store", "control", "transfer"
 SESSION_CONCURRENCY = 512  # requests in flight per worker (each waits on the scheduler in its own thread)
-_GROUP = {SESSION: SESSION_GROUP, STORE: STORE_GROUP, CONTROL: CONTROL_GROUP}
+# the orchestrator runs one transfer per worker at a time (a send or a receive); the spare threads serve
+# the connects of a new link and let a half whose peer failed finish (by its deadline) without holding up
+# the next transfer
+TRANSFER_CONCURRENCY = 4
+_GROUP = {SESSION: SESSION_GROUP, STORE: STORE_GROUP, CONTROL: CONTROL_GROUP, TRANSFER: TRANSFER_GROUP}
 
 
 def _fetch_inputs(request: Request) -> Request:
@@ -60,7 +65,7 @@ class WorkerActorBody(WorkerCore):
 
 #: The Ray actor class. Spawn with WorkerActor.options(num_gpus=..., max_restarts=...).remote(engine_config, ...)
 WorkerActor = ray.remote(concurrency_groups={SESSION_GROUP: SESSION_CONCURRENCY, STORE_GROUP: 1,
-                                             CONTROL_GROUP: 4})(WorkerActorBody)
+                                             CONTROL_GROUP: 4, TRANSFER_GROUP: TRANSFER_CONCURRENCY})(WorkerActorBody)
 
 
 def send(handle, request: Request, call_id=None) -> ray.ObjectRef:

@@ -6,17 +6,20 @@ It has one entry point, `execute(request)`, and its streaming twin `stream(reque
 per session, decodes batched across every caller); store requests call the capsule store and the weights;
 control requests read and interrupt. Sessions are named by integer ids that stay unique across actor
 restarts. Everything returned is plain data (verbs.py results, CapsuleRef, token lists, numpy logits);
-capsules cross actors as safetensors bytes, never pickle. Pinned capsules are also written to
+capsules cross actors as safetensors bytes (never pickle), or worker to worker over a pair link as one
+packed buffer on the engine device (SendCapsule / ReceiveCapsule, see peer_link.py). Pinned capsules are also written to
 `persist_dir` and reloaded (pinned) when the worker starts again, whichever caller pinned them.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
 import random
 import threading
 import time
+from contextlib import contextmanager, suppress
 from typing import Any, Callable, Iterator
 
 import torch
@@ -25,7 +28,10 @@ from safetensors.torch import save as st_save
 
 from capsulert.capsule_store import read_capsule, tensors_checksum, write_capsule_with_meta
 from capsulert.capsule_store.capsule import CapsuleMeta
-from capsulert.errors import CapsuleError, CorruptCapsuleError, InvalidRequestError, SessionClosedError, WorkerLost
+from capsulert.errors import (CapsuleError, CorruptCapsuleError, DuplicateCapsuleError, InvalidRequestError,
+                              PeerLinkError, SessionClosedError, WorkerLost)
+from capsulert.orchestrator.packed_capsule import buffer_digest, pack_tensors, tensor_views
+from capsulert.orchestrator.peer_link import PeerLink, free_port
 from capsulert.orchestrator.pinned_files import PinnedFiles
 from capsulert.orchestrator.running_calls import RunningCalls
 from capsulert.worker.engine import Engine
@@ -33,9 +39,9 @@ from capsulert.worker.scheduler import Sink, StepScheduler, queue_sink, stream_i
 from capsulert.worker.state import LAYOUT_VERSION
 from capsulert.worker.verbs import (BATCHABLE, CONTROL, Append, Batch, CapsuleExport, Close, Delete, Demote, Detokenize,
                                     ExportCapsule, ExportToDir, FinalEvent, Fork, Generate, ImportCapsule,
-                                    ImportFromFile, Interrupt, LastCall, ListCapsules, Open, Ping, Promote, ReadTokens,
-                                    Rebuild, Request, Restore, Snapshot, Stats, TokenEvent, Tokenize, Turn,
-                                    UpdateWeights)
+                                    ImportFromFile, Interrupt, LastCall, LinkProbe, ListCapsules, Open, PeerAddress,
+                                    PeerClose, PeerConnect, Ping, Promote, ReadTokens, Rebuild, ReceiveCapsule, Request, Restore,
+                                    SendCapsule, Snapshot, Stats, TokenEvent, Tokenize, Turn, UpdateWeights)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,7 @@ class WorkerCore:
         self.pinned = PinnedFiles(persist_dir)
         self.reloaded = self.pinned.reload(self.engine.store)
         self.last_call_ms = float("nan")
+        self.peers = PeerLink(self.engine.device)  # pair links to other workers, made on the orchestrator's demand
         eng = self.engine
         log.info("worker %d ready: %s on %s (%s), %d slots, %d pinned capsule(s) reloaded", worker_index,
                  eng.config.model, eng.device, str(eng.dtype).removeprefix("torch."), eng.config.slots,
@@ -196,10 +203,17 @@ class WorkerCore:
                     self.pinned.rewrite(self.engine.store, info.name, info.namespace)
         return version
 
+    @contextmanager
+    def _reading_whole(self, name: str, namespace: str):
+        """(meta, block origin, tensors each in one piece on the engine device) of a capsule, with a read
+        reference held. The origin names the numerics that computed a canonical capsule (None for one that is
+        not), so a worker of the same origin can share its KV blocks with its own capsules of that prefix."""
+        with self.engine.store.reading_parts(name, namespace) as (meta, parts, _):
+            yield meta, (parts.refs.origin if parts.refs is not None else None), parts.full()
+
     def _export(self, r: ExportCapsule, call_id) -> CapsuleExport:
-        with self.engine.store.reading_parts(r.name, r.namespace) as (meta, parts, _):
-            origin = parts.refs.origin if parts.refs is not None else None
-            cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in parts.full().items()}
+        with self._reading_whole(r.name, r.namespace) as (meta, origin, tensors):
+            cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
         checksum = tensors_checksum(cpu)
         return CapsuleExport(meta.replace(checksum=checksum).to_json(), checksum, st_save(cpu), origin)
 
@@ -232,7 +246,90 @@ class WorkerCore:
             self.pinned.write_or_delete(self.engine.store, meta.name, meta.namespace)
         return {"name": ref.name, "tier": ref.tier, "nbytes": ref.nbytes, "boundary": ref.boundary}
 
+    # ------------------------------------------------------------------ worker-to-worker transfers
+    # Over a pair link, in this order: the sender's manifest (metadata JSON, origin, tensor specs, or the
+    # reason it cannot send), the receiver's answer ("ok" or why it refuses: no bytes move then), the packed
+    # buffer, the sender's digest. Both sides always run the whole exchange, so a refusal or a bad digest
+    # leaves the link in step for the next transfer; a broken or silent peer fails the op at the deadline and
+    # drops the link (PeerLinkError).
+    def _peer_connect(self, r: PeerConnect, call_id) -> str:
+        self.peers.connect(r.peer_key, r.peer, r.rank, r.host, r.port, r.timeout_s)
+        return self.peers.backend
+
+    def _send_capsule(self, r: SendCapsule, call_id) -> dict:
+        link, key, deadline = self.peers, r.peer_key, time.monotonic() + r.timeout_s
+        try:
+            with self._reading_whole(r.name, r.namespace) as (meta, origin, tensors):
+                buf, specs = pack_tensors(tensors, self.engine.device)
+        except Exception as e:
+            with suppress(PeerLinkError):  # the receiver waits for a manifest: tell it why none comes
+                link.send_bytes(key, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(), deadline)
+            raise
+        manifest = {"meta": meta.to_json(), "origin": origin, "specs": specs, "nbytes": buf.numel()}
+        link.send_bytes(key, json.dumps(manifest).encode(), deadline)
+        answer = link.recv_bytes(key, deadline).decode()
+        if answer != "ok":
+            return {"sent": False, "refused": answer}
+        if buf.numel():
+            link.send(key, buf, deadline)
+        # the digest last: the sender computes it while the receiver computes its own over what arrived
+        try:
+            digest = buffer_digest(buf)
+        except Exception:
+            with suppress(PeerLinkError):  # no digest: the receiver refuses the bytes, and stays in step
+                link.send_bytes(key, b"", deadline)
+            raise
+        link.send_bytes(key, digest.encode(), deadline)
+        return {"sent": True, "nbytes": int(buf.numel()), "digest": digest}
+
+    def _receive_capsule(self, r: ReceiveCapsule, call_id) -> dict:
+        link, key, deadline = self.peers, r.peer_key, time.monotonic() + r.timeout_s
+        try:
+            manifest = json.loads(link.recv_bytes(key, deadline))
+        except ValueError:
+            link.close(key)
+            raise PeerLinkError(f"worker link {key!r}: the sender's manifest is not JSON (out of step)") from None
+        if "error" in manifest:
+            raise CapsuleError(f"the sending worker could not send the capsule: {manifest['error']}")
+        try:
+            meta = CapsuleMeta.from_json(manifest["meta"])
+            _check_namespace(meta, r.namespace)
+            if self.engine.store.contains(meta.name, meta.namespace):
+                raise DuplicateCapsuleError(f"capsule {meta.name!r} already exists in namespace {meta.namespace!r} "
+                                            f"on worker {self.index}")
+            buf = torch.empty(int(manifest["nbytes"]), dtype=torch.uint8, device=self.engine.device)
+            tensors = tensor_views(buf, manifest["specs"])
+        except Exception as e:
+            with suppress(PeerLinkError):  # the sender waits for an answer: no bytes move after this one
+                link.send_bytes(key, f"refused: {type(e).__name__}: {e}".encode(), deadline)
+            raise
+        link.send_bytes(key, b"ok", deadline)
+        if buf.numel():
+            link.recv(key, buf, deadline)
+        digest = buffer_digest(buf)  # on the device, as the sender's (packed_capsule.py)
+        if link.recv_bytes(key, deadline, limit=64).decode() != digest:
+            raise CorruptCapsuleError(f"capsule {meta.name!r} changed in transit (digest mismatch)")
+        # stored through the one import path: blocks shared when the origin is this store's own
+        return self._put(meta, tensors, r.tier, r.pin, origin=manifest["origin"])
+
+    def _link_probe(self, r: LinkProbe, call_id) -> list[float]:
+        deadline = time.monotonic() + r.timeout_s
+        buf = torch.zeros(r.nbytes, dtype=torch.uint8, device=self.engine.device)
+        op = self.peers.send if r.send else self.peers.recv
+        times = []
+        for _ in range(r.repeats):
+            t0 = time.perf_counter()
+            op(r.peer_key, buf, deadline)  # returns when the op completed (on CUDA: its kernel finished)
+            times.append(time.perf_counter() - t0)
+        return times
+
     # ------------------------------------------------------------------ control requests
+    def _peer_address(self, r: PeerAddress, call_id) -> tuple[str, int]:
+        return self.peers.host, free_port()
+
+    def _peer_close(self, r: PeerClose, call_id) -> None:
+        self.peers.close(r.peer_key)
+
     def _ping(self, r: Ping, call_id) -> dict:
         return {"worker": self.index, "pid": os.getpid(), "node": self.node, "device": self.engine.device.type,
                 "weights_version": self.engine.weights_version, "reloaded": list(self.reloaded)}
@@ -241,6 +338,7 @@ class WorkerCore:
         sch = self.scheduler
         return {"worker": self.index, "free_slots": self.engine.free_slots, "slots": self.engine.config.slots,
                 "sessions": sch.session_count, "queued": sch.queued, "decode_steps": sch.steps,
+                "decoded_tokens": sch.decoded_tokens, "loop_busy_s": dict(sch.busy_s),
                 "capsules": len(self.engine.store.list()), "store": self.engine.store.stats()}
 
     def _list(self, r: ListCapsules, call_id) -> list[dict]:
@@ -278,6 +376,8 @@ class WorkerCore:
         Snapshot: _snapshot, Batch: _batch,
         Delete: _delete, Promote: _promote, Demote: _demote, Rebuild: _rebuild, UpdateWeights: _update_weights,
         ExportCapsule: _export, ImportCapsule: _import, ExportToDir: _export_to_dir, ImportFromFile: _import_from_file,
+        PeerConnect: _peer_connect, SendCapsule: _send_capsule, ReceiveCapsule: _receive_capsule,
+        LinkProbe: _link_probe, PeerAddress: _peer_address, PeerClose: _peer_close,
         Ping: _ping, Stats: _stats, ListCapsules: _list, ReadTokens: _read_tokens, Tokenize: _tokenize,
         Detokenize: _detokenize, Interrupt: _interrupt, LastCall: _last_call,
     }

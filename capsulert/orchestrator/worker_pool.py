@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
@@ -22,8 +23,8 @@ from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutErr
 from capsulert.errors import CapsuleRTError, ConfigError, WorkerLost
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.worker_actor import send, send_stream
-from capsulert.worker.verbs import (BATCHABLE, Batch, FinalEvent, ListCapsules, Ping, Request, Stats, TokenEvent,
-                                    UpdateWeights)
+from capsulert.worker.verbs import (BATCHABLE, Batch, FinalEvent, ListCapsules, PeerAddress, PeerConnect, Ping,
+                                    Request, Stats, TokenEvent, UpdateWeights)
 
 if TYPE_CHECKING:
     from capsulert.orchestrator.remote_session import RemoteSession
@@ -46,18 +47,25 @@ class WorkerRecord:
     resync: Any = None  # the task doing that
     pid: int | None = None  # the process answering now: a new pid after a resync means Ray restarted it
     lost: str | None = None  # why the worker is gone for good (Ray will not restart it); calls fail at once
+    device: str | None = None  # its engine's device type ("cuda", "cpu"), from its last ping
 
 
 class WorkerPool:
-    def __init__(self, handles: list, capsule_map: CapsuleMap, call_timeout_s: float):
+    def __init__(self, handles: list, capsule_map: CapsuleMap, call_timeout_s: float,
+                 replicate_hot: int | None = None):
         self.workers = [WorkerRecord(i, h) for i, h in enumerate(handles)]
         self.capsule_map = capsule_map
         self.call_timeout_s = call_timeout_s
+        self.replicate_hot = replicate_hot  # OrchestratorConfig.replicate_hot (router.py)
         self.closed = False
         self.sessions: weakref.WeakSet[RemoteSession] = weakref.WeakSet()  # open sessions handed out
         self.batches: dict[int, list] = {}  # worker -> [(request, reply future)] for its next Batch
         # the last weights every worker took (update_weights), re-applied to a worker Ray restarts
         self.weights: UpdateWeights | None = None
+        # pair links (migrate via="device"): (lo, hi) -> ((pid lo, pid hi), key), and one transfer per worker
+        self.links: dict[tuple[int, int], tuple[tuple, str]] = {}
+        self.link_generation = 0
+        self.transfer_locks: dict[int, asyncio.Lock] = {}
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -72,7 +80,11 @@ class WorkerPool:
         if not alive:
             raise WorkerLost(f"every worker that could serve this is gone for good: "
                              f"{'; '.join(f'worker {i}: {self.workers[i].lost}' for i in among)}")
-        return min(alive, key=lambda i: (self.workers[i].sessions + self.workers[i].pending, i))
+        return min(alive, key=lambda i: (self.load(i), i))
+
+    def load(self, i: int) -> int:
+        """Worker i's sessions handed out plus its calls in flight."""
+        return self.workers[i].sessions + self.workers[i].pending
 
     def worker_arg(self, worker) -> int:
         n = len(self.workers)
@@ -256,12 +268,51 @@ class WorkerPool:
                 await asyncio.sleep(0.1)
         self.capsule_map.reload_worker(w, listing)
         worker.sessions, worker.stale, worker.pid = stats["sessions"], False, pong["pid"]
+        worker.device = pong.get("device")
 
     def mark_lost(self, w: int, why: str) -> None:
         """Worker w will never answer again: calls fail at once, and its capsules leave the map."""
         worker = self.workers[w]
         worker.lost, worker.stale, worker.sessions = why, False, 0
         self.capsule_map.forget_worker(w)
+        for pair in [p for p in self.links if w in p]:
+            self.drop_link(*pair)
+
+    # ------------------------------------------------------------------ pair links between workers
+    @asynccontextmanager
+    async def transferring(self, a: int, b: int):
+        """Hold workers a and b for one pair-link transfer. One transfer per worker at a time, the locks taken
+        in index order: two transfers never wait on each other, and a link's ops run in the same order on
+        both of its workers (NCCL matches them by order alone)."""
+        lo, hi = (self.transfer_locks.setdefault(w, asyncio.Lock()) for w in sorted((a, b)))
+        async with lo, hi:
+            yield
+
+    async def link(self, a: int, b: int, timeout_s: float) -> str:
+        """The key of the pair link between workers a and b (hold `transferring(a, b)`), set up on first use
+        and again after either worker restarted or the link failed: the lower index hosts its store."""
+        lo, hi = sorted((a, b))
+        await asyncio.gather(self.check(lo), self.check(hi))
+        pids = (self.workers[lo].pid, self.workers[hi].pid)
+        known = self.links.get((lo, hi))
+        if known is not None and known[0] == pids:
+            return known[1]
+        self.link_generation += 1
+        key = f"w{lo}.{pids[0]}-w{hi}.{pids[1]}.{self.link_generation}"
+        host, port = await self.call(lo, PeerAddress())
+        replies = await asyncio.gather(*(
+            self.call(w, PeerConnect(key, peer, rank, host, port, timeout_s), timeout=timeout_s + 10)
+            for w, peer, rank in ((lo, hi, 0), (hi, lo, 1))), return_exceptions=True)
+        errors = [r for r in replies if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        self.links[(lo, hi)] = (pids, key)
+        return key
+
+    def drop_link(self, a: int, b: int) -> None:
+        """Forget the pair link between a and b (it failed): the next transfer sets up a new one, and each
+        worker drops its old group to the other when it joins that."""
+        self.links.pop((min(a, b), max(a, b)), None)
 
     def close(self) -> None:
         """Kill every worker; the sessions handed out are closed."""

@@ -304,6 +304,14 @@ class PeerAddress(ControlRequest):
 
 
 @dataclass(frozen=True)
+class PeerClose(ControlRequest):
+    """Drop pair link `peer_key` now: its peer was lost, so an op still blocked on it fails at once instead
+    of at its deadline (the control lane answers while the transfer lane waits)."""
+    memory_only: ClassVar[bool] = False  # never rerun: a restarted process holds no link to drop
+    peer_key: str
+
+
+@dataclass(frozen=True)
 class Stats(ControlRequest):
     """Slots, sessions, queue, decode steps and capsule store figures of the worker."""
 

@@ -123,3 +123,33 @@ async def test_workers_take_gpus_by_the_clusters_resources_not_the_drivers(ray_s
     assert mod._workers_take_gpus(cfg("cpu", 2)) is False
     with pytest.raises(ConfigError, match="3 worker"):
         mod._workers_take_gpus(cfg("auto", 3))
+
+
+async def test_a_hot_capsule_is_replicated_to_the_idle_worker_on_demand(ray_session, engine_cfg):
+    cfg = dict(engine={**engine_cfg, "slots": 8}, num_workers=2, call_timeout_s=TIMEOUT, torch_threads=1,
+               replicate_hot=2, worker_num_cpus=0)  # beside orch2's workers on this 2-CPU test cluster
+    async with await Orchestrator.start(cfg) as orch:
+        s = await orch.open(PROMPT, worker=0)
+        await s.snapshot("hot")
+        await s.close()
+        first = [await orch.restore("hot") for _ in range(2)]  # worker 0 carries 2 sessions, worker 1 none
+        assert [x.worker for x in first] == [0, 0] and orch.placement()["hot"] == {0}
+        third = await orch.restore("hot")  # the gap reached 2: copied to worker 1 first, served there
+        assert third.worker == 1 and orch.placement()["hot"] == {0, 1}
+        assert await third.generate(6) == await first[0].generate(6)
+        more = await asyncio.gather(*(orch.restore("hot") for _ in range(5)))  # now balanced by load
+        workers = [x.worker for x in first + [third] + list(more)]
+        assert sorted(workers.count(w) for w in (0, 1)) == [4, 4]
+        for x in first + [third] + list(more):
+            await x.close()
+
+
+async def test_without_replicate_hot_a_capsule_stays_where_it_is(orch2):
+    s = await orch2.open(PROMPT, worker=0)
+    await s.snapshot("stays")
+    await s.close()
+    sessions = [await orch2.restore("stays") for _ in range(4)]
+    assert {x.worker for x in sessions} == {0} and orch2.placement()["stays"] == {0}
+    for x in sessions:
+        await x.close()
+    await orch2.delete("stays")

@@ -1,0 +1,327 @@
+"""Capsule migration worker to worker over a pair link (migrate via="device"): the same code that runs NCCL
+between CUDA workers runs Gloo here, between two CPU workers. A migrated capsule is the source's capsule
+to the byte (same greedy tokens, logprobs and logits on both workers, identical exports); a link is set up
+once per worker pair and reused; "auto" picks the object store between CPU workers; a refusal or a
+corrupted transfer stores nothing on the target and leaves the router's view and the link as they were;
+a silent peer fails an op at its deadline instead of hanging the worker."""
+import asyncio
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import ray
+import torch
+
+from capsulert.errors import (CapsuleError, ConfigError, CorruptCapsuleError, PeerLinkError, UnknownCapsuleError,
+                              WorkerLost)
+from capsulert.orchestrator import Orchestrator
+from capsulert.orchestrator.peer_link import PeerLink, free_port
+from capsulert.orchestrator.packed_capsule import buffer_digest, pack_tensors, tensor_views
+from capsulert.orchestrator.worker_core import WorkerCore
+from capsulert.worker.verbs import (Append, Close, ExportCapsule, ListCapsules, Open, PeerConnect, ReceiveCapsule,
+                                    Restore, SendCapsule, Snapshot, Turn)
+
+on_session_loop = pytest.mark.asyncio(loop_scope="session")
+PROMPT = "A capsule moves between workers over a link of their own, byte for byte, and nothing else moves. " * 3
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def orch2(ray_session, engine_cfg):
+    o = await Orchestrator.start(dict(engine={**engine_cfg, "slots": 8}, num_workers=2, call_timeout_s=30,
+                                      max_restarts=1, torch_threads=1))
+    yield o
+    await o.close()
+
+
+async def _capsule(orch, name: str, text: str = PROMPT, worker: int = 0) -> None:
+    s = await orch.open(text, worker=worker)
+    await s.snapshot(name)
+    await s.close()
+
+
+async def _names_on(orch, w: int, ns: str = "default") -> set[str]:
+    return {c["name"] for c in await orch.call(w, ListCapsules(ns))}
+
+
+async def _served(orch, w: int, name: str):
+    """What worker w serves from capsule `name`: greedy tokens with their logprobs, and the logits after
+    appending a suffix to a restored session."""
+    res = await orch.call(w, Turn(None, name, " and then", 8, close=True))
+    info = await orch.call(w, Restore(name))
+    after = await orch.call(w, Append(info.session, " next", logits=True))
+    await orch.call(w, Close(info.session))
+    return list(res), list(res.logprobs), np.asarray(after.logits)
+
+
+@on_session_loop
+async def test_a_capsule_migrated_over_the_link_is_the_same_capsule_and_the_link_is_reused(orch2):
+    orch = orch2
+    await _capsule(orch, "dev-a")
+    gen = orch.pool.link_generation
+    assert await orch.migrate("dev-a", 1, via="device") == "device"
+    assert orch.holders("dev-a") == {0, 1}
+    assert orch.pool.link_generation == gen + 1 and len(orch.pool.links) == 1
+    key = next(iter(orch.pool.links.values()))[1]
+
+    toks0, lp0, logits0 = await _served(orch, 0, "dev-a")
+    toks1, lp1, logits1 = await _served(orch, 1, "dev-a")
+    assert len(toks0) == 8 and toks1 == toks0 and lp1 == lp0
+    assert np.array_equal(logits1, logits0)
+    e0, e1 = await asyncio.gather(orch.call(0, ExportCapsule("dev-a")), orch.call(1, ExportCapsule("dev-a")))
+    assert e1.blob == e0.blob and e1.checksum == e0.checksum and e1.meta_json == e0.meta_json
+    assert e1.origin == e0.origin is not None  # same origin: the target shares its blocks like the source
+
+    # the other way round, over the same link: nothing is set up again
+    await _capsule(orch, "dev-b", PROMPT + " Another branch.", worker=1)
+    assert await orch.migrate("dev-b", 0, via="device") == "device"
+    assert orch.pool.link_generation == gen + 1 and next(iter(orch.pool.links.values()))[1] == key
+    assert (await _served(orch, 0, "dev-b"))[0] == (await _served(orch, 1, "dev-b"))[0]
+    assert await orch.migrate("dev-b", 0, via="device") is None  # held already: nothing copied
+
+
+@on_session_loop
+async def test_auto_uses_the_object_store_between_cpu_workers_and_via_is_checked(orch2):
+    orch = orch2
+    await _capsule(orch, "auto-a")
+    gen = orch.pool.link_generation
+    assert await orch.migrate("auto-a", 1) == "object_store"  # the default is "auto"
+    assert orch.holders("auto-a") == {0, 1} and orch.pool.link_generation == gen
+    with pytest.raises(ConfigError) as err:
+        await orch.migrate("auto-a", 1, via="nvlink")
+    for choice in ("auto", "device", "object_store", "disk"):
+        assert repr(choice) in str(err.value)
+    with pytest.raises(UnknownCapsuleError):
+        await orch.migrate("no-such-capsule", 1, via="device")
+
+
+@on_session_loop
+async def test_auto_takes_the_link_between_cuda_workers_and_falls_back_with_a_warning(orch2, monkeypatch):
+    """What "auto" decides from the workers' engine devices: simulated here by saying both are on CUDA (the
+    workers, on CPU, still run the same link code over Gloo)."""
+    orch = orch2
+    for w in orch.pool.workers:
+        monkeypatch.setattr(w, "device", "cuda")
+    await _capsule(orch, "auto-b")
+    assert await orch.migrate("auto-b", 1) == "device" and orch.holders("auto-b") == {0, 1}
+
+    async def no_link(a, b, timeout_s):
+        raise PeerLinkError("the store port 4242 was taken")
+
+    monkeypatch.setattr(orch.pool, "link", no_link)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    router_log = logging.getLogger("capsulert.orchestrator.router")
+    router_log.addHandler(handler)
+    monkeypatch.setattr(router_log, "level", logging.WARNING)
+    try:
+        await _capsule(orch, "auto-c")
+        assert await orch.migrate("auto-c", 1) == "object_store" and orch.holders("auto-c") == {0, 1}
+    finally:
+        router_log.removeHandler(handler)
+    assert len(records) == 1 and "port 4242 was taken" in records[0].getMessage()
+    assert "object store" in records[0].getMessage()
+    await _capsule(orch, "auto-d")
+    with pytest.raises(PeerLinkError):  # asked for explicitly: no fallback
+        await orch.migrate("auto-d", 1, via="device")
+    assert orch.holders("auto-d") == {0}
+
+
+@on_session_loop
+async def test_a_failing_receiver_stores_nothing_and_leaves_the_view_and_the_link_as_they_were(orch2):
+    orch = orch2
+    await _capsule(orch, "fail-a")
+    view = orch.placement()
+    # the target fails after the bytes arrived (its disk tier is disabled): nothing stored, view unchanged
+    with pytest.raises(ConfigError, match="disk"):
+        await orch.migrate("fail-a", 1, via="device", tier="disk")
+    assert orch.placement() == view and "fail-a" not in await _names_on(orch, 1)
+
+    # the target refuses before any bytes move (a capsule of another namespace), asked directly over the
+    # link the failed migration set up (it stays up: both sides ran the whole exchange)
+    assert len(orch.pool.links) == 1
+    key = next(iter(orch.pool.links.values()))[1]
+    sent, got = await asyncio.gather(orch.call(0, SendCapsule("fail-a", key)),
+                                     orch.call(1, ReceiveCapsule(key, namespace="other")), return_exceptions=True)
+    assert sent["sent"] is False and "namespace" in sent["refused"]
+    assert isinstance(got, CapsuleError) and "namespace" in str(got)
+    assert "fail-a" not in await _names_on(orch, 1) and orch.placement() == view
+
+    # the link is still in step: the next migration over it succeeds, bitwise
+    gen = orch.pool.link_generation
+    assert await orch.migrate("fail-a", 1, via="device") == "device"
+    assert orch.pool.link_generation == gen and orch.holders("fail-a") == {0, 1}
+    assert (await _served(orch, 1, "fail-a"))[:2] == (await _served(orch, 0, "fail-a"))[:2]
+
+
+@on_session_loop
+async def test_a_receiver_lost_unnoticed_by_the_link_does_not_leave_the_sender_waiting(orch2, monkeypatch):
+    """As NCCL would (it never notices a dead peer): the receiving half is lost before it touches the link.
+    The sender's half is released by dropping its link (PeerClose), not at its 30 s deadline."""
+    orch = orch2
+    await _capsule(orch, "lost-a")
+    await orch.migrate("lost-a", 1, via="device")  # the link is up
+    gen, real_call = orch.pool.link_generation, orch.pool.call
+
+    async def lose_receives(w, request, **kw):
+        if isinstance(request, ReceiveCapsule):
+            raise WorkerLost(f"worker {w} was lost (simulated)")
+        return await real_call(w, request, **kw)
+
+    monkeypatch.setattr(orch.pool, "call", lose_receives)
+    await _capsule(orch, "lost-b")
+    t0 = time.monotonic()
+    with pytest.raises(WorkerLost, match="simulated"):
+        await orch.migrate("lost-b", 1, via="device")
+    assert time.monotonic() - t0 < 10 and orch.holders("lost-b") == {0} and (0, 1) not in orch.pool.links
+    monkeypatch.undo()
+    assert await orch.migrate("lost-b", 1, via="device") == "device"  # over a new link
+    assert orch.pool.link_generation == gen + 1
+
+
+@on_session_loop
+async def test_a_peer_that_dies_fails_the_transfer_fast_and_its_restart_gets_a_new_link(orch2):
+    orch = orch2
+    await _capsule(orch, "rs-a")
+    await _capsule(orch, "rs-b")
+    assert await orch.migrate("rs-a", 1, via="device") == "device"
+    pids, key = orch.pool.links[(0, 1)]
+    view = orch.placement()
+    ray.kill(orch.workers[1].handle, no_restart=False)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerLost):  # the receiver died: the sender's half is not left waiting for it
+        await orch.migrate("rs-b", 1, via="device")
+    assert time.monotonic() - t0 < 20 and orch.placement() == view and (0, 1) not in orch.pool.links
+
+    # worker 1 comes back (its capsules died with it); the next migration makes a new link and works
+    assert await orch.migrate("rs-b", 1, via="device") == "device"
+    pids2, key2 = orch.pool.links[(0, 1)]
+    assert pids2[0] == pids[0] and pids2[1] != pids[1] and key2 != key
+    assert orch.holders("rs-b") == {0, 1} and orch.holders("rs-a") == {0}
+    assert (await _served(orch, 1, "rs-b"))[:2] == (await _served(orch, 0, "rs-b"))[:2]
+
+
+# ---------------------------------------------------------------------- in-process: two cores, two threads
+def _both(a, b):
+    """Run a() and b() at once in two threads; their results (or the exceptions they raised)."""
+    out = [None, None]
+
+    def run(i, fn):
+        try:
+            out[i] = fn()
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate((a, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def _connect(link0: PeerLink, link1: PeerLink, key: str = "pair") -> None:
+    port = free_port()
+    assert _both(lambda: link0.connect(key, 1, 0, "127.0.0.1", port, 10),
+                 lambda: link1.connect(key, 0, 1, "127.0.0.1", port, 10)) == [None, None]
+
+
+def test_peer_link_sends_a_buffer_between_two_ranks_and_a_silent_peer_fails_at_the_deadline():
+    a, b = PeerLink("cpu", "127.0.0.1"), PeerLink("cpu", "127.0.0.1")
+    _connect(a, b)
+    assert a.backend == b.backend == "gloo" and a.keys() == b.keys() == ["pair"]
+    for n in (1 << 20, 3):  # twice over the same group
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        dst = torch.zeros(n, dtype=torch.uint8)
+        far = time.monotonic() + 10
+        assert _both(lambda: a.send("pair", src, far), lambda: b.recv("pair", dst, far)) == [None, None]
+        assert torch.equal(dst, src)
+    for msg in (b"", b"manifest", bytes(range(256)) * 40):  # empty, one op, longer than one op
+        assert _both(lambda: a.send_bytes("pair", msg, far), lambda: b.recv_bytes("pair", far))[1] == msg
+
+    # nobody sends: the receive fails at its deadline, and the broken group is dropped on both sides
+    t0 = time.monotonic()
+    with pytest.raises(PeerLinkError, match="recv"):
+        b.recv("pair", torch.zeros(4, dtype=torch.uint8), time.monotonic() + 0.5)
+    assert time.monotonic() - t0 < 5 and b.keys() == []
+    with pytest.raises(PeerLinkError):
+        a.send("pair", torch.zeros(4, dtype=torch.uint8), time.monotonic() + 5)  # the peer closed its end
+    assert a.keys() == []
+    _connect(a, b, "pair-2")  # a new key connects again
+    _connect(a, b, "pair-3")  # ... and replaces the older group to the same peer (a restarted peer's)
+    assert a.keys() == b.keys() == ["pair-3"]
+    a.close_all(), b.close_all()
+    assert a.keys() == b.keys() == []
+
+
+def test_pack_and_views_round_trip_every_dtype_and_the_empty_capsule():
+    tensors = {"kv": torch.randn(3, 5, dtype=torch.bfloat16), "pos": torch.tensor(7, dtype=torch.int32),
+               "empty": torch.zeros(0, 4), "ssm": torch.randn(2, 3).t()}  # a strided one too
+    buf, specs = pack_tensors(tensors, torch.device("cpu"))
+    assert buf.dtype == torch.uint8 and buf.dim() == 1
+    back = tensor_views(buf, specs)
+    assert set(back) == set(tensors)
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and back[k].shape == t.shape and torch.equal(back[k], t)
+    buf, specs = pack_tensors({}, torch.device("cpu"))
+    assert buf.numel() == 0 and tensor_views(buf, specs) == {}
+    with pytest.raises(CorruptCapsuleError):
+        tensor_views(torch.empty(16, dtype=torch.uint8), [["x", "float32", [8], 0]])
+
+
+def test_the_buffer_digest_is_exact_order_sensitive_and_the_same_in_any_number_of_passes(monkeypatch):
+    from capsulert.orchestrator import packed_capsule
+
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randint(0, 256, (4096 * 8,), dtype=torch.uint8, generator=g)
+    d = buffer_digest(buf)
+    assert d == buffer_digest(buf.clone()) and len(d) <= 64
+    flipped = buf.clone()
+    flipped[12345] ^= 1
+    words = buf.view(torch.int64).clone()
+    words[[3, 9]] = words[[9, 3]]  # the same words in another order: the plain sum alone would not see it
+    assert len({d, buffer_digest(flipped), buffer_digest(words.view(torch.uint8))}) == 3
+    assert buffer_digest(buf[:-packed_capsule.ALIGN]) != d  # a missing tail
+    monkeypatch.setattr(packed_capsule, "_DIGEST_WORDS", 1000)  # many passes, a short last one
+    assert buffer_digest(buf) == d
+    assert buffer_digest(torch.empty(0, dtype=torch.uint8)) == buffer_digest(torch.empty(0, dtype=torch.uint8))
+
+
+def test_a_transfer_corrupted_in_transit_is_refused_and_nothing_is_stored(engine_cfg):
+    a, b = WorkerCore({**engine_cfg, "slots": 2}, worker_index=0), WorkerCore({**engine_cfg, "slots": 2},
+                                                                                worker_index=1)
+    try:
+        info = a.execute(Open(PROMPT))
+        a.execute(Snapshot(info.session, "c"))
+        _connect(a.peers, b.peers)
+        real_recv, calls = b.peers.recv, []
+
+        def flipping_recv(key, tensor, deadline):  # flip one bit of the packed capsule (the only big receive)
+            real_recv(key, tensor, deadline)
+            calls.append(tensor.numel())
+            if tensor.numel() > 1 << 16:
+                tensor[tensor.numel() // 2] ^= 1
+
+        b.peers.recv = flipping_recv
+        sent, got = _both(lambda: a.execute(SendCapsule("c", "pair")), lambda: b.execute(ReceiveCapsule("pair")))
+        assert sent["sent"] is True and isinstance(got, CorruptCapsuleError)
+        assert max(calls) == sent["nbytes"] > 1 << 16 and not b.engine.store.contains("c")
+        del b.peers.recv  # the link is still in step: a clean transfer follows, stored byte-exact
+        sent, got = _both(lambda: a.execute(SendCapsule("c", "pair")), lambda: b.execute(ReceiveCapsule("pair")))
+        assert got["name"] == "c" and b.execute(ExportCapsule("c")).blob == a.execute(ExportCapsule("c")).blob
+        # a sender that cannot send tells the receiver, which stores nothing and fails at once
+        sent, got = _both(lambda: a.execute(SendCapsule("missing", "pair")),
+                          lambda: b.execute(ReceiveCapsule("pair")))
+        assert isinstance(sent, UnknownCapsuleError) and isinstance(got, CapsuleError) and "missing" in str(got)
+        assert not b.engine.store.contains("missing")
+        # a peer that never shows up: PeerConnect fails within its timeout instead of hanging the worker
+        t0 = time.monotonic()
+        with pytest.raises(PeerLinkError):
+            b.execute(PeerConnect("lonely", 0, 1, "127.0.0.1", free_port(), 1.0))
+        assert time.monotonic() - t0 < 10
+    finally:
+        a.scheduler.stop(), b.scheduler.stop()
+        a.peers.close_all(), b.peers.close_all()
