@@ -2,10 +2,12 @@
 multi-turn chat trace (issue 17).
 
 1. Memory. N capsules share an L-token prefix, each with its own T-token tail (an agent fleet on one
-   system prompt). Store bytes (the block store: each prefix block once) vs the per-capsule copies the
-   store held before (sum of the capsules' whole sizes) vs the unique bytes (the shared prefix's KV once,
-   plus everything else of each capsule: its tail KV and its recurrent/conv/hidden state). Also best-of-8:
-   8 branches forked from one L-token context, each 32 tokens further, against one capsule.
+   system prompt). Store bytes (the block store: each prefix block once, and each grid-state block, the
+   recurrent + conv state at a grid point, once) vs the per-capsule copies (sum of the capsules' whole
+   sizes) vs the unique bytes (the shared prefix's KV once, the state at a grid point once per distinct
+   prefix up to it, plus everything else of each capsule: its tail KV, its live state past the grid point
+   and its last hidden state). Also best-of-8: 8 branches forked from one L-token context, each 32 tokens
+   further (all on the grid point L), against one capsule.
 2. Chat trace. C conversations x K turns on a shared S-token system prompt; every turn resends the
    whole history (system + earlier user messages and answers) plus a U-token user message and generates
    R tokens; conversations take turns round-robin. Three ways to serve it:
@@ -96,7 +98,7 @@ def memory(args, cfg: dict) -> list[dict]:
         eng.store.delete("base")
         stored = eng.store.stats()["gpu"]["bytes"]
         copies = sum(r.nbytes for r in refs)
-        unique = copies - (n - 1) * prefix_kv_bytes(eng, L)
+        unique = unique_bytes(eng, L)
         rows.append(dict(case=f"{n} agents", n=n, store_mb=stored / 2**20, copies_mb=copies / 2**20,
                          unique_mb=unique / 2**20, store_over_unique=stored / unique, copies_over_store=copies / stored))
         log(f"memory N={n}: store {stored / 2**20:.1f} MB, per-capsule copies {copies / 2**20:.1f} MB, "
@@ -114,6 +116,21 @@ def prefix_kv_bytes(eng: Engine, L: int) -> int:
     return 2 * L * kv[:, 0, 0].numel() * kv.element_size()
 
 
+def grid_state_bytes(eng: Engine) -> int:
+    """Bytes of one copy of the recurrent + conv state (what a grid-state block holds)."""
+    return eng.state.ssm[:, 0].nbytes + eng.state.conv[:, 0].nbytes
+
+
+def unique_bytes(eng: Engine, L: int) -> int:
+    """The bytes of the store's capsules, each piece of content once: the shared L-token prefix's KV once,
+    the state at a grid point once per distinct token prefix up to it (a pure function of those tokens),
+    everything else (tail KV, live state past the grid point, last hidden state) per capsule."""
+    infos = eng.store.list()
+    grids = [i.meta.tokens[:i.meta.grid_pos] for i in infos if i.meta.grid_pos]
+    return (sum(i.meta.nbytes for i in infos) - (len(infos) - 1) * prefix_kv_bytes(eng, L)
+            - (len(grids) - len(set(grids))) * grid_state_bytes(eng))
+
+
 def best_of_8(eng: Engine, L: int, vocab: int) -> dict:
     """8 branches of one L-token context, 32 sampled tokens each, kept as capsules: against one capsule."""
     s = eng.open()
@@ -126,7 +143,7 @@ def best_of_8(eng: Engine, L: int, vocab: int) -> dict:
         b.close()
     eng.store.delete("ctx")
     stored = eng.store.stats()["gpu"]["bytes"]
-    unique = sum(i.meta.nbytes for i in eng.store.list()) - 7 * prefix_kv_bytes(eng, L)
+    unique = unique_bytes(eng, L)
     log(f"best-of-8: store {stored / 2**20:.1f} MB = {stored / one.nbytes:.2f} x one capsule")
     return dict(case="best-of-8 branches", n=8, store_mb=stored / 2**20, copies_mb=8 * one.nbytes / 2**20,
                 unique_mb=unique / 2**20, store_over_unique=stored / unique, copies_over_store=8 * one.nbytes / stored,

@@ -19,7 +19,7 @@ Errors: WorkerLost during the kill is expected, and so is UnknownCapsuleError fo
 that died with the killed worker; anything else is unexpected. Prints a table; writes
 bench/out/soak.json.
 
-    .venv/bin/python bench/soak.py [--clients 200] [--ops 10] [--seed 0] [--no-kill]
+    .venv/bin/python bench/soak.py [--clients 200] [--ops 10] [--seed 0] [--no-kill] [--device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ EXPECTED_LOST_CAPSULE = "UnknownCapsuleError(unpinned capsule died with the kill
 
 
 def logits_hash(x) -> str:
-    a = x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    a = x.detach().float().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
     return hashlib.sha256(np.ascontiguousarray(a, dtype=np.float32).tobytes()).hexdigest()[:32]
 
 
@@ -83,6 +83,9 @@ class Run:
         self.t_kill: float | None = None
         self.restart_s: float | None = None
         self.reloaded: list[str] = []
+        self.lost_after_kill_s: list[float] = []  # kill -> each call failing with WorkerLost
+        self.gpu_before: str | None = None  # the victim's GPU (UUID) before the kill and after its restart
+        self.gpu_after: str | None = None
 
 
 class Client:
@@ -241,6 +244,8 @@ class Client:
                 self.records.append({"op": "forget", "name": self.cur_name})
         run.errors[kind] += 1
         run.errors_by_verb[f"{verb}: {kind}"] += 1
+        if isinstance(e, WorkerLost) and run.t_kill is not None:
+            run.lost_after_kill_s.append(time.perf_counter() - run.t_kill)
         if kind not in ("WorkerLost", EXPECTED_LOST_CAPSULE):
             run.unexpected.append(f"client {self.i} {verb} {self.cur_name}: {kind}: {e}")
 
@@ -405,7 +410,8 @@ async def run_soak(clients: int = 200, ops: int = 10, seed: int = 0, kill: bool 
         async def killer():
             while run.steps < run.total_ops // 2:
                 await asyncio.sleep(0.005)
-            run.killed_pid = (await orch.health())[victim]["pid"]
+            before = (await orch.health())[victim]
+            run.killed_pid, run.gpu_before = before["pid"], before.get("gpu")
             run.kill_index, run.t_kill = run.steps, time.perf_counter()
             log(f"killing worker {victim} (pid {run.killed_pid}) after {run.steps} operations")
             ray.kill(orch.workers[victim].handle, no_restart=False)
@@ -418,7 +424,7 @@ async def run_soak(clients: int = 200, ops: int = 10, seed: int = 0, kill: bool 
                     pass
                 await asyncio.sleep(0.05)
             run.restart_s = time.perf_counter() - run.t_kill
-            run.reloaded = list(pong["reloaded"])
+            run.reloaded, run.gpu_after = list(pong["reloaded"]), pong.get("gpu")
             log(f"worker {victim} back as pid {pong['pid']} after {run.restart_s:.2f}s (reloaded {len(pong['reloaded'])} pinned)")
 
         t1 = time.perf_counter()
@@ -426,10 +432,10 @@ async def run_soak(clients: int = 200, ops: int = 10, seed: int = 0, kill: bool 
         await asyncio.gather(*(c.play() for c in cs))
         t_ops = time.perf_counter() - t1
         if kill_task is not None:
-            if not kill_task.done():
+            if run.t_kill is None:  # the load ended first: no kill happened under it
                 kill_task.cancel()
                 raise RuntimeError("the operations ended before the kill: raise --ops")
-            await kill_task
+            await kill_task  # the worker was killed under load; its restart may outlast the operations
         log(f"{run.steps} operations in {t_ops:.1f}s; checking every surviving capsule")
         t2 = time.perf_counter()
         for c in cs:  # sequential: the check is not part of the load
@@ -465,7 +471,11 @@ async def run_soak(clients: int = 200, ops: int = 10, seed: int = 0, kill: bool 
                      "unpinned_lost_with_killed_worker": sum(len(c.volatile_lost) for c in cs),
                      "ghosts_from_failed_snapshots": sum(len(c.ghosts) for c in cs)},
         "kill": {"after_operations": run.kill_index, "killed_pid": run.killed_pid, "restart_s": run.restart_s,
-                 "pinned_reloaded_by_restarted_worker": len(run.reloaded)},
+                 "pinned_reloaded_by_restarted_worker": len(run.reloaded),
+                 "worker_lost_calls": len(run.lost_after_kill_s),
+                 "worker_lost_after_kill_max_s": max(run.lost_after_kill_s, default=float("nan")),
+                 "gpu_before": run.gpu_before, "gpu_after": run.gpu_after,
+                 "same_gpu": run.gpu_before == run.gpu_after if run.gpu_before else None},
         "latency_ms": {v: {"n": len(run.latency[v]), "p50": percentile(run.latency[v], 50),
                            "p99": percentile(run.latency[v], 99)} for v in VERBS if run.latency[v]},
         "seconds": {"start": t_up, "operations": t_ops, "check": t_check, "replay": t_replay},
@@ -482,7 +492,10 @@ def print_report(res: dict) -> None:
     print()
     summary = {**res["operations"], **res["losses"], **res["capsules"], "unexpected errors": len(res["unexpected_errors"]),
                "pinned reloaded at restart": res["kill"]["pinned_reloaded_by_restarted_worker"],
-               "restart s": res["kill"]["restart_s"] or float("nan"), "ops s": res["seconds"]["operations"],
+               "restart s": res["kill"]["restart_s"] or float("nan"),
+               "WorkerLost calls": res["kill"]["worker_lost_calls"],
+               "WorkerLost at most s after the kill": res["kill"]["worker_lost_after_kill_max_s"],
+               "restarted on the same GPU": res["kill"]["same_gpu"], "ops s": res["seconds"]["operations"],
                "replay s": res["seconds"]["replay"]}
     print_table([{"what": k, "value": v} for k, v in summary.items()], ["what", "value"])
     for m in res["mismatch_examples"] + res["missing_examples"] + res["unexpected_errors"][:20]:
@@ -496,11 +509,15 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-kill", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (and for the replay)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="the workers' device (cuda: one GPU each; the replay engine takes the driver's GPU)")
+    ap.add_argument("--model", default="default")
     ap.add_argument("--out", default=str(OUT_DIR / "soak.json"))
     args = ap.parse_args()
     t0 = time.perf_counter()
-    res = asyncio.run(run_soak(args.clients, args.ops, args.seed, kill=not args.no_kill, torch_threads=args.threads))
-    res["machine"] = machine_info("cpu")
+    res = asyncio.run(run_soak(args.clients, args.ops, args.seed, kill=not args.no_kill, torch_threads=args.threads,
+                               engine={"device": args.device, "model": args.model}))
+    res["machine"] = machine_info(args.device)
     res["seconds"]["total"] = time.perf_counter() - t0
     print_report(res)
     write_json(args.out, res)

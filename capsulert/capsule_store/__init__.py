@@ -13,7 +13,8 @@ from capsulert.capsule_store.capsule import (
     token_digest,
     validate_name,
 )
-from capsulert.capsule_store.disk import read_capsule, read_header, write_capsule, write_capsule_with_meta
+from capsulert.capsule_store.disk import (read_capsule, read_capsule_origin, read_header, write_capsule,
+                                          write_capsule_with_meta)
 from capsulert.capsule_store.store import CapsuleStore
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "TensorSpec",
     "capsule_file_name",
     "read_capsule",
+    "read_capsule_origin",
     "read_header",
     "tensor_nbytes",
     "tensor_specs",

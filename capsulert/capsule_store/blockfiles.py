@@ -2,7 +2,8 @@
 that references it.
 
 File `<key>.block.safetensors` (the 64-hex block key); header `__metadata__` = {"capsulert.format":
-"block-1", "capsulert.block": {"key", "checksum"}}; the tensors are the block's rows of each block tensor.
+"block-1", "capsulert.block": {"key", "checksum"}}; the tensors are the block's rows of each block tensor
+(a KV block), or the recurrent and conv state at the grid point (a grid-state block, same format).
 Written like capsule files (temp file, fsync, rename). A capsule file is renamed into place only after
 every block file it references is renamed and the directory fsynced, and a block file is unlinked only
 after the directory no longer holds (durably) a capsule file that references it; so after a crash every
@@ -51,9 +52,9 @@ def read_block(directory: Path, key: str, refs: BlockRefs) -> dict[str, torch.Te
     path = Path(directory) / block_file_name(key)
     if not path.is_file():
         raise CorruptCapsuleError(f"capsule block {path.name} is missing from {directory}")
-    header, md, _ = parse_file(path, refs.block_nbytes)
+    header, md, _ = parse_file(path, refs.nbytes_of(key))
     checksum = _checked_info(path, md, key)
-    want = {name: (list(s.shape), _ST_DTYPES.get(s.dtype)) for name, s in refs.specs.items()}
+    want = {name: (list(s.shape), _ST_DTYPES.get(s.dtype)) for name, s in refs.specs_of(key).items()}
     if {name: (e["shape"], e["dtype"]) for name, e in header.items()} != want:
         raise _corrupt(path, "its tensors are not the shapes and dtypes its capsules expect")
     try:
@@ -88,7 +89,7 @@ def referenced_blocks(directory: Path) -> Counter[str]:
         except CorruptCapsuleError:
             continue
         if r is not None:
-            refs.update(r.keys)
+            refs.update(r.all_keys)
     return refs
 
 

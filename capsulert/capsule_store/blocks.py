@@ -10,6 +10,15 @@ to the block's end in one namespace of one model under one numerics; by the cano
 references it. The chain also makes the keys a trie: a key names its path from the root, and a lookup
 walks a new prompt block by block, probing a hash map (prefix_index.py).
 
+The *grid-state block*: the tensors that hold a capsule's recurrent and conv state at its grid point G
+(`BlockLayout.grid_state`: the live state of an on-grid capsule, the grid checkpoint of an off-grid one)
+are, like the KV rows [0, G), a pure function of tokens[:G] (canonical grid state). They are one more
+block, keyed by the key of the KV block ending at G under a distinct kind tag (state_key), so every
+capsule (and prefix entry) standing on or past the same grid point of the same prefix holds one copy.
+Nothing computed from tokens past G (the live state off the grid, the last hidden state, the KV rows
+[G, P)) is ever in a block: decode computes those with other arithmetic than a cold prefill, so they
+depend on how the tokens were produced, not on the tokens alone.
+
 Only capsules whose origin the store knows are cut (the engine's own snapshots); others stay whole.
 """
 from __future__ import annotations
@@ -18,14 +27,15 @@ import hashlib
 import json
 import sys
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
 
-from capsulert.capsule_store.capsule import CapsuleMeta, TensorSpec
+from capsulert.capsule_store.capsule import CapsuleMeta, TensorSpec, tensor_specs
 
 KEY_SEED = b"capsulert-block-1"
+STATE_TAG = b"capsulert-grid-state-1\x00"  # the kind tag of grid-state keys: never a KV block's key
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,9 @@ class BlockLayout:
     token_dim: int
     origin: str  # the numerics of the engine that snapshots into the store (its capsules are canonical)
     complete: str  # a tensor whose presence in an on-grid capsule means its state at the grid point is complete
+    # the state at the grid point, shared as one block: (its name in an on-grid capsule, which is also its
+    # name in the block; its name in an off-grid capsule), e.g. (("ssm", "ssm_grid"), ("conv", "conv_grid"))
+    grid_state: tuple[tuple[str, str], ...] = ()
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
@@ -60,6 +73,11 @@ def chain_keys(seed: bytes, tokens: Sequence[int], rows: int, n: int | None = No
     return keys
 
 
+def state_key(last_key: str) -> str:
+    """The key of the grid-state block at the end of the KV block `last_key` (same prefix, another kind)."""
+    return hashlib.sha256(STATE_TAG + bytes.fromhex(last_key)).hexdigest()
+
+
 def keys_for(meta: CapsuleMeta, origin: str, n: int) -> list[str]:
     seed = chain_seed(meta.namespace, meta.fingerprint, meta.layout_version, meta.prefill_chunk, origin)
     return chain_keys(seed, meta.tokens, meta.prefill_chunk, n)
@@ -67,13 +85,17 @@ def keys_for(meta: CapsuleMeta, origin: str, n: int) -> list[str]:
 
 @dataclass(frozen=True)
 class BlockRefs:
-    """The blocks one capsule references, in order; what its file header records about them."""
+    """The blocks one capsule references, in order; what its file header records about them: the KV
+    blocks [0, G) (`keys`) and, when it shares its state at G, the grid-state block (`state`)."""
 
     keys: tuple[str, ...]
     rows: int
     token_dim: int
     origin: str
-    specs: Mapping[str, TensorSpec]  # of one block: every block tensor, `rows` rows along token_dim
+    specs: Mapping[str, TensorSpec]  # of one KV block: every block tensor, `rows` rows along token_dim
+    state: str | None = None  # the grid-state block's key (state_key(keys[-1])); None: held by the capsule
+    state_specs: Mapping[str, TensorSpec] = field(default_factory=dict)  # its tensors, by their block name
+    state_names: Mapping[str, str] = field(default_factory=dict)  # capsule tensor name -> block tensor name
 
     @property
     def tensors(self) -> tuple[str, ...]:
@@ -85,41 +107,84 @@ class BlockRefs:
         return len(self.keys) * self.rows
 
     @property
+    def all_keys(self) -> tuple[str, ...]:
+        """Every block the capsule references: its KV blocks, then its grid-state block."""
+        return self.keys + ((self.state,) if self.state is not None else ())
+
+    @property
     def block_nbytes(self) -> int:
-        return sum(s.dtype.itemsize * _numel(s.shape) for s in self.specs.values())
+        """Bytes of one KV block."""
+        return _spec_nbytes(self.specs)
+
+    @property
+    def state_nbytes(self) -> int:
+        return _spec_nbytes(self.state_specs) if self.state is not None else 0
+
+    def nbytes_of(self, key: str) -> int:
+        return self.state_nbytes if key == self.state else self.block_nbytes
+
+    def specs_of(self, key: str) -> Mapping[str, TensorSpec]:
+        return self.state_specs if key == self.state else self.specs
 
     @property
     def nbytes(self) -> int:
-        return len(self.keys) * self.block_nbytes
+        return len(self.keys) * self.block_nbytes + self.state_nbytes
 
     def to_json(self) -> str:
-        specs = {k: {"shape": list(s.shape), "dtype": str(s.dtype).replace("torch.", "")} for k, s in self.specs.items()}
-        return json.dumps({"keys": list(self.keys), "rows": self.rows, "token_dim": self.token_dim,
-                           "origin": self.origin, "specs": specs}, separators=(",", ":"), sort_keys=True)
+        d = {"keys": list(self.keys), "rows": self.rows, "token_dim": self.token_dim, "origin": self.origin,
+             "specs": _specs_json(self.specs)}
+        if self.state is not None:
+            d["state"] = {"key": self.state, "names": dict(self.state_names), "specs": _specs_json(self.state_specs)}
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "BlockRefs":
         """ValueError on anything malformed (the disk reader turns it into CorruptCapsuleError)."""
         d = json.loads(text)
-        if not isinstance(d, dict) or set(d) != {"keys", "rows", "token_dim", "origin", "specs"}:
-            raise ValueError("block references must be an object of keys, rows, token_dim, origin, specs")
+        fields = {"keys", "rows", "token_dim", "origin", "specs"}
+        if not isinstance(d, dict) or not fields <= set(d) <= fields | {"state"}:
+            raise ValueError("block references must be an object of keys, rows, token_dim, origin, specs (and state)")
         keys, rows, dim, origin, specs = d["keys"], d["rows"], d["token_dim"], d["origin"], d["specs"]
-        if not (isinstance(keys, list) and all(isinstance(k, str) and len(k) == 64 for k in keys)):
+        if not (isinstance(keys, list) and all(_is_key(k) for k in keys)):
             raise ValueError("block keys must be 64-character hex strings")
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (rows, dim)):
             raise ValueError("rows and token_dim must be ints >= 1")
         if not isinstance(origin, str) or not isinstance(specs, dict) or not specs:
             raise ValueError("origin must be a string and specs a non-empty object")
-        parsed = {}
-        for name, s in specs.items():
-            dtype = getattr(torch, s.get("dtype", "") if isinstance(s, dict) else "", None)
-            shape = s.get("shape") if isinstance(s, dict) else None
-            if not isinstance(dtype, torch.dtype) or not isinstance(shape, list) or len(shape) <= dim \
-                    or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape) \
-                    or shape[dim] != rows:
-                raise ValueError(f"block tensor spec {name!r} is malformed")
-            parsed[name] = TensorSpec(tuple(shape), dtype)
-        return cls(tuple(keys), rows, dim, origin, parsed)
+        parsed = _parse_specs(specs, dim, rows)
+        if "state" not in d:
+            return cls(tuple(keys), rows, dim, origin, parsed)
+        st = d["state"]
+        if not isinstance(st, dict) or set(st) != {"key", "names", "specs"} or not _is_key(st["key"]):
+            raise ValueError("the grid-state block must be an object of key, names, specs")
+        names, sspecs = st["names"], st["specs"]
+        if not isinstance(sspecs, dict) or not sspecs or not isinstance(names, dict) \
+                or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()) \
+                or sorted(names.values()) != sorted(sspecs) or set(names) & set(specs):
+            raise ValueError("the grid-state block's names must map capsule tensors onto each of its tensors once")
+        return cls(tuple(keys), rows, dim, origin, parsed, st["key"], _parse_specs(sspecs), dict(names))
+
+
+def _is_key(k: object) -> bool:
+    return isinstance(k, str) and len(k) == 64 and all(c in "0123456789abcdef" for c in k)
+
+
+def _specs_json(specs: Mapping[str, TensorSpec]) -> dict:
+    return {k: {"shape": list(s.shape), "dtype": str(s.dtype).replace("torch.", "")} for k, s in specs.items()}
+
+
+def _parse_specs(specs: dict, dim: int | None = None, rows: int | None = None) -> dict[str, TensorSpec]:
+    """Specs from JSON; with `dim` every tensor has `rows` rows along it (a KV block)."""
+    parsed = {}
+    for name, s in specs.items():
+        dtype = getattr(torch, s.get("dtype", "") if isinstance(s, dict) else "", None)
+        shape = s.get("shape") if isinstance(s, dict) else None
+        if not isinstance(dtype, torch.dtype) or not isinstance(shape, list) \
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape) \
+                or (dim is not None and (len(shape) <= dim or shape[dim] != rows)):
+            raise ValueError(f"block tensor spec {name!r} is malformed")
+        parsed[name] = TensorSpec(tuple(shape), dtype)
+    return parsed
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -129,29 +194,71 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _spec_nbytes(specs: Mapping[str, TensorSpec]) -> int:
+    return sum(s.dtype.itemsize * _numel(s.shape) for s in specs.values())
+
+
+Tensors = Mapping[str, torch.Tensor]
+
+
 @dataclass(frozen=True)
 class Parts:
-    """A capsule's bytes as the store holds them: its own tensors (state, and the KV rows past its last
-    block) and, in order, the tensors of each block it references."""
+    """A capsule's bytes as the store holds them: its own tensors (the KV rows past its last block, the
+    state it does not share), in order the tensors of each KV block it references, and the tensors of its
+    grid-state block (by their block names). `file_origin`: for a whole capsule read from a file, the
+    origin that file records (None: unknown)."""
 
-    own: Mapping[str, torch.Tensor]
-    blocks: tuple[Mapping[str, torch.Tensor], ...] = ()
+    own: Tensors
+    blocks: tuple[Tensors, ...] = ()
     refs: BlockRefs | None = None
+    state: Tensors | None = None
+    file_origin: str | None = None
+
+    @classmethod
+    def of(cls, own: Tensors, refs: BlockRefs | None, by_key: Mapping[str, Tensors]) -> "Parts":
+        """A capsule's parts from its own tensors and its blocks' tensors by key."""
+        if refs is None:
+            return cls(own)
+        return cls(own, tuple(by_key[k] for k in refs.keys), refs,
+                   by_key[refs.state] if refs.state is not None else None)
+
+    @property
+    def origin(self) -> str | None:
+        """The numerics that computed the bytes, when known."""
+        return self.refs.origin if self.refs is not None else self.file_origin
+
+    def by_key(self) -> dict[str, Tensors]:
+        """The tensors of every block it references, by key (KV blocks, then the grid-state block)."""
+        if self.refs is None:
+            return {}
+        out = dict(zip(self.refs.keys, self.blocks))
+        if self.refs.state is not None:
+            out[self.refs.state] = self.state  # type: ignore[assignment]
+        return out
+
+    def own_view(self) -> dict[str, torch.Tensor]:
+        """Every capsule tensor but the KV blocks, by its capsule name: its own tensors and the grid state
+        its state block holds (views, no copy)."""
+        out = dict(self.own)
+        if self.refs is not None and self.refs.state is not None:
+            out.update({name: self.state[b] for name, b in self.refs.state_names.items()})  # type: ignore[index]
+        return out
 
     def full(self) -> dict[str, torch.Tensor]:
         """The capsule's tensors as one piece each (blocks and tail concatenated: a copy when blocked)."""
+        out = self.own_view()
         if not self.blocks:
-            return dict(self.own)
-        out = dict(self.own)
-        for name in self.refs.specs:
-            out[name] = torch.cat([b[name] for b in self.blocks] + [self.own[name]], dim=self.refs.token_dim)
+            return out
+        for name in self.refs.specs:  # type: ignore[union-attr]
+            out[name] = torch.cat([b[name] for b in self.blocks] + [self.own[name]], dim=self.refs.token_dim)  # type: ignore[union-attr]
         return out
 
 
 def split(meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor], layout: BlockLayout | None,
           origin: str | None) -> Parts:
     """Cut a capsule's tensors into blocks (views) and own tensors. A capsule stays whole (refs None) when
-    the store has no layout, its origin is unknown, or it does not have the layout's shape."""
+    the store has no layout, its origin is unknown, or it does not have the layout's shape. Its state at
+    the grid point becomes the grid-state block when the layout names it and the capsule covers a block."""
     whole = Parts(dict(tensors))
     if layout is None or origin is None or meta.prefill_chunk < 1:
         return whole
@@ -171,7 +278,15 @@ def split(meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor], layout: BlockL
     # a session whose state is canonical for that origin)
     specs = {name: TensorSpec(tuple(rows if d == dim else x for d, x in enumerate(tensors[name].shape)),
                               tensors[name].dtype) for name in layout.tensors}
-    return Parts(own, blocks, BlockRefs(tuple(keys_for(meta, origin, n)), rows, dim, origin, specs))
+    keys = tuple(keys_for(meta, origin, n))
+    # on the grid the live state is the state at G; off it the grid checkpoint is (the live state at P is
+    # computed from tokens past G: never shared)
+    names = {(on if P == n * rows else off): on for on, off in layout.grid_state}
+    if not keys or not names or not all(c in tensors for c in names):
+        return Parts(own, blocks, BlockRefs(keys, rows, dim, origin, specs))
+    state = {b: own.pop(c) for c, b in names.items()}
+    return Parts(own, blocks, BlockRefs(keys, rows, dim, origin, specs, state_key(keys[-1]), tensor_specs(state),
+                                        names), state)
 
 
 def full_specs(own: Mapping[str, TensorSpec], refs: BlockRefs | None) -> dict[str, TensorSpec]:
@@ -184,4 +299,5 @@ def full_specs(own: Mapping[str, TensorSpec], refs: BlockRefs | None) -> dict[st
         shape = list(s.shape)
         shape[refs.token_dim] = refs.grid + tail[refs.token_dim]
         out[name] = TensorSpec(tuple(shape), s.dtype)
+    out.update({name: refs.state_specs[b] for name, b in refs.state_names.items()})
     return out

@@ -247,9 +247,10 @@ def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> Mapping[str, TensorSpec
 class CapsuleInfo:
     """One row of CapsuleStore.list(): the metadata plus where the capsule is now.
 
-    `nbytes` is what the capsule holds alone: its state and the KV rows past its last prefix block (its
-    whole size, meta.nbytes, when it is held whole). The prefix blocks it shares with other capsules
-    (`blocks` of them, `shared_nbytes` bytes) are counted once per tier in the store's stats()."""
+    `nbytes` is what the capsule holds alone: the state it does not share (computed past its grid point)
+    and the KV rows past its last prefix block (its whole size, meta.nbytes, when it is held whole). The
+    blocks it shares with other capsules (`blocks` of them, `shared_nbytes` bytes: its KV blocks and its
+    grid-state block) are counted once per tier in the store's stats()."""
 
     meta: CapsuleMeta
     tier: str

@@ -8,8 +8,11 @@ everything before trusting anything, and every refusal is a typed error, never a
 
 Format "2" is a capsule cut into prefix blocks (blocks.py): the file holds its own tensors (state, KV
 tail) and `capsulert.blocks`, the BlockRefs JSON naming its blocks; each block is a file of its own in
-the same directory (blockfiles.py). `meta.nbytes` stays the whole capsule's bytes; the checksum covers
-the tensors of the file.
+the same directory (blockfiles.py). Format "3" also names its grid-state block (the recurrent and conv
+state at its grid point, a block file too; its file then holds only the state computed past the grid
+point). `meta.nbytes` stays the whole capsule's bytes; the checksum covers the tensors of the file. A
+format 1 file may record `capsulert.origin`, the numerics that computed its bytes (export_file writes it
+for a canonical capsule): a store of that origin loading it cuts it into blocks; without it it stays whole.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ from safetensors.torch import save_file
 from capsulert.capsule_store import tempfiles
 from capsulert.capsule_store.blocks import BlockRefs, Parts
 from capsulert.capsule_store.headers import (  # noqa: F401  (read_header & co. are this module's API too)
-    BLOCKED_FORMAT, FORMAT_VERSION, MAX_HEADER_BYTES, _corrupt, parse_file, read_header, read_header_refs)
+    BLOCKED_FORMAT, FORMAT_VERSION, MAX_HEADER_BYTES, ORIGIN_KEY, STATE_FORMAT, _corrupt, parse_file, read_header,
+    read_header_origin, read_header_refs)
 from capsulert.capsule_store.capsule import (
     FILE_SUFFIX,
     CapsuleMeta,
@@ -94,15 +98,21 @@ class StagedWrite:
 
 
 def stage_capsule(directory: str | Path, meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor],
-                  refs: BlockRefs | None = None) -> StagedWrite:
+                  refs: BlockRefs | None = None, origin: str | None = None) -> StagedWrite:
     """Write one capsule file under a temp name and fsync it; CapsuleIOError (nothing left) on failure.
-    With `refs` the tensors are the capsule's own ones and the file references those blocks (format 2)."""
+    With `refs` the tensors are the capsule's own ones and the file references those blocks (format 2, or 3
+    with a grid-state block). `origin` (whole capsules): recorded, for a store of that origin to share its
+    blocks when it loads the file."""
     cpu = {k: _to_cpu_owned(v) for k, v in tensors.items()}
     nbytes = tensor_nbytes(cpu) + (refs.nbytes if refs is not None else 0)
     if nbytes != meta.nbytes:
         raise ValueError(f"capsule {meta.name!r}: meta.nbytes={meta.nbytes} but tensors hold {nbytes} bytes")
     meta = meta.replace(checksum=tensors_checksum(cpu))
-    extra = {} if refs is None else {"capsulert.format": BLOCKED_FORMAT, "capsulert.blocks": refs.to_json()}
+    if refs is not None:
+        extra = {"capsulert.format": STATE_FORMAT if refs.state is not None else BLOCKED_FORMAT,
+                 "capsulert.blocks": refs.to_json()}
+    else:
+        extra = {ORIGIN_KEY: origin} if origin else {}
     final = Path(directory) / capsule_file_name(meta.namespace, meta.name)
     tmp = stage_file(final, cpu, {"capsulert.format": FORMAT_VERSION, "capsulert.meta": meta.to_json(), **extra})
     return StagedWrite(tmp, final, meta)
@@ -133,11 +143,11 @@ def stage_file(final: Path, cpu: Mapping[str, torch.Tensor], metadata: dict[str,
 
 
 def write_capsule_with_meta(directory: str | Path, meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor],
-                            refs: BlockRefs | None = None) -> tuple[Path, CapsuleMeta]:
+                            refs: BlockRefs | None = None, origin: str | None = None) -> tuple[Path, CapsuleMeta]:
     """Write one capsule file crash-safely (temp file, fsync, rename, fsync dir); return its path and
     the meta with `checksum` filled. With `refs`: the capsule's own tensors, referencing those blocks
-    (whose files must be in `directory` already)."""
-    staged = stage_capsule(directory, meta, tensors, refs)
+    (whose files must be in `directory` already). `origin`: see stage_capsule."""
+    staged = stage_capsule(directory, meta, tensors, refs, origin)
     staged.commit()
     fsync_dir(staged.final.parent)
     return staged.final, staged.meta  # type: ignore[return-value]
@@ -155,10 +165,18 @@ def read_capsule(path: str | Path, expected_fingerprint: str, expected_layout: i
     Refusals: CorruptCapsuleError (truncated, malformed, renamed, too large, checksum mismatch),
     IncompatibleCapsuleError (another model fingerprint or state layout version).
     """
+    meta, tensors, _ = read_capsule_origin(path, expected_fingerprint, expected_layout, max_bytes)
+    return meta, tensors
+
+
+def read_capsule_origin(path: str | Path, expected_fingerprint: str, expected_layout: int,
+                        max_bytes: int | None = None) -> tuple[CapsuleMeta, dict[str, torch.Tensor], str | None]:
+    """read_capsule, and the origin of the bytes as the file records it (None: it records none). Passed to
+    `CapsuleStore.put(..., origin=)`, a capsule of the store's own origin shares its blocks there."""
     meta, parts = read_capsule_parts(path, expected_fingerprint, expected_layout, max_bytes)
     if parts.refs is None:
-        return meta, dict(parts.own)
-    return meta, parts.full()
+        return meta, dict(parts.own), parts.origin
+    return meta, parts.full(), parts.origin
 
 
 def read_capsule_parts(path: str | Path, expected_fingerprint: str, expected_layout: int,
@@ -169,12 +187,11 @@ def read_capsule_parts(path: str | Path, expected_fingerprint: str, expected_lay
     from capsulert.capsule_store.blockfiles import read_block  # blockfiles builds on this module
 
     path = Path(path)
-    meta, header, refs = read_header_refs(path, max_bytes)
+    meta, header, refs, origin = read_header_origin(path, max_bytes)
     own = _read_verified(path, meta, header, expected_fingerprint, expected_layout)
     if refs is None:
-        return meta, Parts(own)
-    blocks = tuple({} if k in have else read_block(path.parent, k, refs) for k in refs.keys)
-    return meta, Parts(own, blocks, refs)
+        return meta, Parts(own, file_origin=origin)
+    return meta, Parts.of(own, refs, {k: {} if k in have else read_block(path.parent, k, refs) for k in refs.all_keys})
 
 
 def _read_verified(path: Path, meta: CapsuleMeta, header: dict, expected_fingerprint: str,

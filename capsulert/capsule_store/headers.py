@@ -1,6 +1,11 @@
 """Capsule file headers: the checks every reader runs before trusting a byte of a safetensors file
 (lengths, offsets, JSON, format, metadata, the file name against the capsule it holds, and for a capsule
 cut into prefix blocks its block references). No tensor is read here (`capsules ls` runs on this alone).
+
+Formats: "1" a whole capsule (optionally recording the origin of its bytes, `capsulert.origin`: a store of
+that origin loading it shares its blocks again; files without it stay whole); "2" own tensors + KV block
+references; "3" as 2, plus a grid-state block (blocks.py). A build that reads only 1 and 2 refuses a 3 by
+its format, never misreads it.
 """
 from __future__ import annotations
 
@@ -10,12 +15,14 @@ from pathlib import Path
 
 import torch
 
-from capsulert.capsule_store.blocks import BlockRefs, keys_for
+from capsulert.capsule_store.blocks import BlockRefs, keys_for, state_key
 from capsulert.capsule_store.capsule import CapsuleMeta, capsule_file_name
 from capsulert.errors import CorruptCapsuleError
 
 FORMAT_VERSION = "1"
 BLOCKED_FORMAT = "2"  # own tensors + references to block files
+STATE_FORMAT = "3"  # as 2, with the state at the grid point in a block file too
+ORIGIN_KEY = "capsulert.origin"  # format 1: the numerics that computed the bytes (optional)
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; token lists make headers large
 _DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -99,13 +106,21 @@ def read_header(path: str | Path, max_bytes: int | None = None) -> tuple[Capsule
 
 def read_header_refs(path: str | Path, max_bytes: int | None = None) -> tuple[CapsuleMeta, dict, BlockRefs | None]:
     """read_header, and the capsule's block references (None for a whole capsule, format 1)."""
+    return read_header_origin(path, max_bytes)[:3]
+
+
+def read_header_origin(path: str | Path, max_bytes: int | None = None,
+                       ) -> tuple[CapsuleMeta, dict, BlockRefs | None, str | None]:
+    """read_header_refs, and the origin of the capsule's bytes: its blocks' origin, what a whole capsule's
+    file records, or None (a file that records none)."""
     path = Path(path)
     header, md, declared = parse_file(path, max_bytes)
     fmt = md.get("capsulert.format")
     if fmt is None:
         raise _corrupt(path, "not a capsulert capsule (no capsulert.format in the header metadata)")
-    if fmt not in (FORMAT_VERSION, BLOCKED_FORMAT):
-        raise _corrupt(path, f"unknown capsule format {fmt!r}; this build reads {FORMAT_VERSION!r} and {BLOCKED_FORMAT!r}")
+    if fmt not in (FORMAT_VERSION, BLOCKED_FORMAT, STATE_FORMAT):
+        raise _corrupt(path, f"unknown capsule format {fmt!r}; this build reads {FORMAT_VERSION!r}, "
+                             f"{BLOCKED_FORMAT!r} and {STATE_FORMAT!r}")
     meta_json = md.get("capsulert.meta")
     if not isinstance(meta_json, str):
         raise _corrupt(path, "header metadata has no capsulert.meta string")
@@ -113,21 +128,32 @@ def read_header_refs(path: str | Path, max_bytes: int | None = None) -> tuple[Ca
     if path.name != capsule_file_name(meta.namespace, meta.name):
         raise _corrupt(path, f"file name does not match the capsule it holds "
                              f"({meta.namespace!r}/{meta.name!r}); files must not be renamed")
-    refs = _block_refs(path, md, meta, header) if fmt == BLOCKED_FORMAT else None
+    refs = _block_refs(path, md, meta, header, fmt) if fmt != FORMAT_VERSION else None
     shared = refs.nbytes if refs is not None else 0
     if declared + shared != meta.nbytes:
         raise _corrupt(path, f"metadata says {meta.nbytes} bytes but the tensors hold {declared + shared}")
-    return meta, header, refs
+    if refs is not None:
+        return meta, header, refs, refs.origin
+    origin = md.get(ORIGIN_KEY)
+    if origin is not None and (not isinstance(origin, str) or not origin):
+        raise _corrupt(path, f"{ORIGIN_KEY} must be a non-empty string")
+    return meta, header, None, origin
 
 
-def _block_refs(path: Path, md: dict, meta: CapsuleMeta, header: dict) -> BlockRefs:
+def _block_refs(path: Path, md: dict, meta: CapsuleMeta, header: dict, fmt: str) -> BlockRefs:
     raw = md.get("capsulert.blocks")
     try:
         refs = BlockRefs.from_json(raw) if isinstance(raw, str) else None
     except (ValueError, TypeError, RecursionError) as e:
         raise _corrupt(path, f"block references are malformed: {e}") from None
     if refs is None:
-        raise _corrupt(path, "a capsule of format 2 carries no capsulert.blocks")
+        raise _corrupt(path, f"a capsule of format {fmt} carries no capsulert.blocks")
+    if (refs.state is not None) != (fmt == STATE_FORMAT):
+        raise _corrupt(path, f"a capsule of format {fmt} must {'' if fmt == STATE_FORMAT else 'not '}reference a "
+                             "grid-state block")
+    if refs.state is not None and (not refs.keys or refs.state != state_key(refs.keys[-1])
+                                   or set(refs.state_names) & set(header)):
+        raise _corrupt(path, "its grid-state block does not derive from its last block, or its file holds that state too")
     if refs.rows != meta.prefill_chunk or refs.grid != meta.grid_pos or refs.grid > meta.boundary:
         raise _corrupt(path, f"its {len(refs.keys)} blocks of {refs.rows} rows do not match its grid point {meta.grid_pos}")
     if list(refs.keys) != keys_for(meta, refs.origin, len(refs.keys)):

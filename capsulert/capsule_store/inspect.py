@@ -41,7 +41,7 @@ class DiskCapsule:
     fingerprint: str  # the model that made it; only that model can restore it
     layout_version: int
     created_at: float
-    blocks: int = 0  # prefix blocks it references (block files beside it)
+    blocks: int = 0  # blocks it references (block files beside it: KV blocks and its grid-state block)
     shared_nbytes: int = 0  # their bytes
 
     def to_dict(self) -> dict:
@@ -79,7 +79,7 @@ def describe(path: str | Path) -> DiskCapsule:
     return DiskCapsule(path=path, name=meta.name, namespace=meta.namespace, tokens=meta.boundary, tier=TIER,
                        nbytes=meta.nbytes - shared, file_bytes=file_bytes, fingerprint=meta.fingerprint,
                        layout_version=meta.layout_version, created_at=meta.created_at,
-                       blocks=len(refs.keys) if refs is not None else 0, shared_nbytes=shared)
+                       blocks=len(refs.all_keys) if refs is not None else 0, shared_nbytes=shared)
 
 
 def scan(directory: str | Path, namespace: str | None = None) -> tuple[list[DiskCapsule], list[SkippedFile]]:

@@ -1,8 +1,9 @@
 """Moves: the acting half of the tier machinery (tiers.py plans): copies between tiers, disk writes and
 reads, drops, and the background writer's side of a cascade write.
 
-A capsule in a memory tier holds its own tensors and one reference to each of its blocks in that tier's
-pool; moving it copies its own tensors and only the blocks the destination lacks, in one grouped copy.
+A capsule in a memory tier holds its own tensors and one reference to each of its blocks (KV blocks and its
+grid-state block) in that tier's pool; moving it copies its own tensors and only the blocks the destination
+lacks, in one grouped copy.
 Into the disk tier it writes its capsule file and the block files disk_dir lacks: blocks renamed and the
 directory fsynced before the capsule file is renamed, so a capsule file never names a missing block.
 Blocks nothing references any more are released at the end of each verb (_collect); their files are
@@ -71,14 +72,14 @@ class Moves(TierCore):
         copied, ev = self._copy(flat, tier, wait=waits, copy_stream=copy_stream)
         e.tensors, e.event = {n: copied[f"/{n}"] for n in own}, ev
         for k in missing:
-            tensors = {n: copied[f"{k}/{n}"] for n in e.blocks.specs}  # type: ignore[union-attr]
-            pool.add(k, BlockRecord(e.blocks.block_nbytes, tensors, ev))  # type: ignore[union-attr]
+            tensors = {n: copied[f"{k}/{n}"] for n in e.blocks.specs_of(k)}  # type: ignore[union-attr]
+            pool.add(k, BlockRecord(e.blocks.nbytes_of(k), tensors, ev))  # type: ignore[union-attr]
         self._ref(tier, e)
 
     def _ref(self, tier: str, e: Entry) -> None:
         if tier == "disk":
             for k in e.block_keys:
-                self._pools[tier].add(k, BlockRecord(e.blocks.block_nbytes))  # type: ignore[union-attr]
+                self._pools[tier].add(k, BlockRecord(e.blocks.nbytes_of(k)))  # type: ignore[union-attr]
         for k in e.block_keys:
             self._used[tier] += self._pools[tier].ref(k, e.anonymous)
 
@@ -104,17 +105,18 @@ class Moves(TierCore):
                                           e.meta.nbytes, have)
             return parts, []
         held = self._held_blocks(e)
-        return (Parts(e.tensors, tuple(held[k][0] for k in e.block_keys), e.blocks),
+        return (Parts.of(e.tensors, e.blocks, {k: held[k][0] for k in e.block_keys}),
                 [e.event] + [held[k][1] for k in e.block_keys])
 
     def _to_device(self, parts: Parts, waits: list) -> tuple[Parts, Any]:
         """A transient device copy of a capsule's parts (one grouped copy), and its CUDA event."""
         flat = {f"/{n}": t for n, t in parts.own.items()}
-        for i, b in enumerate(parts.blocks):
-            flat.update({f"{i}/{n}": t for n, t in b.items()})
+        blocks = parts.by_key()
+        for k, b in blocks.items():
+            flat.update({f"{k}/{n}": t for n, t in b.items()})
         copied, ev = self._copy(flat, "gpu", wait=waits, copy_stream=False)
-        return Parts({n: copied[f"/{n}"] for n in parts.own},
-                     tuple({n: copied[f"{i}/{n}"] for n in b} for i, b in enumerate(parts.blocks)), parts.refs), ev
+        return Parts.of({n: copied[f"/{n}"] for n in parts.own}, parts.refs,
+                        {k: {n: copied[f"{k}/{n}"] for n in b} for k, b in blocks.items()}), ev
 
     # -- disk -------------------------------------------------------------------------------------
     def _stage(self, meta: CapsuleMeta, parts: Parts) -> StagedCapsule:
@@ -122,7 +124,7 @@ class Moves(TierCore):
         (nothing renamed yet)."""
         disk, staged = self._pools["disk"], []
         try:
-            for k, b in zip(parts.refs.keys if parts.refs is not None else (), parts.blocks):
+            for k, b in parts.by_key().items():
                 rec = disk.get(k)
                 if rec is None or rec.path is None:
                     staged.append((k, stage_block(self._disk_dir, k, b)))  # type: ignore[arg-type]
@@ -221,7 +223,7 @@ class Moves(TierCore):
         else:
             if e.tensors is None:
                 parts = preloaded if preloaded is not None else self._source(e, self._have(dest, e))[0]
-                own, wait, blocks = parts.own, None, {k: (b, None) for k, b in zip(e.block_keys, parts.blocks) if b}
+                own, wait, blocks = parts.own, None, {k: (b, None) for k, b in parts.by_key().items() if b}
             else:
                 own, wait, blocks = e.tensors, e.event, self._held_blocks(e)
             self._materialize(e, dest, own, wait, blocks)

@@ -19,11 +19,10 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from capsulert.capsule_store.blockfiles import block_file_name, referenced_blocks, stage_block, sweep_orphans
-from capsulert.capsule_store.blocks import Parts, full_specs
+from capsulert.capsule_store.blocks import Parts, full_specs, split
 from capsulert.capsule_store.capsule import tensor_nbytes, tensor_specs
 from capsulert.capsule_store.disk import fsync_dir, read_capsule_parts, scan_capsule_files, write_capsule_with_meta
 from capsulert.capsule_store.background import BackgroundWrites
-from capsulert.capsule_store.blocks import split
 from capsulert.capsule_store.owner import DirLock, ensure_directory
 from capsulert.capsule_store.plan import Entry, Key
 from capsulert.capsule_store.tiers import pkey
@@ -114,8 +113,7 @@ class Persistence(BackgroundWrites):
     @staticmethod
     def _save_blocks(directory: Path, parts: Parts, written: set[str]) -> None:
         """The block files of a capsule this save has not written yet, durable before its capsule file."""
-        staged = [stage_block(directory, k, b) for k, b in zip(parts.refs.keys if parts.refs else (), parts.blocks)
-                  if k not in written]
+        staged = [stage_block(directory, k, b) for k, b in parts.by_key().items() if k not in written]
         for s in staged:
             s.commit()
             written.add(s.final.name[:64])
@@ -127,14 +125,15 @@ class Persistence(BackgroundWrites):
         bad file raises its typed error with nothing inserted. Temp files of interrupted writes are removed
         and logged (see tempfiles.py). From this store's own disk_dir the files are indexed in place, in the
         disk tier (the ones it already indexes are skipped); from anywhere else they are copied into the
-        host tier (gpu if host is disabled), each block once."""
+        host tier (gpu if host is disabled), each block once, and a whole capsule whose file records this
+        store's block origin (export_file) is cut into blocks, shared with the store's capsules of its prefix."""
         directory = Path(directory)
         with self._lock:
             self._check_open()
             if self._is_disk_dir(directory):
                 return self._adopt(scan_capsule_files(directory, clean=True))
         files = scan_capsule_files(directory, clean=True)
-        loaded = self._read_all(files)
+        loaded = self._read_all(files, cut=True)
         tier = next((t for t in ("host", "gpu") if self._usable(t)), None)
         if tier is None:
             raise ConfigError("load needs the host or the gpu tier; both have budget 0")
@@ -149,21 +148,24 @@ class Persistence(BackgroundWrites):
             self._apply(plan)
             for (meta, parts), key in zip(loaded, keys):
                 e = self._entry(meta, tier, None, parts)
-                self._materialize(e, tier, parts.own, None, {k: (b, None) for k, b in zip(e.block_keys, parts.blocks)})
+                self._materialize(e, tier, parts.own, None, {k: (b, None) for k, b in parts.by_key().items()})
                 self._insert(key, e)
             return len(loaded)
 
-    def _read_all(self, files: list[Path]) -> list[tuple]:
+    def _read_all(self, files: list[Path], cut: bool = False) -> list[tuple]:
         """Every capsule file read and verified in full, each block file once (capsules of a prefix share
-        the tensors of its blocks)."""
+        the tensors of its blocks). With `cut`, a whole capsule whose file records this store's block origin
+        (one exported or persisted by a store of the same numerics) is cut into blocks like a put of it."""
         seen: dict[str, dict] = {}
         out = []
         for p in files:
             meta, parts = read_capsule_parts(p, self.fingerprint, self.layout_version, have=frozenset(seen))
+            if cut and parts.refs is None and self._layout is not None and parts.origin == self._layout.origin:
+                parts = split(meta, parts.own, self._layout, parts.origin)
             if parts.refs is not None:
-                for k, b in zip(parts.refs.keys, parts.blocks):
+                for k, b in parts.by_key().items():
                     seen.setdefault(k, b)  # type: ignore[arg-type]
-                parts = Parts(parts.own, tuple(seen[k] for k in parts.refs.keys), parts.refs)
+                parts = Parts.of(parts.own, parts.refs, seen)
             out.append((meta, parts))
         return out
 
@@ -200,7 +202,7 @@ class Persistence(BackgroundWrites):
                     self._collect()
                     raise
             else:  # on the current stream: ordered after the work that wrote the caller's tensors
-                self._materialize(e, tier, parts.own, None, {k: (b, None) for k, b in zip(e.block_keys, parts.blocks)},
+                self._materialize(e, tier, parts.own, None, {k: (b, None) for k, b in parts.by_key().items()},
                                   copy_stream=False)
         except BaseException:
             if staged is not None:

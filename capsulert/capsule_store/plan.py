@@ -34,12 +34,13 @@ class Entry:
 
     @property
     def own_nbytes(self) -> int:
-        """Bytes it holds alone (state, KV rows past its blocks)."""
+        """Bytes it holds alone (the state it does not share, KV rows past its blocks)."""
         return self.meta.nbytes - (self.blocks.nbytes if self.blocks is not None else 0)
 
     @property
     def block_keys(self) -> tuple[str, ...]:
-        return self.blocks.keys if self.blocks is not None else ()
+        """Every block it references: KV blocks and its grid-state block."""
+        return self.blocks.all_keys if self.blocks is not None else ()
 
 
 class Plan:
@@ -60,24 +61,25 @@ class Plan:
     def enter(self, tier: str, own: int, blocks: BlockRefs | None) -> None:
         """A capsule holding `own` bytes and referencing `blocks` would be in `tier`."""
         self.used[tier] += own
-        for k in blocks.keys if blocks is not None else ():
+        for k in blocks.all_keys if blocks is not None else ():
             n = self.refs(tier, k)
             self._refs[(tier, k)] = n + 1
             if n == 0:
-                self.used[tier] += blocks.block_nbytes
+                self.used[tier] += blocks.nbytes_of(k)
 
     def leave(self, tier: str, own: int, blocks: BlockRefs | None) -> None:
         self.used[tier] -= own
-        for k in blocks.keys if blocks is not None else ():
+        for k in blocks.all_keys if blocks is not None else ():
             n = self.refs(tier, k) - 1
             self._refs[(tier, k)] = n
             if n == 0:
-                self.used[tier] -= blocks.block_nbytes
+                self.used[tier] -= blocks.nbytes_of(k)
 
     def added(self, tier: str, own: int, blocks: BlockRefs | None) -> int:
         """The bytes entering `tier` would add there now (blocks it already holds are free)."""
-        shared = sum(1 for k in (blocks.keys if blocks is not None else ()) if self.refs(tier, k))
-        return own + (blocks.nbytes - shared * blocks.block_nbytes if blocks is not None else 0)
+        if blocks is None:
+            return own
+        return own + sum(blocks.nbytes_of(k) for k in blocks.all_keys if not self.refs(tier, k))
 
     def snapshot(self) -> tuple:
         return dict(self.where), dict(self.used), len(self.actions), dict(self._refs)

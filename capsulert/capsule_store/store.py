@@ -1,8 +1,9 @@
 """CapsuleStore: capsules in three tiers (gpu = device memory, host = pinned memory, disk = files),
 with byte budgets, moves between tiers, and a policy that names victims (planning in tiers.py, acting in
 moves.py). A capsule of the store's own origin is held as prefix blocks shared by reference with every
-capsule of the same prefix (blocks.py, block_pool.py) plus its own tensors; anonymous prefix entries and
-the prefix index serve automatic prefix reuse (prefix_cache.py, prefix_index.py).
+capsule of the same prefix (blocks.py, block_pool.py: the KV blocks [0, G) and the grid-state block, its
+recurrent and conv state at G) plus its own tensors; anonymous prefix entries and the prefix index serve
+automatic prefix reuse (prefix_cache.py, prefix_index.py).
 
 A store owns its disk_dir: it holds the directory's owner lock while it lives (owner.py), so no other
 store or orchestrator writes there, and its index of disk capsules is exactly the capsule files there.
@@ -20,6 +21,7 @@ import torch
 from capsulert.capsule_store.blocks import BlockLayout, Parts
 from capsulert.capsule_store.capsule import (CapsuleInfo, CapsuleMeta, CapsuleRef, TensorSpec, model_of,
                                              tensor_nbytes, validate_name)
+from capsulert.capsule_store.disk import write_capsule_with_meta
 from capsulert.capsule_store.owner import ensure_directory
 from capsulert.capsule_store.plan import Entry
 from capsulert.capsule_store.prefix_cache import PrefixEntries
@@ -119,6 +121,14 @@ class CapsuleStore(PrefixEntries):
 
         with self._reading(resolve) as (e, parts, found):
             yield e.meta, parts, found
+
+    def export_file(self, name: str, directory: str | Path, namespace: str = "default") -> Path:
+        """Write the capsule as one self-contained capsule file (format 1: every tensor whole, no block
+        files) into `directory`, crash-safely; its path. A canonical capsule's file records its origin, so a
+        store of the same origin that loads it (`load`, or `put` with the origin `read_capsule_origin`
+        returns) shares its blocks again; a file without an origin is held whole."""
+        with self.reading_parts(name, namespace) as (meta, parts, _):
+            return write_capsule_with_meta(directory, meta, parts.full(), origin=parts.origin)[0]
 
     def contains(self, name: str, namespace: str = "default") -> bool:
         with self._lock:
@@ -228,7 +238,7 @@ class CapsuleStore(PrefixEntries):
         dropped (unpinned capsules dropped because every slower tier was full; `evictions` is the same
         count under its older name), dropped_bytes, disk_write_errors (failed background writes).
         A tier's bytes are what it holds: own tensors plus each prefix block once (`blocks`: how many per
-        tier); `count` counts named capsules. `prefix`: the prefix cache (prefix_cache.py)."""
+        tier, KV and grid-state blocks); `count` counts named capsules. `prefix`: the prefix cache (prefix_cache.py)."""
         with self._lock:
             out: dict = {t: {"bytes": self._used[t], "budget": self._budgets[t],
                              "count": sum(1 for e in self._entries.values() if e.tier == t and not e.anonymous)}

@@ -148,7 +148,7 @@ class DiskWriter:
     def _write_blocks(self, job: DiskJob) -> None:
         """The block files the directory lacks, renamed into place; then the directory fsync that makes
         them durable before the capsule file that references them is renamed."""
-        for key in job.blocks.keys:  # type: ignore[union-attr]
+        for key in job.blocks.all_keys:  # type: ignore[union-attr]
             if not self._hooks.block_wanted(job, key):
                 continue
             tensors, event = job.held[key]  # type: ignore[index]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from capsulert.capsule_store import capsule_file_name, read_header, write_capsule_with_meta
+from capsulert.capsule_store import capsule_file_name, read_header
 from capsulert.capsule_store.disk import FILE_SUFFIX
 
 
@@ -28,8 +28,8 @@ class PinnedFiles:
     def write(self, store, name: str, namespace: str) -> None:
         if self.directory is None:
             return
-        with store.reading(name, namespace) as (meta, tensors):
-            write_capsule_with_meta(self.directory, meta, tensors)
+        # with its block origin: the restarted process of the same origin shares its blocks again on reload
+        store.export_file(name, self.directory, namespace)
 
     def write_or_delete(self, store, name: str, namespace: str) -> None:
         """Persist a capsule just pinned; when that fails the capsule is deleted too, so a pin never

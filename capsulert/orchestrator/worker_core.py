@@ -26,10 +26,11 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from capsulert.capsule_store import read_capsule, tensors_checksum, write_capsule_with_meta
+from capsulert.capsule_store import read_capsule_origin, tensors_checksum
 from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.errors import (CapsuleError, CorruptCapsuleError, DuplicateCapsuleError, InvalidRequestError,
                               PeerLinkError, SessionClosedError, WorkerLost)
+from capsulert.orchestrator.event_feed import EventFeed
 from capsulert.orchestrator.packed_capsule import buffer_digest, pack_tensors, tensor_views
 from capsulert.orchestrator.peer_link import PeerLink, free_port
 from capsulert.orchestrator.pinned_files import PinnedFiles
@@ -38,10 +39,11 @@ from capsulert.worker.engine import Engine
 from capsulert.worker.scheduler import Sink, StepScheduler, queue_sink, stream_item
 from capsulert.worker.state import LAYOUT_VERSION
 from capsulert.worker.verbs import (BATCHABLE, CONTROL, Append, Batch, CapsuleExport, Close, Delete, Demote, Detokenize,
-                                    ExportCapsule, ExportToDir, FinalEvent, Fork, Generate, ImportCapsule,
+                                    ExportCapsule, ExportToDir, Fork, Generate, ImportCapsule,
                                     ImportFromFile, Interrupt, LastCall, LinkProbe, ListCapsules, Open, PeerAddress,
                                     PeerClose, PeerConnect, Ping, Promote, ReadTokens, Rebuild, ReceiveCapsule, Request, Restore,
-                                    SendCapsule, Snapshot, Stats, TokenEvent, Tokenize, Turn, UpdateWeights)
+                                    SendCapsule, Snapshot, Stats, Streamed, Feed, Tokenize, Turn,
+                                    UpdateWeights)
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class WorkerCore:
         # ids never reused by a restarted actor: a session of the old process is unknown to the new one
         self.scheduler = StepScheduler(self.engine, first_id=random.getrandbits(40) << 20)
         self.calls = RunningCalls(self.scheduler)
+        self.feed = EventFeed()  # the events of Streamed requests, read by the orchestrator's Feed stream
         self.pinned = PinnedFiles(persist_dir)
         self.reloaded = self.pinned.reload(self.engine.store)
         self.last_call_ms = float("nan")
@@ -72,6 +75,8 @@ class WorkerCore:
     def execute(self, request: Request, call_id=None) -> Any:
         """Run one typed request; its reply. `call_id` names the call for interrupts (Interrupt.call_id)."""
         handler = self._handler(request)
+        if isinstance(request, Feed):
+            raise InvalidRequestError("Feed is a stream: send it with stream(), not execute()")
         if request.lane == CONTROL:
             return handler(self, request, call_id)
         t0 = time.perf_counter()
@@ -80,14 +85,18 @@ class WorkerCore:
         finally:
             self.last_call_ms = (time.perf_counter() - t0) * 1e3
 
-    def stream(self, request: Generate | Turn, call_id=None) -> Iterator[list[TokenEvent | FinalEvent]]:
+    def stream(self, request: Generate | Turn | Feed, call_id=None) -> Iterator[list]:
         """The events of a generate as the scheduler produces them, in lists: each list holds every event
         produced since the last one was taken (one when the consumer keeps up; several when it lags, so a
         worker streaming to 64 sessions sends fewer, larger items instead of falling behind). The last list
         ends with the FinalEvent. A consumer that goes away (or an interrupt) stops the generate at the next
-        token boundary, its tokens committed."""
+        token boundary, its tokens committed. For a Feed: the worker's event feed (event_feed.py), the
+        events of every Streamed request as (key, kind, value) items, until another Feed opens."""
+        if isinstance(request, Feed):
+            yield from self._handler(request)(self, request, call_id)
+            return
         if not isinstance(request, (Generate, Turn)):
-            raise InvalidRequestError(f"only Generate and Turn stream, not {type(request).__name__}")
+            raise InvalidRequestError(f"only Generate, Turn and Feed stream, not {type(request).__name__}")
         self._require_session(request)
         events: queue.Queue = queue.Queue()
         job = self.scheduler.submit(request, queue_sink(events.put))
@@ -128,6 +137,25 @@ class WorkerCore:
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+    def _feed_items(self, r: Feed, call_id) -> Iterator[list]:
+        return self.feed.stream()
+
+    def _streamed(self, r: Streamed, call_id) -> None:
+        """Submit a Generate or Turn whose events go into the event feed under r.key; an Interrupt(r.key)
+        stops it."""
+        if not isinstance(r.request, (Generate, Turn)):
+            raise InvalidRequestError(f"only Generate and Turn stream, not {type(r.request).__name__}")
+        self._require_session(r.request)
+        finished = threading.Event()
+
+        def untrack() -> None:
+            finished.set()
+            self.calls.untrack(r.key)
+
+        self.calls.track(r.key, self.scheduler.submit(r.request, self.feed.sink_for(r.key, untrack)))
+        if finished.is_set():  # it ended before it was tracked (a refusal in the loop): nothing to interrupt
+            self.calls.untrack(r.key)
 
     def _submit(self, request: Request, call_id=None) -> tuple[threading.Event, dict]:
         done, box = threading.Event(), {}
@@ -231,14 +259,12 @@ class WorkerCore:
         return self._put(meta.replace(checksum=payload.checksum), tensors, r.tier, r.pin, origin=payload.origin)
 
     def _export_to_dir(self, r: ExportToDir, call_id) -> str:
-        with self.engine.store.reading(r.name, r.namespace) as (meta, tensors):
-            path, _ = write_capsule_with_meta(r.directory, meta, tensors)
-        return str(path)
+        return str(self.engine.store.export_file(r.name, r.directory, r.namespace))
 
     def _import_from_file(self, r: ImportFromFile, call_id) -> dict:
-        meta, tensors = read_capsule(r.path, self.engine.fingerprint, LAYOUT_VERSION)
+        meta, tensors, origin = read_capsule_origin(r.path, self.engine.fingerprint, LAYOUT_VERSION)
         _check_namespace(meta, r.namespace)
-        return self._put(meta, tensors, r.tier, r.pin)
+        return self._put(meta, tensors, r.tier, r.pin, origin=origin)  # its blocks shared when the origin is ours
 
     def _put(self, meta: CapsuleMeta, tensors, tier: str, pin: bool, origin: str | None = None) -> dict:
         ref = self.engine.store.put(meta, tensors, tier=tier, pin=pin, origin=origin)
@@ -331,7 +357,9 @@ class WorkerCore:
         self.peers.close(r.peer_key)
 
     def _ping(self, r: Ping, call_id) -> dict:
-        return {"worker": self.index, "pid": os.getpid(), "node": self.node, "device": self.engine.device.type,
+        dev = self.engine.device
+        gpu = str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else None
+        return {"worker": self.index, "pid": os.getpid(), "node": self.node, "device": dev.type, "gpu": gpu,
                 "weights_version": self.engine.weights_version, "reloaded": list(self.reloaded)}
 
     def _stats(self, r: Stats, call_id) -> dict:
@@ -373,7 +401,7 @@ class WorkerCore:
     #: one handler per request type: the only dispatch
     HANDLERS: dict[type, Callable] = {
         **dict.fromkeys((Open, Append, Generate, Turn, Restore, Fork, Close), _scheduled),
-        Snapshot: _snapshot, Batch: _batch,
+        Snapshot: _snapshot, Batch: _batch, Streamed: _streamed, Feed: _feed_items,
         Delete: _delete, Promote: _promote, Demote: _demote, Rebuild: _rebuild, UpdateWeights: _update_weights,
         ExportCapsule: _export, ImportCapsule: _import, ExportToDir: _export_to_dir, ImportFromFile: _import_from_file,
         PeerConnect: _peer_connect, SendCapsule: _send_capsule, ReceiveCapsule: _receive_capsule,

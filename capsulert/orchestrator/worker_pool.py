@@ -10,6 +10,7 @@ the capsules of its peers are current on it too).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import weakref
 from contextlib import asynccontextmanager
@@ -22,9 +23,10 @@ from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutErr
 
 from capsulert.errors import CapsuleRTError, ConfigError, WorkerLost
 from capsulert.orchestrator.capsule_map import CapsuleMap
+from capsulert.orchestrator.event_feed import FeedReader
 from capsulert.orchestrator.worker_actor import send, send_stream
-from capsulert.worker.verbs import (BATCHABLE, Batch, FinalEvent, ListCapsules, PeerAddress, PeerConnect, Ping,
-                                    Request, Stats, TokenEvent, UpdateWeights)
+from capsulert.worker.verbs import (BATCHABLE, Batch, Feed, FinalEvent, ListCapsules, PeerAddress, PeerConnect, Ping,
+                                    Request, Stats, Streamed, TokenEvent, UpdateWeights)
 
 if TYPE_CHECKING:
     from capsulert.orchestrator.remote_session import RemoteSession
@@ -60,6 +62,8 @@ class WorkerPool:
         self.closed = False
         self.sessions: weakref.WeakSet[RemoteSession] = weakref.WeakSet()  # open sessions handed out
         self.batches: dict[int, list] = {}  # worker -> [(request, reply future)] for its next Batch
+        self.feeds: dict[int, FeedReader] = {}  # worker -> the reader of its event feed (streams)
+        self._stream_keys = itertools.count()
         # the last weights every worker took (update_weights), re-applied to a worker Ray restarts
         self.weights: UpdateWeights | None = None
         # pair links (migrate via="device"): (lo, hi) -> ((pid lo, pid hi), key), and one transfer per worker
@@ -174,15 +178,30 @@ class WorkerPool:
             raise WorkerLost(str(e)) from None
 
     async def stream(self, w: int, request: Request, call_id) -> AsyncIterator[TokenEvent | FinalEvent]:
-        """The events of a streamed Generate or Turn on worker w; call `check(w)` first."""
+        """The events of a streamed Generate or Turn on worker w, through the worker's event feed (one Ray
+        stream per worker for every generate it streams: event_feed.py); `call_id` keys its events and is
+        what an Interrupt names. Call `check(w)` first."""
+        reader = self.feeds.get(w)
+        if reader is None or not reader.open:
+            handle = self.workers[w].handle
+            reader = self.feeds[w] = FeedReader(w, lambda: send_stream(handle, Feed()))
+        key = call_id if call_id is not None else ("pool", next(self._stream_keys))
+        events = reader.subscribe(key)
         try:
-            async for ref in send_stream(self.workers[w].handle, request, call_id):
-                for event in await ref:  # the worker sends the events produced since its last item together
-                    yield event
-        except RayTaskError as e:
-            if isinstance(e.cause, CapsuleRTError):
-                raise e.cause from None
-            raise
+            await self.call(w, Streamed(request, key))  # submitted: a refusal raises here, typed
+            while True:
+                kind, value = await events.get()
+                if kind == "event":
+                    yield value
+                elif kind == "done":
+                    yield FinalEvent(value)
+                    return
+                else:
+                    if isinstance(value, WorkerLost):
+                        self.workers[w].stale = True
+                    raise value
+        finally:
+            reader.unsubscribe(key)
 
     async def each(self, request: Request) -> list[dict]:
         """`request` on every worker; a worker gone for good answers {"worker": i, "lost": why}."""
@@ -323,6 +342,8 @@ class WorkerPool:
             s.closed = True
         for w in self.workers:
             ray.kill(w.handle, no_restart=True)
+        for reader in self.feeds.values():
+            reader.task.cancel()
 
 
 def _what(request: Request) -> str:

@@ -7,10 +7,11 @@ the live state). Restore writes those bytes back, so a restored session is the o
 continues exactly as it would have, and the next append re-runs [G, P) with the new tokens from the grid
 checkpoint on the chunk grid a cold prefill uses, so restore + append equals a cold prefill bitwise.
 
-The store cuts a capsule's KV rows [0, G) into prefix blocks shared with every capsule (and prefix-cache
-entry) of the same prefix (capsule_store/blocks.py); a restore writes each block and the tail into the
-slot's contiguous buffers in one grouped copy. Only a session whose state is canonical (prefix_cache.py)
-snapshots with this engine's origin, so only canonical bytes are ever shared or indexed.
+The store cuts a capsule's KV rows [0, G) into prefix blocks, and its recurrent and conv state at G into a
+grid-state block, shared with every capsule (and prefix-cache entry) of the same prefix
+(capsule_store/blocks.py); a restore writes each block and the tail into the slot's contiguous buffers in
+one grouped copy. Only a session whose state is canonical (prefix_cache.py) snapshots with this engine's
+origin, so only canonical bytes are ever shared or indexed.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 
 STATE_MODES = ("full",)
 BLOCK_TENSORS = ("kv_k", "kv_v")  # [attn_layers, P, kv_heads, head_dim]: token rows along dim 1
+# the state at the grid point (on the grid: the live state; off it: the grid checkpoint), shared as one block
+GRID_STATE = (("ssm", "ssm_grid"), ("conv", "conv_grid"))
 
 
 def numerics_origin(engine: "Engine") -> str:
@@ -57,7 +60,8 @@ class CapsuleVerbs:
             budgets=cfg.capsule_budgets.as_dict(),
             disk_dir=Path(cfg.disk_dir) if cfg.disk_dir else None,
             policy=cfg.policy,
-            blocks=BlockLayout(BLOCK_TENSORS, token_dim=1, origin=numerics_origin(engine), complete="last_hidden"),
+            blocks=BlockLayout(BLOCK_TENSORS, token_dim=1, origin=numerics_origin(engine), complete="last_hidden",
+                               grid_state=GRID_STATE),
             prefix_policy=cfg.prefix_policy,
             prefix_bytes=cfg.prefix_cache_bytes if cfg.prefix_cache else 0,
         )
@@ -147,7 +151,7 @@ class CapsuleVerbs:
             st = eng.state
             pairs = self._block_pairs(slot, parts, 0)
             dst = self._views(slot, P, G)
-            own = parts.own
+            own = parts.own_view()
             for k in BLOCK_TENSORS:  # the rows past its blocks
                 dst[k] = dst[k][:, len(parts.blocks) * eng.chunk:]
             pairs += [(dst[k], own[k]) for k in dst]
@@ -180,7 +184,7 @@ class CapsuleVerbs:
         start = len(session.tokens) // eng.chunk * eng.chunk
         try:
             with self.store.reading_prefix(match, start) as (meta, parts):
-                st, own = eng.state, parts.own
+                st, own = eng.state, parts.own_view()
                 on_grid = meta.boundary == meta.grid_pos
                 ssm, conv = (own["ssm"], own["conv"]) if on_grid else (own["ssm_grid"], own["conv_grid"])
                 pairs = self._block_pairs(slot, parts, start // eng.chunk)

@@ -175,6 +175,28 @@ class Turn(Request):
     close: bool = False
 
 
+@dataclass(frozen=True)
+class Streamed(Request):
+    """A Generate or Turn whose events go into the worker's event feed under `key` (orchestrator/
+    event_feed.py) instead of a stream of its own; the reply (None) comes once it is submitted, and an
+    Interrupt(key) stops it at the next token boundary."""
+    request: Generate | Turn
+    key: Any
+
+    @property
+    def target(self) -> int | None:
+        return self.request.target
+
+    @property
+    def rerunnable(self) -> bool:
+        return False  # its events went to a feed that died with the worker
+
+
+@dataclass(frozen=True)
+class Feed(Request):
+    """The worker's event feed, as a stream (lists of (key, kind, value) items); one open at a time."""
+
+
 # ---------------------------------------------------------------------- capsule store and weights verbs
 @dataclass(frozen=True)
 class Promote(StoreRequest):
@@ -294,8 +316,8 @@ class LinkProbe(TransferRequest):
 # ---------------------------------------------------------------------- control verbs
 @dataclass(frozen=True)
 class Ping(ControlRequest):
-    """The worker's index, process id, Ray node, engine device, weights version and the pinned capsules it
-    reloaded at start."""
+    """The worker's index, process id, Ray node, engine device (and the UUID of its GPU), weights version and
+    the pinned capsules it reloaded at start."""
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,9 @@ async def test_capsule_made_on_a_continues_bitwise_on_b(orch2, tmp_path):
     await a.snapshot("mig-c1")
     await orch2.migrate("mig-c1", 1, via="disk", directory=str(tmp_path))
     e1, e0 = await orch2.call(1, ExportCapsule("mig-c1")), await orch2.call(0, ExportCapsule("mig-c1"))
-    # same meta, checksum and bytes; a file carries no block origin, so the copy on 1 is held whole
-    assert (e1.meta_json, e1.checksum, e1.blob) == (e0.meta_json, e0.checksum, e0.blob) and e1.origin is None
+    # same meta, checksum and bytes; the file carries the block origin, so the copy on 1 shares blocks too
+    assert (e1.meta_json, e1.checksum, e1.blob) == (e0.meta_json, e0.checksum, e0.blob)
+    assert e1.origin == e0.origin is not None
     r = await orch2.restore("mig-c1")
     assert await r.generate(4) == await a.generate(4)
     await asyncio.gather(a.close(), b.close(), r.close(), orch2.delete("mig-c0"), orch2.delete("mig-c1"))
