@@ -12,14 +12,13 @@ packed buffer on the engine device (SendCapsule / ReceiveCapsule, see peer_link.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
 import random
 import threading
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
@@ -28,27 +27,26 @@ from safetensors.torch import save as st_save
 
 from capsulert.capsule_store import read_capsule_origin, tensors_checksum
 from capsulert.capsule_store.capsule import CapsuleMeta
-from capsulert.errors import (CapsuleError, CorruptCapsuleError, DuplicateCapsuleError, InvalidRequestError,
-                              PeerLinkError, SessionClosedError, WorkerLost)
+from capsulert.errors import CorruptCapsuleError, InvalidRequestError, SessionClosedError, WorkerLost
 from capsulert.orchestrator.event_feed import EventFeed
-from capsulert.orchestrator.packed_capsule import buffer_digest, pack_tensors, tensor_views
-from capsulert.orchestrator.peer_link import PeerLink, free_port
+from capsulert.orchestrator.peer_link import PeerLink
 from capsulert.orchestrator.pinned_files import PinnedFiles
 from capsulert.orchestrator.running_calls import RunningCalls
+from capsulert.orchestrator.transfers import CapsuleTransfers, check_namespace
 from capsulert.worker.engine import Engine
 from capsulert.worker.scheduler import Sink, StepScheduler, queue_sink, stream_item
 from capsulert.worker.state import LAYOUT_VERSION
-from capsulert.worker.verbs import (BATCHABLE, CONTROL, Append, Batch, CapsuleExport, Close, Delete, Demote, Detokenize,
-                                    ExportCapsule, ExportToDir, Fork, Generate, ImportCapsule,
+from capsulert.worker.verbs import (BATCHABLE, CONTROL, Append, Batch, CapsuleExport, Close, Delete, Demote,
+                                    Detokenize, ExportCapsule, ExportToDir, Feed, Fork, Generate, ImportCapsule,
                                     ImportFromFile, Interrupt, LastCall, LinkProbe, ListCapsules, Open, PeerAddress,
-                                    PeerClose, PeerConnect, Ping, Promote, ReadTokens, Rebuild, ReceiveCapsule, Request, Restore,
-                                    SendCapsule, Snapshot, Stats, Streamed, Feed, Tokenize, Turn,
+                                    PeerClose, PeerConnect, Ping, Promote, ReadTokens, Rebuild, ReceiveCapsule,
+                                    Request, Restore, SendCapsule, Snapshot, Stats, Streamed, Tokenize, Turn,
                                     UpdateWeights)
 
 log = logging.getLogger(__name__)
 
 
-class WorkerCore:
+class WorkerCore(CapsuleTransfers):
     """The actor's body (a plain class, so it is usable and testable in-process too)."""
 
     def __init__(self, engine_config: dict, persist_dir: str | None = None, torch_threads: int | None = None,
@@ -250,7 +248,7 @@ class WorkerCore:
         if not isinstance(payload, CapsuleExport):
             raise InvalidRequestError(f"ImportCapsule takes a CapsuleExport, got {type(payload).__name__}")
         meta = CapsuleMeta.from_json(payload.meta_json)
-        _check_namespace(meta, r.namespace)
+        check_namespace(meta, r.namespace)
         tensors = st_load(payload.blob)
         if tensors_checksum(tensors) != payload.checksum:
             raise CorruptCapsuleError(f"capsule {meta.name!r} changed in transit (checksum mismatch)")
@@ -263,7 +261,7 @@ class WorkerCore:
 
     def _import_from_file(self, r: ImportFromFile, call_id) -> dict:
         meta, tensors, origin = read_capsule_origin(r.path, self.engine.fingerprint, LAYOUT_VERSION)
-        _check_namespace(meta, r.namespace)
+        check_namespace(meta, r.namespace)
         return self._put(meta, tensors, r.tier, r.pin, origin=origin)  # its blocks shared when the origin is ours
 
     def _put(self, meta: CapsuleMeta, tensors, tier: str, pin: bool, origin: str | None = None) -> dict:
@@ -272,90 +270,7 @@ class WorkerCore:
             self.pinned.write_or_delete(self.engine.store, meta.name, meta.namespace)
         return {"name": ref.name, "tier": ref.tier, "nbytes": ref.nbytes, "boundary": ref.boundary}
 
-    # ------------------------------------------------------------------ worker-to-worker transfers
-    # Over a pair link, in this order: the sender's manifest (metadata JSON, origin, tensor specs, or the
-    # reason it cannot send), the receiver's answer ("ok" or why it refuses: no bytes move then), the packed
-    # buffer, the sender's digest. Both sides always run the whole exchange, so a refusal or a bad digest
-    # leaves the link in step for the next transfer; a broken or silent peer fails the op at the deadline and
-    # drops the link (PeerLinkError).
-    def _peer_connect(self, r: PeerConnect, call_id) -> str:
-        self.peers.connect(r.peer_key, r.peer, r.rank, r.host, r.port, r.timeout_s)
-        return self.peers.backend
-
-    def _send_capsule(self, r: SendCapsule, call_id) -> dict:
-        link, key, deadline = self.peers, r.peer_key, time.monotonic() + r.timeout_s
-        try:
-            with self._reading_whole(r.name, r.namespace) as (meta, origin, tensors):
-                buf, specs = pack_tensors(tensors, self.engine.device)
-        except Exception as e:
-            with suppress(PeerLinkError):  # the receiver waits for a manifest: tell it why none comes
-                link.send_bytes(key, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(), deadline)
-            raise
-        manifest = {"meta": meta.to_json(), "origin": origin, "specs": specs, "nbytes": buf.numel()}
-        link.send_bytes(key, json.dumps(manifest).encode(), deadline)
-        answer = link.recv_bytes(key, deadline).decode()
-        if answer != "ok":
-            return {"sent": False, "refused": answer}
-        if buf.numel():
-            link.send(key, buf, deadline)
-        # the digest last: the sender computes it while the receiver computes its own over what arrived
-        try:
-            digest = buffer_digest(buf)
-        except Exception:
-            with suppress(PeerLinkError):  # no digest: the receiver refuses the bytes, and stays in step
-                link.send_bytes(key, b"", deadline)
-            raise
-        link.send_bytes(key, digest.encode(), deadline)
-        return {"sent": True, "nbytes": int(buf.numel()), "digest": digest}
-
-    def _receive_capsule(self, r: ReceiveCapsule, call_id) -> dict:
-        link, key, deadline = self.peers, r.peer_key, time.monotonic() + r.timeout_s
-        try:
-            manifest = json.loads(link.recv_bytes(key, deadline))
-        except ValueError:
-            link.close(key)
-            raise PeerLinkError(f"worker link {key!r}: the sender's manifest is not JSON (out of step)") from None
-        if "error" in manifest:
-            raise CapsuleError(f"the sending worker could not send the capsule: {manifest['error']}")
-        try:
-            meta = CapsuleMeta.from_json(manifest["meta"])
-            _check_namespace(meta, r.namespace)
-            if self.engine.store.contains(meta.name, meta.namespace):
-                raise DuplicateCapsuleError(f"capsule {meta.name!r} already exists in namespace {meta.namespace!r} "
-                                            f"on worker {self.index}")
-            buf = torch.empty(int(manifest["nbytes"]), dtype=torch.uint8, device=self.engine.device)
-            tensors = tensor_views(buf, manifest["specs"])
-        except Exception as e:
-            with suppress(PeerLinkError):  # the sender waits for an answer: no bytes move after this one
-                link.send_bytes(key, f"refused: {type(e).__name__}: {e}".encode(), deadline)
-            raise
-        link.send_bytes(key, b"ok", deadline)
-        if buf.numel():
-            link.recv(key, buf, deadline)
-        digest = buffer_digest(buf)  # on the device, as the sender's (packed_capsule.py)
-        if link.recv_bytes(key, deadline, limit=64).decode() != digest:
-            raise CorruptCapsuleError(f"capsule {meta.name!r} changed in transit (digest mismatch)")
-        # stored through the one import path: blocks shared when the origin is this store's own
-        return self._put(meta, tensors, r.tier, r.pin, origin=manifest["origin"])
-
-    def _link_probe(self, r: LinkProbe, call_id) -> list[float]:
-        deadline = time.monotonic() + r.timeout_s
-        buf = torch.zeros(r.nbytes, dtype=torch.uint8, device=self.engine.device)
-        op = self.peers.send if r.send else self.peers.recv
-        times = []
-        for _ in range(r.repeats):
-            t0 = time.perf_counter()
-            op(r.peer_key, buf, deadline)  # returns when the op completed (on CUDA: its kernel finished)
-            times.append(time.perf_counter() - t0)
-        return times
-
     # ------------------------------------------------------------------ control requests
-    def _peer_address(self, r: PeerAddress, call_id) -> tuple[str, int]:
-        return self.peers.host, free_port()
-
-    def _peer_close(self, r: PeerClose, call_id) -> None:
-        self.peers.close(r.peer_key)
-
     def _ping(self, r: Ping, call_id) -> dict:
         dev = self.engine.device
         gpu = str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else None
@@ -404,14 +319,10 @@ class WorkerCore:
         Snapshot: _snapshot, Batch: _batch, Streamed: _streamed, Feed: _feed_items,
         Delete: _delete, Promote: _promote, Demote: _demote, Rebuild: _rebuild, UpdateWeights: _update_weights,
         ExportCapsule: _export, ImportCapsule: _import, ExportToDir: _export_to_dir, ImportFromFile: _import_from_file,
-        PeerConnect: _peer_connect, SendCapsule: _send_capsule, ReceiveCapsule: _receive_capsule,
-        LinkProbe: _link_probe, PeerAddress: _peer_address, PeerClose: _peer_close,
+        PeerConnect: CapsuleTransfers._peer_connect, SendCapsule: CapsuleTransfers._send_capsule,
+        ReceiveCapsule: CapsuleTransfers._receive_capsule, LinkProbe: CapsuleTransfers._link_probe,
+        PeerAddress: CapsuleTransfers._peer_address, PeerClose: CapsuleTransfers._peer_close,
         Ping: _ping, Stats: _stats, ListCapsules: _list, ReadTokens: _read_tokens, Tokenize: _tokenize,
         Detokenize: _detokenize, Interrupt: _interrupt, LastCall: _last_call,
     }
 
-
-def _check_namespace(meta: CapsuleMeta, namespace: str | None) -> None:
-    if namespace is not None and meta.namespace != namespace:
-        raise CapsuleError(f"capsule {meta.name!r} belongs to namespace {meta.namespace!r}, not {namespace!r}; "
-                           "a namespace imports only its own capsules")
