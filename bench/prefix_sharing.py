@@ -25,6 +25,7 @@ bench/out/prefix_sharing_memory.png (store bytes vs N), and prints the tables.
     python bench/prefix_sharing.py --quick          # CPU, default model, ~1-2 min on 2 cores
     python bench/prefix_sharing.py                  # the issue's sizes: 100 x 8k prefix, 16 x 8 turns on 2k
     python bench/prefix_sharing.py --device cuda --model random:capsulert/configs/models/qwen3_5-9b-shape.yaml
+    python bench/prefix_sharing.py --quick --http   # the chat trace through `capsulert serve` (openai client)
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="default", help="'default', a checkpoint dir or random:<shape YAML>")
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1: a shared small box)")
     p.add_argument("--out", default=str(OUT_DIR))
+    p.add_argument("--http", action="store_true",
+                   help="the chat trace only, through `capsulert serve` with the openai client (prefix_sharing_http.py)")
     return p.parse_args(argv)
 
 
@@ -221,6 +224,8 @@ def main(argv=None) -> int:
     cfg = sizes(args)
     t_start = time.perf_counter()
     log(f"device={args.device} model={args.model} sizes={cfg}")
+    if args.http:
+        return main_http(args, cfg, t_start)
     mem = memory(args, cfg)
     print_table(mem, [("case", "case"), ("store_mb", "store MB"), ("copies_mb", "per-capsule copies MB"),
                       ("unique_mb", "unique MB"), ("store_over_unique", "store / unique"),
@@ -243,6 +248,25 @@ def main(argv=None) -> int:
                                              "memory": mem, "chat": rows, "ttft_per_turn_ms": medians,
                                              "wall_s": round(time.perf_counter() - t_start, 1)})
     log(f"wrote {out / 'prefix_sharing.json'} and two PNGs in {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+def main_http(args, cfg: dict, t_start: float) -> int:
+    from prefix_sharing_http import MODES as HTTP_MODES
+    from prefix_sharing_http import chat_http
+
+    vocab = make_engine(args, cfg, cfg["chunk"], False).model_cfg.vocab_size
+    rows, medians = chat_http(args, cfg, vocab, tokens)
+    print_table(rows, [("mode", "mode"), ("ttft_turn1_ms", "TTFT turn 1 ms"), ("ttft_later_ms", "TTFT turns 2+ ms"),
+                       ("later_over_named", "turns 2+ / named"), ("hit_rate", "hit rate")])
+    out = Path(args.out)
+    plot_lines(out / "prefix_sharing_http_ttft.png", list(range(1, cfg["turns"] + 1)),
+               {m: medians[m] for m in HTTP_MODES}, xlabel="turn", ylabel="TTFT median (ms), HTTP",
+               title=f"{cfg['conversations']} conversations through capsulert serve, history resent each turn")
+    write_json(out / "prefix_sharing_http.json", {"machine": machine_info(args.device), "params": {**vars(args), **cfg},
+                                                  "chat": rows, "ttft_per_turn_ms": medians,
+                                                  "wall_s": round(time.perf_counter() - t_start, 1)})
+    log(f"wrote {out / 'prefix_sharing_http.json'} in {time.perf_counter() - t_start:.0f} s")
     return 0
 
 
