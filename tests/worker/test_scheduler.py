@@ -86,11 +86,14 @@ async def test_stream_is_ordered_complete_and_cancellable(make_engine, corpus):
         await asyncio.sleep(0.05)
         more = await t.generate(4, NOEOS)  # runs after the cancelled one finished; its tokens are kept
         committed = more.length - 40 - 4
-        assert 3 <= committed < budget
+        assert 3 <= committed < budget, f"{committed} tokens committed of {budget}: the cancel did not land"
         ref = aeng.engine.open()
         ref.append(corpus[:40])
         full = ref.generate(committed + 4, NOEOS)
-        assert full[:3] == got and full[committed:] == more.tokens
+        assert full[:3] == got, f"streamed {got}, one generate {full[:3]}"
+        assert full[committed:] == more.tokens, (
+            f"after {committed} committed tokens (grid points crossed: {(40 + committed) // aeng.engine.chunk}), the next "
+            f"generate gave {more.tokens} where one generate gives {full[committed:]}")
 
 
 async def test_stop_strings_eos_and_stop_ids(make_engine, corpus):
