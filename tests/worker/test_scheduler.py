@@ -91,9 +91,10 @@ async def test_stream_is_ordered_complete_and_cancellable(make_engine, corpus):
         ref.append(corpus[:40])
         full = ref.generate(committed + 4, NOEOS)
         assert full[:3] == got, f"streamed {got}, one generate {full[:3]}"
+        crossed = (40 + committed) // aeng.engine.chunk
         assert full[committed:] == more.tokens, (
-            f"after {committed} committed tokens (grid points crossed: {(40 + committed) // aeng.engine.chunk}), the next "
-            f"generate gave {more.tokens} where one generate gives {full[committed:]}")
+            f"after {committed} committed tokens (grid points crossed: {crossed}), the next generate gave "
+            f"{more.tokens} where one generate gives {full[committed:]}")
 
 
 async def test_stop_strings_eos_and_stop_ids(make_engine, corpus):
