@@ -23,6 +23,7 @@ import threading
 from typing import Any, Callable, Hashable, Iterator
 
 from capsulert.errors import CapsuleRTError, WorkerLost
+from capsulert.worker.scheduler import Sink
 
 Item = tuple[Hashable, str, Any]  # (key, "event" | "done" | "error", TokenEvent | GenerateResult | exception)
 
@@ -43,11 +44,9 @@ class EventFeed:
             self._items.append((key, kind, value))
             self._cv.notify()
 
-    def sink_for(self, key: Hashable, finished: Callable[[], None]):
+    def sink_for(self, key: Hashable, finished: Callable[[], None]) -> Sink:
         """The scheduler sink of one streamed request: its events into this feed under `key`; `finished` runs
         once its result or error is in."""
-        from capsulert.worker.scheduler import Sink
-
         def end(kind: str, value: Any) -> None:
             self.put(key, kind, value)
             finished()

@@ -235,7 +235,7 @@ class WorkerCore(CapsuleTransfers):
         reference held. The origin names the numerics that computed a canonical capsule (None for one that is
         not), so a worker of the same origin can share its KV blocks with its own capsules of that prefix."""
         with self.engine.store.reading_parts(name, namespace) as (meta, parts, _):
-            yield meta, (parts.refs.origin if parts.refs is not None else None), parts.full()
+            yield meta, parts.origin, parts.full()
 
     def _export(self, r: ExportCapsule, call_id) -> CapsuleExport:
         with self._reading_whole(r.name, r.namespace) as (meta, origin, tensors):

@@ -10,7 +10,6 @@ the capsules of its peers are current on it too).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import weakref
 from contextlib import asynccontextmanager
@@ -63,7 +62,6 @@ class WorkerPool:
         self.sessions: weakref.WeakSet[RemoteSession] = weakref.WeakSet()  # open sessions handed out
         self.batches: dict[int, list] = {}  # worker -> [(request, reply future)] for its next Batch
         self.feeds: dict[int, FeedReader] = {}  # worker -> the reader of its event feed (streams)
-        self._stream_keys = itertools.count()
         # the last weights every worker took (update_weights), re-applied to a worker Ray restarts
         self.weights: UpdateWeights | None = None
         # pair links (migrate via="device"): (lo, hi) -> ((pid lo, pid hi), key), and one transfer per worker
@@ -179,16 +177,15 @@ class WorkerPool:
 
     async def stream(self, w: int, request: Request, call_id) -> AsyncIterator[TokenEvent | FinalEvent]:
         """The events of a streamed Generate or Turn on worker w, through the worker's event feed (one Ray
-        stream per worker for every generate it streams: event_feed.py); `call_id` keys its events and is
-        what an Interrupt names. Call `check(w)` first."""
+        stream per worker for every generate it streams: event_feed.py); `call_id` (unique, as
+        RemoteSession's are) keys its events and is what an Interrupt names. Call `check(w)` first."""
         reader = self.feeds.get(w)
         if reader is None or not reader.open:
             handle = self.workers[w].handle
             reader = self.feeds[w] = FeedReader(w, lambda: send_stream(handle, Feed()))
-        key = call_id if call_id is not None else ("pool", next(self._stream_keys))
-        events = reader.subscribe(key)
+        events = reader.subscribe(call_id)
         try:
-            await self.call(w, Streamed(request, key))  # submitted: a refusal raises here, typed
+            await self.call(w, Streamed(request, call_id))  # submitted: a refusal raises here, typed
             while True:
                 kind, value = await events.get()
                 if kind == "event":
@@ -201,7 +198,7 @@ class WorkerPool:
                         self.workers[w].stale = True
                     raise value
         finally:
-            reader.unsubscribe(key)
+            reader.unsubscribe(call_id)
 
     async def each(self, request: Request) -> list[dict]:
         """`request` on every worker; a worker gone for good answers {"worker": i, "lost": why}."""

@@ -305,3 +305,13 @@ async def test_restores_report_the_tier_they_read_from(make_engine, corpus, tmp_
         branches = await aeng.fork("c", 3)
         assert [b.restored_from for b in branches] == ["host"] * 3  # where the first read found it
         assert (await s.generate(1)).restored_from is None  # nothing restored
+
+
+async def test_the_step_loop_counts_its_decoded_tokens_and_its_time_per_phase(make_engine, corpus):
+    async with AsyncEngine(make_engine()) as aeng:
+        sch = aeng.scheduler
+        assert sch.decoded_tokens == 0 and sch.busy_s == {"start": 0.0, "prefill": 0.0, "decode": 0.0}
+        a, b = await aeng.open(corpus[:30]), await aeng.open(corpus[30:50])
+        await asyncio.gather(a.generate(7, NOEOS), b.generate(5, NOEOS))
+        assert sch.decoded_tokens == 12 and sch.steps >= 7
+        assert all(sch.busy_s[k] > 0 for k in ("start", "prefill", "decode"))
