@@ -62,7 +62,7 @@ def _advance(engine, streams, should_stop):
     if need:
         for st, row in zip(need, engine.logits_rows([st.session for st in need])):
             st.logits = row
-    events, deltas = [], {}
+    events = []
     groups = engine.decode_groups(live)
     for group in groups:
         draws = sample_rows(engine.pad_logits([st.logits for st in group]),
@@ -79,14 +79,17 @@ def _advance(engine, streams, should_stop):
             top = draws.top_logprobs[r]  # empty unless this stream asked for logprobs
             if st.params.logprobs:
                 res.top_logprobs.append(top)
-            delta = deltas[id(st)] = st.text.push(token)
+            delta = st.text.push(token)
+            reason = st.rule.check(token, len(res.tokens), st.text, delta)
+            if reason is None and len(st.session.tokens) >= engine.config.max_seq:
+                reason = "max_seq"  # full: no token can follow this one
+            if reason is None and should_stop is not None and should_stop(st):
+                reason = "interrupted"
+            if reason is not None and reason != "stop_string" and delta is not None:
+                delta += st.text.flush()  # the last event carries all the text: the deltas add up to it
             events.append((st, TokenEvent(token, draws.logprobs[r], delta, len(res.tokens) - 1, tuple(top))))
-    for st in live:
-        reason = st.rule.check(st.result.tokens[-1], len(st.result.tokens), st.text, deltas[id(st)])
-        if reason is None and should_stop is not None and should_stop(st):
-            reason = "interrupted"
-        if reason is not None:
-            st.finish(reason)
-        else:
-            st.result.length = len(st.session.tokens)
+            if reason is not None:
+                st.finish(reason)
+            else:
+                res.length = len(st.session.tokens)
     return events

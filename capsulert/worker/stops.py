@@ -63,6 +63,17 @@ class TextStream:
         self.text += delta
         return delta
 
+    def flush(self) -> str:
+        """The text held back at the end (an incomplete character, shown as U+FFFD as the decoder does):
+        the output is over, so it is released; "" when nothing is held or without a tokenizer."""
+        if self._decode is None or self._read == len(self.tokens):
+            return ""
+        before = self._decode(self.tokens[self._prefix:self._read])
+        delta = self._decode(self.tokens[self._prefix:])[len(before):]
+        self._prefix, self._read = self._read, len(self.tokens)
+        self.text += delta
+        return delta
+
 
 class StopRule:
     def __init__(self, params: SamplingParams, eos_ids: Sequence[int], max_new_tokens: int):

@@ -97,6 +97,54 @@ async def test_stream_is_ordered_complete_and_cancellable(make_engine, corpus):
             f"{more.tokens} where one generate gives {full[committed:]}")
 
 
+def _bytes_text(tokens) -> str:
+    """A byte-level decoder where every third token is the lead byte of a 3-byte character (U+20AC) and the
+    next two its continuation bytes, when they follow it: outputs end inside a character often."""
+    raw = b"".join(b"\xe2" if t % 3 == 0 else b"\x82" if t % 3 == 1 else bytes([97 + t % 26]) for t in tokens)
+    return raw.decode("utf-8", errors="replace")
+
+
+def _ending_inside_a_character(engine, corpus, budget: int | None):
+    """(prompt length, greedy tokens) whose last token leaves a character incomplete: with `budget`, the
+    tokens that fill a `budget`-token session; without, the shortest such run of at least 4 from a prompt."""
+    for p in range(budget - 28 if budget else 40, budget - 8 if budget else 60):
+        s = engine.open()
+        s.append(corpus[:p])
+        free = engine.generate([s], budget - p if budget else 40, [NOEOS])[0].tokens
+        s.close()
+        for n in ([len(free)] if budget else range(4, len(free) + 1)):
+            if free[n - 1] % 3 == 0:
+                return p, free[:n]
+    raise AssertionError("no greedy run ends inside a character")
+
+
+@pytest.mark.parametrize("stop", ["length", "max_seq", "interrupted"])
+async def test_a_stream_that_ends_inside_a_character_releases_it_with_its_last_token(make_engine, corpus, stop):
+    full = 128 if stop == "max_seq" else None  # the smallest max_seq on the grid
+    ref = make_engine()
+    ref.detokenize = _bytes_text
+    p, want = _ending_inside_a_character(ref, corpus, full)
+    assert _bytes_text(want).endswith("\ufffd")
+    engine = make_engine(max_seq=full or 512)
+    engine.detokenize = _bytes_text
+    async with AsyncEngine(engine) as aeng:
+        s = await aeng.open(corpus[:p])
+        events = []
+        async for ev in s.stream(1000 if full or stop == "interrupted" else len(want), NOEOS):
+            events.append(ev)
+            if stop == "interrupted" and len(events) == len(want):
+                break
+        if stop == "interrupted":  # the cancel lands at a token boundary: the tokens so far are kept
+            assert (await s.generate(1, NOEOS)).length - p - 1 >= len(want)
+        else:
+            final = events.pop()
+            assert final.result.stop_reason == stop and final.result.text == _bytes_text(want)
+            assert "".join(e.text for e in events) == final.result.text  # the last event released the rest
+        assert [e.token for e in events] == want
+        if stop == "interrupted":
+            assert "".join(e.text for e in events) == _bytes_text(want)[:-1]  # held while it may go on
+
+
 async def test_stop_strings_eos_and_stop_ids(make_engine, corpus):
     async with AsyncEngine(make_engine(slots=8)) as aeng:
         s = await aeng.open(corpus[:60])
@@ -269,7 +317,7 @@ async def test_token_events_carry_the_top_logprobs_of_the_logits(make_engine, co
         # the top-k kernel's choice (bf16 logits on CUDA tie often), so ids are checked by their values
         assert values == pytest.approx(top.values.tolist(), abs=1e-6) and len(set(ids)) == k
         assert [lp[t].item() for t in ids] == pytest.approx(values, abs=1e-6)
-        assert ev.top_logprobs[0] == (ev.token, ev.logprob)  # greedy: the token is the best one
+        assert ev.logprob == values[0] == pytest.approx(lp[ev.token].item(), abs=1e-6)  # greedy: a best one
         with engine.lock:
             logits = engine.decode([ref], [ev.token])[0].clone()
     ref.close()
