@@ -9,7 +9,9 @@ from the driver (orch.migrate, end to end: for the device path the pack on the s
 checksums, the transfer and the store on the target), and every moved capsule is checked to restore bitwise:
 the same greedy tokens as the original. Reports latency p50 / max and GB/s (capsule bytes / p50) per path,
 and the raw link: a plain send/recv of a buffer of the capsule's size between the same two workers over the
-same pair link (LinkProbe, timed on the receiving worker), with the device path's fraction of it.
+same pair link (LinkProbe, timed on the receiving worker), with the device path's fraction of it, and
+the device move's time per phase on each worker (pack, handshake, send / recv, digest, store) against the
+wall time of its two calls and of orch.migrate.
 
 Prints a table, writes bench/out/migration.json and bench/out/migration.png.
 
@@ -35,7 +37,7 @@ import torch  # noqa: E402
 from capsulert.errors import InvalidTokenError  # noqa: E402
 from capsulert.orchestrator import Orchestrator  # noqa: E402
 from capsulert.worker.default_model import CORPUS_PATH  # noqa: E402
-from capsulert.worker.verbs import Delete, LinkProbe, Tokenize, Turn  # noqa: E402
+from capsulert.worker.verbs import Delete, LinkProbe, ReceiveCapsule, SendCapsule, Tokenize, Turn  # noqa: E402
 
 PATHS = ("device", "object_store", "disk")
 SUFFIX = [101, 202, 303, 404]  # token ids: every model has them, tokenizer or not
@@ -108,6 +110,27 @@ async def link_seconds(orch, nbytes: int, repeats: int) -> list[float]:
     return got[1:]
 
 
+async def device_phases(orch, name: str, repeats: int) -> dict:
+    """Where a device move's time goes: SendCapsule and ReceiveCapsule called on the two workers directly
+    (over the link set up by then), each half's wall time per phase (ms, median of `repeats`; each mark waits
+    for its device), and the two calls' wall time from here. What orch.migrate adds on top is the router."""
+    key = orch.pool.links[(0, 1)][1]
+    halves, walls = {"send": [], "receive": []}, []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        async with orch.pool.transferring(0, 1):
+            sent, got = await asyncio.gather(orch.call(0, SendCapsule(name, key, "default", 60.0)),
+                                             orch.call(1, ReceiveCapsule(key, "device", timeout_s=60.0)))
+        walls.append((time.perf_counter() - t0) * 1e3)
+        halves["send"].append(sent["phases_ms"])
+        halves["receive"].append(got["phases_ms"])
+        await orch.call(1, Delete(name))
+    out = {f"{half}_{phase}": percentile([p[phase] for p in rows], 50)
+           for half, rows in halves.items() for phase in rows[0]}
+    out["calls"] = percentile(walls, 50)
+    return out
+
+
 async def main(args) -> dict:
     max_seq = -(-(max(args.context) + 256) // 1024) * 1024
     ecfg = dict(model=args.model, device=args.device, slots=4, max_seq=max_seq,
@@ -138,6 +161,8 @@ async def main(args) -> dict:
                 per["link"] = {"ms": link_ms, "p50_ms": percentile(link_ms, 50), "max_ms": max(link_ms),
                                "gbps": nbytes / percentile(link_ms, 50) / 1e6}
                 per["device"]["of_link"] = per["link"]["p50_ms"] / per["device"]["p50_ms"]
+                phases = per["device"]["phases_ms"] = await device_phases(orch, name, 2 * args.repeats)
+                log("device move, per phase (ms, p50): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
                 for path, r in per.items():
                     rows.append({"context": n, "path": path if path != "link" else "raw link (send/recv)",
                                  "capsule_mb": nbytes / 1e6, "moves": len(r["ms"]), **{k: v for k, v in r.items()

@@ -6,8 +6,8 @@ multi-turn chat trace (issue 17).
    recurrent + conv state at a grid point, once) vs the per-capsule copies (sum of the capsules' whole
    sizes) vs the unique bytes (the shared prefix's KV once, the state at a grid point once per distinct
    prefix up to it, plus everything else of each capsule: its tail KV, its live state past the grid point
-   and its last hidden state). Also best-of-8: 8 branches forked from one L-token context, each 32 tokens
-   further (all on the grid point L), against one capsule.
+   and its last hidden state). Also best-of-8: 8 branches forked from one B-token context (16k; --quick 2k), each 32
+   tokens further (all on the grid point B), against one capsule.
 2. Chat trace. C conversations x K turns on a shared S-token system prompt; every turn resends the
    whole history (system + earlier user messages and answers) plus a U-token user message and generates
    R tokens; conversations take turns round-robin. Three ways to serve it:
@@ -63,10 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def sizes(args) -> dict:
     if args.quick:
-        return dict(chunk=128, prefix=2048, tail=64, ns=[1, 4, 16, 32], system=1024, user=32, answer=16,
-                    conversations=8, turns=6)
-    return dict(chunk=256, prefix=8192, tail=256, ns=[1, 10, 50, 100], system=2048, user=64, answer=32,
-                conversations=16, turns=8)
+        return dict(chunk=128, prefix=2048, tail=64, ns=[1, 4, 16, 32], best_of=2048, system=1024, user=32,
+                    answer=16, conversations=8, turns=6)
+    return dict(chunk=256, prefix=8192, tail=256, ns=[1, 10, 50, 100], best_of=16384, system=2048, user=64,
+                answer=32, conversations=16, turns=8)
 
 
 def make_engine(args, cfg: dict, max_seq: int, prefix_cache: bool) -> Engine:
@@ -107,8 +107,9 @@ def memory(args, cfg: dict) -> list[dict]:
         log(f"memory N={n}: store {stored / 2**20:.1f} MB, per-capsule copies {copies / 2**20:.1f} MB, "
             f"unique {unique / 2**20:.1f} MB")
         eng.close()
-    eng = make_engine(args, cfg, max_seq, prefix_cache=False)
-    rows.append(best_of_8(eng, L, eng.model_cfg.vocab_size))
+    B = cfg["best_of"]
+    eng = make_engine(args, cfg, -(-(B + 32) // cfg["chunk"]) * cfg["chunk"], prefix_cache=False)
+    rows.append(best_of_8(eng, B, eng.model_cfg.vocab_size))
     eng.close()
     return rows
 

@@ -31,9 +31,11 @@ class CapsuleTransfers:
 
     def _send_capsule(self, r: SendCapsule, call_id) -> dict:
         link, key, deadline = self.peers, r.peer_key, time.monotonic() + r.timeout_s
+        phases = Phases(self.engine.device)
         try:
             with self._reading_whole(r.name, r.namespace) as (meta, origin, tensors):
                 buf, specs = pack_tensors(tensors, self.engine.device)
+            phases.mark("pack")
         except Exception as e:
             with suppress(PeerLinkError):  # the receiver waits for a manifest: tell it why none comes
                 link.send_bytes(key, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(), deadline)
@@ -41,10 +43,12 @@ class CapsuleTransfers:
         manifest = {"meta": meta.to_json(), "origin": origin, "specs": specs, "nbytes": buf.numel()}
         link.send_bytes(key, json.dumps(manifest).encode(), deadline)
         answer = link.recv_bytes(key, deadline).decode()
+        phases.mark("handshake")
         if answer != "ok":
             return {"sent": False, "refused": answer}
         if buf.numel():
             link.send(key, buf, deadline)
+        phases.mark("send")
         # the digest last: the sender computes it while the receiver computes its own over what arrived
         try:
             digest = buffer_digest(buf)
@@ -53,10 +57,12 @@ class CapsuleTransfers:
                 link.send_bytes(key, b"", deadline)
             raise
         link.send_bytes(key, digest.encode(), deadline)
-        return {"sent": True, "nbytes": int(buf.numel()), "digest": digest}
+        phases.mark("digest")
+        return {"sent": True, "nbytes": int(buf.numel()), "digest": digest, "phases_ms": phases.ms}
 
     def _receive_capsule(self, r: ReceiveCapsule, call_id) -> dict:
         link, key, deadline = self.peers, r.peer_key, time.monotonic() + r.timeout_s
+        phases = Phases(self.engine.device)
         try:
             manifest = json.loads(link.recv_bytes(key, deadline))
         except ValueError:
@@ -77,13 +83,18 @@ class CapsuleTransfers:
                 link.send_bytes(key, f"refused: {type(e).__name__}: {e}".encode(), deadline)
             raise
         link.send_bytes(key, b"ok", deadline)
+        phases.mark("handshake")  # from the call's start: it includes the wait for the sender's manifest
         if buf.numel():
             link.recv(key, buf, deadline)
+        phases.mark("recv")
         digest = buffer_digest(buf)  # on the device, as the sender's (packed_capsule.py)
         if link.recv_bytes(key, deadline, limit=64).decode() != digest:
             raise CorruptCapsuleError(f"capsule {meta.name!r} changed in transit (digest mismatch)")
+        phases.mark("digest")
         # stored through the one import path: blocks shared when the origin is this store's own
-        return self._put(meta, tensors, r.tier, r.pin, origin=manifest["origin"])
+        reply = self._put(meta, tensors, r.tier, r.pin, origin=manifest["origin"])
+        phases.mark("store")
+        return {**reply, "phases_ms": phases.ms}
 
     def _link_probe(self, r: LinkProbe, call_id) -> list[float]:
         deadline = time.monotonic() + r.timeout_s
@@ -102,6 +113,24 @@ class CapsuleTransfers:
 
     def _peer_close(self, r: PeerClose, call_id) -> None:
         self.peers.close(r.peer_key)
+
+
+class Phases:
+    """Wall time per phase of one half of a transfer, in ms, for the migration benchmark's breakdown. On
+    CUDA each mark waits for the device first (a few µs): without it the time of queued copies and digests
+    would show up in whichever later phase happens to wait for them."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.ms: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.ms[phase] = round((now - self._last) * 1e3, 3)
+        self._last = now
 
 
 def check_namespace(meta: CapsuleMeta, namespace: str | None) -> None:
