@@ -55,11 +55,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated capsule lengths in tokens (default 16384 on cuda, 2048 on cpu)")
     p.add_argument("--repeats", type=int, default=None, help="round trips 0->1->0 per path (default 5; --quick 2)")
     p.add_argument("--quick", action="store_true", help="2 round trips per path")
+    p.add_argument("--paths", type=lambda s: tuple(x for x in s.split(",") if x), default=PATHS,
+                   help="comma-separated paths to time (device first when given; default: all)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (CPU)")
     p.add_argument("--out", type=Path, default=OUT_DIR, help="output directory (migration.json, migration.png)")
     args = p.parse_args(argv)
     args.context = args.context or [16384 if args.device == "cuda" else 2048]
     args.repeats = args.repeats or (2 if args.quick else 5)
+    if "device" not in args.paths or set(args.paths) - set(PATHS):
+        p.error(f"--paths: a subset of {','.join(PATHS)} that includes device (the link is timed against it)")
     return args
 
 
@@ -150,7 +154,7 @@ async def main(args) -> dict:
                 ref = await greedy(orch, 0, name)
                 log(f"capsule of {n} tokens: {nbytes / 1e6:.1f} MB")
                 per = {}
-                for path in PATHS:
+                for path in args.paths:
                     all_ms, exact = await moves(orch, name, path, args.repeats, ref, tmp)
                     ms = all_ms[2:]  # after the warm-up round trip
                     per[path] = {"ms": ms, "first_ms": all_ms[0], "p50_ms": percentile(ms, 50), "max_ms": max(ms),
@@ -180,11 +184,11 @@ async def main(args) -> dict:
     write_json(args.out / "migration.json", out)
     xs = [r["context"] for r in results]
     plot_lines(args.out / "migration.png", xs, {p: [r["paths"][p]["p50_ms"] for r in results]
-                                                for p in (*PATHS, "link")},
+                                                for p in (*args.paths, "link")},
                "capsule context (tokens)", "p50 latency per move (ms)", logy=True,
                title=f"Capsule migration, {args.model} model, {args.device}")
     log(f"wrote {args.out / 'migration.json'} and migration.png")
-    if not all(r["paths"][p]["bitwise"] for r in results for p in PATHS):
+    if not all(r["paths"][p]["bitwise"] for r in results for p in args.paths):
         raise SystemExit("a migrated capsule did not restore bitwise")
     return out
 
