@@ -42,8 +42,9 @@ class CapsuleTransfers:
             raise
         manifest = {"meta": meta.to_json(), "origin": origin, "specs": specs, "nbytes": buf.numel()}
         link.send_bytes(key, json.dumps(manifest).encode(), deadline)
+        phases.mark("manifest")
         answer = link.recv_bytes(key, deadline).decode()
-        phases.mark("handshake")
+        phases.mark("answer")
         if answer != "ok":
             return {"sent": False, "refused": answer}
         if buf.numel():
@@ -65,6 +66,7 @@ class CapsuleTransfers:
         phases = Phases(self.engine.device)
         try:
             manifest = json.loads(link.recv_bytes(key, deadline))
+            phases.mark("manifest")  # from the call's start: it includes the wait for the sender's pack
         except ValueError:
             link.close(key)
             raise PeerLinkError(f"worker link {key!r}: the sender's manifest is not JSON (out of step)") from None
@@ -82,8 +84,9 @@ class CapsuleTransfers:
             with suppress(PeerLinkError):  # the sender waits for an answer: no bytes move after this one
                 link.send_bytes(key, f"refused: {type(e).__name__}: {e}".encode(), deadline)
             raise
+        phases.mark("check")
         link.send_bytes(key, b"ok", deadline)
-        phases.mark("handshake")  # from the call's start: it includes the wait for the sender's manifest
+        phases.mark("answer")
         if buf.numel():
             link.recv(key, buf, deadline)
         phases.mark("recv")

@@ -313,8 +313,8 @@ def test_a_transfer_corrupted_in_transit_is_refused_and_nothing_is_stored(engine
         sent, got = _both(lambda: a.execute(SendCapsule("c", "pair")), lambda: b.execute(ReceiveCapsule("pair")))
         assert got["name"] == "c" and b.execute(ExportCapsule("c")).blob == a.execute(ExportCapsule("c")).blob
         # each half says where its time went, for the migration benchmark's breakdown
-        assert list(sent["phases_ms"]) == ["pack", "handshake", "send", "digest"]
-        assert list(got["phases_ms"]) == ["handshake", "recv", "digest", "store"]
+        assert list(sent["phases_ms"]) == ["pack", "manifest", "answer", "send", "digest"]
+        assert list(got["phases_ms"]) == ["manifest", "check", "answer", "recv", "digest", "store"]
         assert all(v >= 0 for v in [*sent["phases_ms"].values(), *got["phases_ms"].values()])
         # a sender that cannot send tells the receiver, which stores nothing and fails at once
         sent, got = _both(lambda: a.execute(SendCapsule("missing", "pair")),
