@@ -1,10 +1,11 @@
 """The HTTP side of `bench/serving.py --http`: the agent workload through `capsulert serve` with the
 official openai client (async), and the same requests through the async API for comparison.
 
-Each request mirrors what the server does for it, so the difference is the HTTP path (client, Ray Serve
-proxy, FastAPI, JSON / SSE) and nothing else:
-- streamed: restore the agent's capsule, append its turn, stream the tokens, close
-  (`completions.create(stream=True, capsule=...)`);
+Each request mirrors what the server does for it (capsulert/serve/generation.py), the same calls to the
+worker, so the difference is the HTTP path (client, HTTP server, FastAPI, JSON / SSE; plus Ray Serve's
+proxy with ServerOptions.direct_ingress=False) and nothing else:
+- streamed: restore the agent's capsule, then append its turn + stream the tokens as one streamed turn,
+  close (`completions.create(stream=True, capsule=...)`);
 - whole: restore, then append + generate as one turn, close (`completions.create(capsule=...)`).
 """
 from __future__ import annotations
@@ -14,9 +15,9 @@ import socket
 import time
 
 from common import OUT_DIR, log, machine_info, percentile, print_table, write_json
-from serving import agent  # the async-API side: the same streamed agent turn as serving.py's workload
 
 from capsulert.worker.sampler import SamplingParams
+from capsulert.worker.verbs import FinalEvent
 
 PARAMS = SamplingParams(ignore_eos=True)
 MODEL = "bench"
@@ -85,6 +86,21 @@ async def http_whole(cl, name: str, turn: list[int], gen: int) -> dict:
     r = await cl.completions.create(model=MODEL, prompt=turn, max_tokens=gen, temperature=0,
                                     extra_body={"capsule": name, "ignore_eos": True, "return_token_ids": True})
     return {"tokens": r.choices[0].model_extra["token_ids"], "wall_ms": (time.perf_counter() - t0) * 1e3}
+
+
+async def api_stream(orch, name: str, turn: list[int], gen: int) -> dict:
+    t0 = time.perf_counter()
+    s = await orch.restore(name)
+    stamps, tokens = [], []
+    async for ev in s.stream_turn(turn, gen, PARAMS):
+        if isinstance(ev, FinalEvent):
+            continue
+        stamps.append(time.perf_counter())
+        tokens.append(ev.token)
+    await s.close()
+    end = time.perf_counter()
+    itl = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    return {"ttft_ms": (stamps[0] - t0) * 1e3, "itl_ms": itl, "tokens": tokens, "wall_ms": (end - t0) * 1e3}
 
 
 async def api_whole(orch, name: str, turn: list[int], gen: int) -> dict:
@@ -159,7 +175,7 @@ async def main_http(args) -> int:
             s = await orch.open(ctx)
             await s.snapshot(name)
             await s.close()
-        api = await measure({"stream": agent, "whole": api_whole}, orch, names, turns, args)
+        api = await measure({"stream": api_stream, "whole": api_whole}, orch, names, turns, args)
     finally:
         await orch.close()
 

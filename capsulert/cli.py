@@ -131,6 +131,9 @@ def _add_serve(sub) -> None:
     sv.add_argument("--metrics-port", type=int, help="port of Ray's Prometheus exporter (default: Ray picks)")
     sv.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sv.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    sv.add_argument("--serve-proxy", action="store_true",
+                    help="listen through Ray Serve's HTTP proxy instead of the replica's own HTTP server (one more "
+                         "process and Ray round trip per request; for setups built around Serve's proxy)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -154,7 +157,8 @@ def _serve(args: argparse.Namespace) -> int:
         engine=engine, served_model_name=args.served_model_name, host=args.host, port=args.port,
         keys_file=args.keys, num_workers=args.num_workers, torch_threads=args.torch_threads,
         max_inflight=args.max_inflight, max_n=args.max_n, ray_address=args.ray_address,
-        metrics_port=args.metrics_port, log_level=args.log_level, access_log=args.access_log)
+        metrics_port=args.metrics_port, log_level=args.log_level, access_log=args.access_log,
+        direct_ingress=not args.serve_proxy)
     return serve_forever(opts)
 
 

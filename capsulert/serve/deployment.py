@@ -3,6 +3,13 @@
 One replica, always: the orchestrator's router (which worker holds which capsule of which namespace)
 lives in the process that owns it, so two replicas would be two disjoint capsule stores. Throughput
 scales with `num_workers` (engine actors) behind the one replica, whose own work per token is small.
+
+Direct ingress (ServerOptions.direct_ingress, the default): the replica serves HTTP on host:port itself,
+with uvicorn on the event loop its app and orchestrator run on, so a request costs no hop through Serve's
+proxy (another process, a Ray call and the response streamed back through Ray: a few milliseconds per
+request) nor between Serve's event loops. Serve still starts, health-checks, restarts and stops the
+replica; its proxy is not started (runner.py). As behind Serve's proxy, a client that goes away cancels its
+request (ingress.py). Without direct ingress, Serve's proxy listens on host:port.
 """
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import logging
 
 from ray import serve
 
+from capsulert.serve.ingress import DirectIngress
 from capsulert.serve.options import ServerOptions
 
 log = logging.getLogger(__name__)
@@ -24,7 +32,7 @@ class CapsuleServer:
 
     async def __init__(self, options: dict, metrics_url: str | None = None):
         from capsulert.orchestrator.orchestrator import Orchestrator
-        from capsulert.serve.app import Admission, ServerState
+        from capsulert.serve.app import Admission, ServerState, build_app
         from capsulert.serve.chat import ChatTemplate
         from capsulert.serve.metrics import RayMetrics
         from capsulert.serve.options import model_dir, vocab_size
@@ -46,6 +54,9 @@ class CapsuleServer:
                 limits=Limits(opts.model_name, opts.engine.max_seq, opts.largest_n), tokens=tokens,
                 template=ChatTemplate.for_model(path, eos), admission=Admission(opts.max_inflight, metrics),
                 metrics=metrics, metrics_url=metrics_url)
+            self._app = build_app(self.state)
+            self._http = (await DirectIngress.start(self._app, opts.host, opts.port, opts.access_log)
+                          if opts.direct_ingress else None)
         except BaseException:
             await self.orchestrator.close()
             raise
@@ -54,9 +65,12 @@ class CapsuleServer:
                  ", ".join(tenants.namespaces))
 
     def __serve_build_asgi_app__(self):
-        from capsulert.serve.app import build_app
+        return self._app  # what Serve's proxy calls (direct_ingress=False)
 
-        return build_app(self.state)
+    def check_health(self) -> None:
+        """Serve's periodic health check: a direct-ingress server that stopped fails it (Serve restarts us)."""
+        if self._http is not None:
+            self._http.check()
 
     async def _poll_workers(self, interval: float) -> None:
         """Queue depth and sessions of the workers, for the gauges (one control call per worker)."""
@@ -72,7 +86,9 @@ class CapsuleServer:
 
     async def __del__(self):
         # Serve calls this on shutdown, and also after a failed __init__ (attributes may be missing)
-        poller, orchestrator = getattr(self, "_poller", None), getattr(self, "orchestrator", None)
+        http, poller, orchestrator = (getattr(self, a, None) for a in ("_http", "_poller", "orchestrator"))
+        if http is not None:
+            await http.stop()  # in-flight requests finish first
         if poller is not None:
             poller.cancel()
         if orchestrator is not None:

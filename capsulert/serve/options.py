@@ -39,6 +39,10 @@ class ServerOptions(BaseModel):
     stats_interval_s: float = Field(5.0, gt=0, description="how often the queue-depth gauge polls the workers")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     access_log: bool = False
+    direct_ingress: bool = Field(True, description=(
+        "the replica serves HTTP on host:port itself (uvicorn on the replica's event loop): a request reaches "
+        "the app without the hop through Ray Serve's proxy; False: Serve's proxy listens on host:port and "
+        "forwards every request to the replica (one more process and round trip per request)"))
 
     @classmethod
     def build(cls, **values) -> "ServerOptions":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -45,13 +45,24 @@ def _steps(total: int) -> Iterator:
 
 
 def _check_port(host: str, port: int) -> None:
-    """Refuse a port in use now, not after Ray has started (Serve's proxy would fail deep inside)."""
+    """Refuse a port in use now, not after Ray has started (the HTTP server would fail deep inside Serve)."""
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
     except OSError as e:
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def _on_this_node() -> dict:
+    """Ray actor options that place an actor on this machine's Ray node (its "node:<ip>" resource)."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == here and node.get("NodeManagerAddress"):
+            return {"resources": {f"node:{node['NodeManagerAddress']}": 0.001}}
+    return {}
 
 
 def _metrics_url() -> str | None:
@@ -89,11 +100,18 @@ def start(opts: ServerOptions) -> str | None:
             ray.init(**init, **({"_metrics_export_port": opts.metrics_port} if opts.metrics_port else {}))
         metrics_url = _metrics_url()
         step(f"starting {opts.num_workers} worker(s) and the HTTP server")
-        serve.start(http_options={"host": opts.host, "port": opts.port},
-                    logging_config={"log_level": opts.log_level, "enable_access_log": opts.access_log})
-        app = CapsuleServer.options(max_ongoing_requests=opts.max_inflight + 64).bind(opts.model_dump(), metrics_url)
-        serve.run(app, name=APP_NAME, route_prefix="/",
-                  logging_config={"log_level": opts.log_level, "enable_access_log": opts.access_log})
+        logging_config = {"log_level": opts.log_level, "enable_access_log": opts.access_log}
+        deployment = CapsuleServer.options(max_ongoing_requests=opts.max_inflight + 64)
+        if opts.direct_ingress:
+            # the replica listens on host:port itself (deployment.py), so it runs on this machine, and Serve's
+            # proxy is not started: the app has no Serve route
+            serve.start(proxy_location="Disabled", logging_config=logging_config)
+            deployment = deployment.options(ray_actor_options={"num_cpus": 0, **_on_this_node()})
+        else:
+            serve.start(http_options={"host": opts.host, "port": opts.port}, logging_config=logging_config)
+        app = deployment.bind(opts.model_dump(), metrics_url)
+        serve.run(app, name=APP_NAME, route_prefix=None if opts.direct_ingress else "/",
+                  logging_config=logging_config)
     log.info("serving %r at http://%s:%d/v1 (%s)", opts.model_name, opts.host, opts.port,
              "API keys for " + ", ".join(tenants.namespaces) if not tenants.open else "no API keys: one namespace")
     if metrics_url:
@@ -117,11 +135,13 @@ def stop() -> None:
 def serve_forever(opts: ServerOptions) -> int:
     """Serve until Ctrl-C (SIGINT) or SIGTERM; 0 on a clean stop."""
     setup_logging(opts.log_level)
-    stopping, serving = threading.Event(), threading.Event()
+    # plain flags, no threading.Event: the handler runs on the main thread, and Event.set there deadlocks
+    # when the signal lands while that thread holds the Event's lock inside Event.wait
+    state = {"stopping": False, "serving": False}
 
     def on_signal(*_) -> None:
-        stopping.set()
-        if not serving.is_set():  # still starting: abandon the start at once
+        state["stopping"] = True
+        if not state["serving"]:  # still starting: abandon the start at once
             raise KeyboardInterrupt
 
     # explicit handlers: a shell starts background jobs with SIGINT ignored, and Python then never turns
@@ -131,10 +151,10 @@ def serve_forever(opts: ServerOptions) -> int:
         start(opts)
         for sig in previous:  # again: Ray's core installs its own (crash-report) handler as it starts
             signal.signal(sig, on_signal)
-        serving.set()
+        state["serving"] = True
         log.info("press Ctrl-C to stop")
-        while not stopping.wait(0.5):
-            pass
+        while not state["stopping"]:
+            time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     finally:

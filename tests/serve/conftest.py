@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,9 +52,9 @@ class Server:
         return httpx.request(method, self.url + path, headers=headers, timeout=60, **kw)
 
 
-@pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("serve")
+@contextmanager
+def running_server(default_model_dir, work: Path, *extra: str):
+    """A `capsulert serve` subprocess on a free loopback port (two tenants), stopped by SIGINT on exit."""
     keys = work / "keys.yaml"
     keys.write_text("keys:\n" + "".join(f"  {k}: {ns}\n" for ns, k in KEYS.items()))
     port, log = free_port(), work / "server.log"
@@ -61,7 +62,7 @@ def server(default_model_dir, tmp_path_factory):
            "--served-model-name", MODEL, "--port", str(port), "--keys", str(keys), "--device", "cpu",
            "--slots", str(ENGINE["slots"]), "--max-seq", str(ENGINE["max_seq"]),
            "--prefill-chunk", str(ENGINE["prefill_chunk"]), "--torch-threads", "1",
-           "--max-inflight", str(MAX_INFLIGHT), "--metrics-port", str(free_port()), "--log-level", "WARNING"]
+           "--max-inflight", str(MAX_INFLIGHT), "--metrics-port", str(free_port()), "--log-level", "WARNING", *extra]
     # metrics reach Ray's exporter every second instead of every ten, so the metrics test waits less
     env = {**os.environ, "RAY_metrics_report_interval_ms": "1000", "RAY_DEDUP_LOGS": "0"}
     with open(log, "wb") as out:
@@ -77,6 +78,12 @@ def server(default_model_dir, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir, tmp_path_factory):
+    with running_server(default_model_dir, tmp_path_factory.mktemp("serve")) as srv:
+        yield srv
 
 
 def _wait_ready(srv: Server, proc: subprocess.Popen) -> None:

@@ -136,3 +136,49 @@ def test_serve_refuses_bad_settings_before_starting(tmp_path):
     assert "Traceback" not in proc.stderr and "Started a local Ray" not in proc.stderr
     proc = run_serve("--max-seq", "1000", "--prefill-chunk", "256")
     assert proc.returncode == 1 and "max_seq" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------------------- disconnects
+def _asgi_run(answer_after: float | None, disconnect_after: float) -> tuple[bool, list[dict]]:
+    """A request through CancelOnDisconnect to an app that answers after `answer_after` s (None: never),
+    from a client that goes away after `disconnect_after` s. Whether the app was cancelled, what it sent."""
+    import asyncio
+
+    from capsulert.serve.ingress import CancelOnDisconnect
+
+    cancelled, sent = [], []
+
+    async def app(scope, receive, send):
+        assert (await receive())["type"] == "http.request"
+        try:
+            await asyncio.sleep(3600 if answer_after is None else answer_after)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    async def main():
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            await asyncio.sleep(disconnect_after)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+        await asyncio.wait_for(CancelOnDisconnect(app)({"type": "http"}, receive, send), 10)
+    asyncio.run(main())
+    return bool(cancelled), sent
+
+
+def test_a_client_that_goes_away_cancels_its_request():
+    cancelled, sent = _asgi_run(answer_after=None, disconnect_after=0.05)
+    assert cancelled and sent == []  # the handler (its generates, its sessions) is cancelled at once
+
+
+def test_a_request_answered_before_the_client_goes_is_not_cancelled():
+    cancelled, sent = _asgi_run(answer_after=0.01, disconnect_after=0.2)
+    assert not cancelled and [m["type"] for m in sent] == ["http.response.start", "http.response.body"]

@@ -1,0 +1,136 @@
+"""The replica's own HTTP server (ServerOptions.direct_ingress): uvicorn serving the app on host:port in the
+replica's event loop, and the middleware that cancels a request whose client went away (as Serve's proxy
+does when it fronts the replica)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from capsulert.errors import ConfigError
+
+log = logging.getLogger(__name__)
+ACCESS_LOG = logging.getLogger("capsulert.serve.access")  # ServerOptions.access_log
+
+
+class DirectIngress:
+    """uvicorn serving the app on host:port in this event loop (the replica's own HTTP server)."""
+
+    # the requests in flight when the replica stops get this long (within the deployment's
+    # graceful_shutdown_timeout_s) before they are cancelled
+    SHUTDOWN_S = 15.0
+    KEEP_ALIVE_S = 90  # an idle client connection is kept this long (as Serve's proxy does)
+
+    def __init__(self, server, task: asyncio.Task):
+        self.server, self.task = server, task
+
+    @classmethod
+    async def start(cls, app, host: str, port: int, access_log: bool) -> "DirectIngress":
+        import socket
+
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        # SO_REUSEADDR: a restarted server binds at once, whatever connections of the last one linger
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        if access_log:  # capsulert's logger (the replica's stderr, which Ray forwards to the driver), at INFO
+            ACCESS_LOG.setLevel(logging.INFO)
+        config = uvicorn.Config(CancelOnDisconnect(app, access_log), host=host, port=port, lifespan="off",
+                                access_log=False, log_config=None, timeout_keep_alive=cls.KEEP_ALIVE_S,
+                                timeout_graceful_shutdown=cls.SHUTDOWN_S)
+        server = uvicorn.Server(config)
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():
+                sock.close()
+                task.result()  # its error
+                raise RuntimeError(f"the HTTP server on {host}:{port} did not start")
+            await asyncio.sleep(0.01)
+        return cls(server, task)
+
+    def check(self) -> None:
+        if self.task.done():
+            raise RuntimeError("the replica's HTTP server stopped")
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), self.SHUTDOWN_S + 2)
+        except Exception as e:
+            log.debug("stopping the HTTP server: %s: %s", type(e).__name__, e)
+            self.task.cancel()
+
+
+class CancelOnDisconnect:
+    """ASGI middleware: a client that goes away before its response is complete cancels the request's
+    handler (its generates are interrupted at the next token and its sessions closed), as Serve's proxy
+    does; uvicorn alone would let a non-streamed request run to its end for nobody. With `access_log`, a
+    line per request."""
+
+    def __init__(self, app, access_log: bool = False):
+        self.app, self.access_log = app, access_log
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if not self.access_log:
+            return await self._call(scope, receive, send)
+        t0, status = time.perf_counter(), [None]
+
+        async def logged_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+        try:
+            await self._call(scope, receive, logged_send)
+        finally:
+            client = scope.get("client")
+            ACCESS_LOG.info("%s %s %s %s %.1fms", f"{client[0]}:{client[1]}" if client else "-", scope["method"],
+                            scope["path"], status[0] or "-", (time.perf_counter() - t0) * 1e3)
+
+    async def _call(self, scope, receive, send) -> None:
+        inbox: asyncio.Queue = asyncio.Queue()
+        gone = complete = False
+
+        async def watch() -> None:  # reads ahead: the request's body, then (only) the disconnect
+            nonlocal gone
+            while not gone:
+                message = await receive()
+                gone = message["type"] == "http.disconnect"
+                inbox.put_nowait(message)
+
+        async def app_receive():
+            if gone and inbox.empty():
+                return {"type": "http.disconnect"}
+            return await inbox.get()
+
+        async def app_send(message) -> None:
+            nonlocal complete
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
+            await send(message)
+
+        handler = asyncio.ensure_future(self.app(scope, app_receive, app_send))
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait((handler, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if not handler.done() and gone and not complete:
+                handler.cancel()
+                try:
+                    await handler
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():
+                        raise
+                return
+            await handler
+        finally:
+            watcher.cancel()
+            if watcher.done() and not watcher.cancelled() and watcher.exception() is not None:
+                log.debug("reading a request failed: %s", watcher.exception())
+            if not handler.done():  # we are cancelled ourselves (the server stops)
+                handler.cancel()
