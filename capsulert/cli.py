@@ -141,6 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
         import fastapi  # noqa: F401
         import jinja2  # noqa: F401
         import ray.serve  # noqa: F401
+        import uvicorn  # noqa: F401
     except ImportError as e:
         from capsulert.errors import ConfigError
 
