@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
 from capsulert.errors import InvalidRequestError, UnknownCapsuleError
-from capsulert.serve.streaming import HeldText, PendingTokens
+from capsulert.serve.streaming import PendingTokens
 from capsulert.worker.sampler import SamplingParams
+from capsulert.worker.stops import HeldText
 from capsulert.worker.verbs import FinalEvent, GenerateResult
 
 if TYPE_CHECKING:
@@ -252,7 +253,8 @@ class Run:
     async def _pump(self, i: int, j: int, session: "RemoteSession", first: asyncio.Future) -> None:
         plan, index, queue = self.plan, i * self.plan.n + j, self._queue
         params = plan.params(j)
-        held, pending = HeldText(tuple(params.stop)), PendingTokens()
+        # the worker's events never show text a stop string may start: nothing more to hold back here
+        held, pending = HeldText(), PendingTokens()
         try:
             async for ev in session.stream_turn(self._prompt(i), plan.max_tokens, params):
                 if not first.done():

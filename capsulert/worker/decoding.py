@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from capsulert.worker.sampler import GREEDY, RowDraw, SamplingParams, resolve_seed, sample_rows
-from capsulert.worker.stops import StopRule, TextStream
+from capsulert.worker.stops import HeldText, StopRule, TextStream
 from capsulert.worker.verbs import GenerateResult, TokenEvent
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ class DecodeStream:
         self.seed = resolve_seed(self.params)
         self.rule = StopRule(self.params, engine.eos_token_ids, max_new_tokens)
         self.text = TextStream(engine.detokenize if engine.tokenizer is not None else None)
+        self.held = HeldText(tuple(self.params.stop))  # what of self.text the events may show yet
         self.result = GenerateResult(weights_version=engine.weights_version)
         self.logits: torch.Tensor | None = None  # next-token logits row (fp32 [vocab])
         self.done = max_new_tokens == 0
@@ -85,8 +86,12 @@ def _advance(engine, streams, should_stop):
                 reason = "max_seq"  # full: no token can follow this one
             if reason is None and should_stop is not None and should_stop(st):
                 reason = "interrupted"
-            if reason is not None and reason != "stop_string" and delta is not None:
-                delta += st.text.flush()  # the last event carries all the text: the deltas add up to it
+            if delta is not None:
+                if reason is not None and reason != "stop_string":
+                    delta += st.text.flush()  # an incomplete character at the end, released
+                delta = st.held.push(delta)
+                if reason is not None:  # the last event carries the rest: the events add up to the result
+                    delta += st.held.finish(st.rule.final_text(st.text))
             events.append((st, TokenEvent(token, draws.logprobs[r], delta, len(res.tokens) - 1, tuple(top))))
             if reason is not None:
                 st.finish(reason)

@@ -441,9 +441,10 @@ class GenerateResult(list):
 class TokenEvent:
     """One produced token of a stream; `top_logprobs`: the top-k (token, logprob) pairs of its position
     when SamplingParams.logprobs = k, best first (the same row as GenerateResult.top_logprobs[index]).
-    The texts of a stream's events add up to its GenerateResult.text, except past a matched stop string:
-    a character a token leaves incomplete is held back, and the last event releases whatever is held (as
-    U+FFFD, the decoder's mark for it, when the output ends inside a character)."""
+    The texts of a stream's events add up to its GenerateResult.text: a character a token leaves
+    incomplete, and text that may be the start of a stop string, are held back until decided; nothing of
+    a matched stop string is shown; the last event releases whatever is held (an incomplete character as
+    U+FFFD, the decoder's mark for it, when the output ends inside one)."""
     token: int
     logprob: float
     text: str | None  # the text this token completes (may be "" mid-character); None without a tokenizer

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from capsulert import errors as E
 from capsulert.serve.http_errors import ApiError, describe, kind_of
 from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest
-from capsulert.serve.streaming import HeldText
 from capsulert.serve.tenants import Tenants
+from capsulert.worker.stops import HeldText
 
 
 # ------------------------------------------------------------------------------------------------ keys

@@ -36,8 +36,10 @@ def chat_prompt(server, oracle, messages):
 
 
 # ---------------------------------------------------------------------------------------------- models
-def test_models_lists_the_served_model(acme):
+def test_models_lists_the_served_model(acme, server):
     assert [m.id for m in acme.models.list().data] == [MODEL]
+    # the replica's own HTTP server answers: Serve's proxy (--serve-proxy) would stamp an x-request-id
+    assert "x-request-id" not in server.http("GET", "/v1/models").headers
 
 
 # ------------------------------------------------------------------------------------------ completions

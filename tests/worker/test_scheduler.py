@@ -171,6 +171,35 @@ async def test_stop_strings_eos_and_stop_ids(make_engine, corpus):
         assert res.stop_reason == "stop_token" and res.tokens[-1] == free.tokens[9]
 
 
+async def test_a_stream_never_shows_text_a_stop_string_may_start_and_adds_up_to_the_result(make_engine, corpus):
+    async with AsyncEngine(make_engine(slots=8)) as aeng:
+        free = await (await aeng.open(corpus[:60])).generate(16, NOEOS)
+        text = aeng.engine.detokenize
+        left, right = text(free.tokens[:6]), text(free.tokens[:7])
+        stop = left[-2:] + right[len(left):len(left) + 2]  # spans the boundary between tokens 5 and 6
+        never = "\x00never"  # a stop string that does not match: its first character is held until decided
+        s = await aeng.open(corpus[:60])
+        events = [ev async for ev in s.stream(16, SamplingParams(stop=[stop, never], ignore_eos=True))]
+        final = events.pop().result
+        assert final.stop_reason == "stop_string" and final.text == right[:right.find(stop)]
+        assert "".join(e.text for e in events) == final.text and [e.token for e in events] == free.tokens[:7]
+        # at every event, what was shown is a prefix of the final text: the match's start was never shown
+        assert all(final.text.startswith("".join(e.text for e in events[:i])) for i in range(len(events)))
+        assert not final.text.endswith(stop[:2]) and left.endswith(stop[:2])
+        t = await aeng.open(corpus[:60])
+        shown = ""
+        async for ev in t.stream(16, SamplingParams(stop=[never], ignore_eos=True)):
+            if isinstance(ev, FinalEvent):
+                assert ev.result.text == shown == text(free.tokens)
+            else:
+                shown += ev.text
+                # up to len(never) - 1 characters held back while a match could still start there (and an
+                # incomplete character, until its end arrives)
+                so_far = text(free.tokens[:ev.index + 1])
+                assert so_far.startswith(shown)
+                assert ev.index == 15 or len(so_far.rstrip("\ufffd")) - len(shown) <= len(never) - 1
+
+
 def _cold_logits(engine, tokens) -> torch.Tensor:
     """The next-token logits of a cold prefill of `tokens`, on a session of its own."""
     ref = engine.open()
