@@ -37,6 +37,9 @@ def test_meta_json_round_trip():
     m2 = CapsuleMeta.from_json(m.to_json())
     assert m2 == m and isinstance(m2.tokens, tuple)
     assert json.loads(m.to_json())["tokens"] == [5, 6, 7, 8]
+    # the format on disk and on the wire: compact, keys sorted, every field once
+    fields = {f: getattr(m, f) for f in m.__dataclass_fields__ if f != "tokens_checked"}
+    assert m.to_json() == json.dumps({**fields, "tokens": [5, 6, 7, 8]}, separators=(",", ":"), sort_keys=True)
 
 
 def test_token_digest_is_int32_le():
