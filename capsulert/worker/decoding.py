@@ -27,19 +27,26 @@ class DecodeStream:
         self.params = sampling or GREEDY
         self.seed = resolve_seed(self.params)
         self.rule = StopRule(self.params, engine.eos_token_ids, max_new_tokens)
-        self.text = TextStream(engine.detokenize if engine.tokenizer is not None else None)
-        self.held = HeldText(tuple(self.params.stop))  # what of self.text the events may show yet
+        self.has_text = engine.tokenizer is not None
+        self.text = TextStream(engine.detokenize if self.has_text else None)
+        self.held = HeldText(tuple(self.params.stop))  # the output's text, and what the events showed of it
         self.result = GenerateResult(weights_version=engine.weights_version)
         self.logits: torch.Tensor | None = None  # next-token logits row (fp32 [vocab])
         self.done = max_new_tokens == 0
         if self.done:
             self.finish("length")
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: str) -> str:
+        """End the generate; the text its events have not shown yet ("" without a tokenizer)."""
         self.done = True
         self.session.stop_reason = self.result.stop_reason = reason
-        self.result.text = self.rule.final_text(self.text)
         self.result.length = len(self.session.tokens)
+        if not self.has_text:
+            return ""
+        # past a stop string the text ends before it; otherwise an incomplete character at the end is released
+        final = self.held.text if reason == "stop_string" else self.held.seen + self.text.flush()
+        self.result.text = final
+        return self.held.finish(final)
 
 
 def advance(engine: "Engine", streams: list[DecodeStream],
@@ -81,20 +88,17 @@ def _advance(engine, streams, should_stop):
             if st.params.logprobs:
                 res.top_logprobs.append(top)
             delta = st.text.push(token)
-            reason = st.rule.check(token, len(res.tokens), st.text, delta)
+            shown = None if delta is None else st.held.push(delta)
+            reason = st.rule.check(token, len(res.tokens), st.held.cut is not None)
             if reason is None and len(st.session.tokens) >= engine.config.max_seq:
                 reason = "max_seq"  # full: no token can follow this one
             if reason is None and should_stop is not None and should_stop(st):
                 reason = "interrupted"
-            if delta is not None:
-                if reason is not None and reason != "stop_string":
-                    delta += st.text.flush()  # an incomplete character at the end, released
-                delta = st.held.push(delta)
-                if reason is not None:  # the last event carries the rest: the events add up to the result
-                    delta += st.held.finish(st.rule.final_text(st.text))
-            events.append((st, TokenEvent(token, draws.logprobs[r], delta, len(res.tokens) - 1, tuple(top))))
             if reason is not None:
-                st.finish(reason)
+                rest = st.finish(reason)
+                if shown is not None:  # the last event carries the rest: the events add up to the result
+                    shown += rest
             else:
                 res.length = len(st.session.tokens)
+            events.append((st, TokenEvent(token, draws.logprobs[r], shown, len(res.tokens) - 1, tuple(top))))
     return events

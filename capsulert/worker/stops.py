@@ -11,10 +11,9 @@ nothing is held back.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
-
-from dataclasses import dataclass
 
 from capsulert.worker.sampler import SamplingParams
 
@@ -51,9 +50,8 @@ class TextStream:
     def __init__(self, decode: Callable[[Sequence[int]], str] | None):
         self._decode = decode
         self.tokens: list[int] = []
-        self.text = ""
         self._prefix = 0  # the window's first token
-        self._read = 0  # tokens whose text is in self.text
+        self._read = 0  # tokens whose text was returned
 
     def push(self, token: int) -> str | None:
         """The new text `token` completes ("" while a character is incomplete); None without a tokenizer."""
@@ -66,7 +64,6 @@ class TextStream:
             return ""
         delta = after[len(before):]
         self._prefix, self._read = self._read, len(self.tokens)
-        self.text += delta
         return delta
 
     def flush(self) -> str:
@@ -77,37 +74,27 @@ class TextStream:
         before = self._decode(self.tokens[self._prefix:self._read])
         delta = self._decode(self.tokens[self._prefix:])[len(before):]
         self._prefix, self._read = self._read, len(self.tokens)
-        self.text += delta
         return delta
 
 
 class StopRule:
+    """EOS and stop token ids, and the length limit. Stop strings are matched where the stream's text is
+    held back (HeldText): the stream tells check whether one matched."""
+
     def __init__(self, params: SamplingParams, eos_ids: Sequence[int], max_new_tokens: int):
-        self.params = params
         self.ids = {} if params.ignore_eos else {t: "eos" for t in eos_ids}
         self.ids.update({t: "stop_token" for t in params.stop_token_ids if t not in self.ids})
         self.max_new = max_new_tokens
-        self.longest_stop = max((len(s) for s in params.stop), default=0)
-        self.stop_at: int | None = None  # where the matched stop string starts in the text
 
-    def check(self, token: int, produced: int, text: TextStream, delta: str | None) -> str | None:
+    def check(self, token: int, produced: int, stop_string: bool) -> str | None:
         """The stop reason after `token` (the produced-th token), or None to go on."""
         if token in self.ids:
             return self.ids[token]
-        if self.params.stop and delta:
-            window_start = max(0, len(text.text) - len(delta) - self.longest_stop + 1)
-            hits = [i for i in (text.text.find(s, window_start) for s in self.params.stop) if i >= 0]
-            if hits:
-                self.stop_at = min(hits)
-                return "stop_string"
+        if stop_string:
+            return "stop_string"
         if produced >= self.max_new:
             return "length"
         return None
-
-    def final_text(self, text: TextStream) -> str | None:
-        if text._decode is None:
-            return None
-        return text.text[:self.stop_at] if self.stop_at is not None else text.text
 
 
 @dataclass
@@ -118,6 +105,11 @@ class HeldText:
     seen: str = ""  # every delta the worker sent
     shown: int = 0  # characters of `seen` already shown
     cut: int | None = None  # where a stop string matched: nothing at or past it is ever shown
+
+    @property
+    def text(self) -> str:
+        """Everything seen, cut before a matched stop string."""
+        return self.seen if self.cut is None else self.seen[:self.cut]
 
     @property
     def hold(self) -> int:
@@ -139,9 +131,9 @@ class HeldText:
         self.shown = safe
         return out
 
-    def finish(self, final_text: str | None) -> str:
-        """The rest of the final text (the worker's, cut before a matched stop string)."""
-        final = self.seen if final_text is None else final_text
+    def finish(self, final_text: str | None = None) -> str:
+        """The rest of the final text (given, or what was seen, cut before a matched stop string)."""
+        final = self.text if final_text is None else final_text
         out = final[self.shown:]
         self.shown = len(final)
         return out

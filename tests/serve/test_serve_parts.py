@@ -182,3 +182,31 @@ def test_a_client_that_goes_away_cancels_its_request():
 def test_a_request_answered_before_the_client_goes_is_not_cancelled():
     cancelled, sent = _asgi_run(answer_after=0.01, disconnect_after=0.2)
     assert not cancelled and [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+
+
+def test_the_access_log_has_a_line_per_request(caplog):
+    import asyncio
+    import logging
+
+    from capsulert.serve.ingress import CancelOnDisconnect
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    async def receive():  # the request, then nothing: the client stays
+        if not asked:
+            asked.append(True)
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        pass
+    asked: list = []
+    scope = {"type": "http", "method": "GET", "path": "/v1/nothing", "client": ("127.0.0.1", 5000)}
+    with caplog.at_level(logging.INFO, logger="capsulert.serve.access"):
+        asyncio.run(CancelOnDisconnect(app, access_log=True)(scope, receive, send))
+        asked.clear()
+        asyncio.run(CancelOnDisconnect(app)(scope, receive, send))  # without access_log: no line
+    lines = [r.getMessage() for r in caplog.records if r.name == "capsulert.serve.access"]
+    assert len(lines) == 1 and lines[0].startswith("127.0.0.1:5000 GET /v1/nothing 404 ")
