@@ -7,7 +7,9 @@ multi-turn chat trace (issue 17).
    sizes) vs the unique bytes (the shared prefix's KV once, the state at a grid point once per distinct
    prefix up to it, plus everything else of each capsule: its tail KV, its live state past the grid point
    and its last hidden state). Also best-of-8: 8 branches forked from one B-token context (16k; --quick 2k), each 32
-   tokens further (all on the grid point B), against one capsule.
+   tokens further (all on the grid point B), against one capsule, kept as full capsules and as replay
+   capsules (snapshot mode "replay": the state at the grid point and the tokens; restore re-runs the 32
+   decode steps), with the time to restore one branch either way.
 2. Chat trace. C conversations x K turns on a shared S-token system prompt; every turn resends the
    whole history (system + earlier user messages and answers) plus a U-token user message and generates
    R tokens; conversations take turns round-robin. Three ways to serve it:
@@ -26,6 +28,7 @@ bench/out/prefix_sharing_memory.png (store bytes vs N), and prints the tables.
     python bench/prefix_sharing.py                  # the issue's sizes: 100 x 8k prefix, 16 x 8 turns on 2k
     python bench/prefix_sharing.py --device cuda --model random:capsulert/configs/models/qwen3_5-9b-shape.yaml
     python bench/prefix_sharing.py --quick --http   # the chat trace through `capsulert serve` (openai client)
+    python bench/prefix_sharing.py --best-of-only   # best-of-8 only (full and replay capsules)
 """
 from __future__ import annotations
 
@@ -56,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="default", help="'default', a checkpoint dir or random:<shape YAML>")
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1: a shared small box)")
     p.add_argument("--out", default=str(OUT_DIR))
+    p.add_argument("--best-of-only", action="store_true",
+                   help="only best-of-8 (full and replay capsules, with restore times; CUDA graphs on CUDA)")
     p.add_argument("--http", action="store_true",
                    help="the chat trace only, through `capsulert serve` with the openai client (prefix_sharing_http.py)")
     return p.parse_args(argv)
@@ -69,10 +74,10 @@ def sizes(args) -> dict:
                 answer=32, conversations=16, turns=8)
 
 
-def make_engine(args, cfg: dict, max_seq: int, prefix_cache: bool) -> Engine:
-    return Engine.from_config(dict(model=args.model, device=args.device, slots=8, max_seq=max_seq,
+def make_engine(args, cfg: dict, max_seq: int, prefix_cache: bool, graphs: bool = False) -> Engine:
+    return Engine.from_config(dict(model=args.model, device=args.device, slots=9, max_seq=max_seq,
                                    prefill_chunk=cfg["chunk"], prefix_cache=prefix_cache, prefix_cache_bytes=None,
-                                   cuda_graphs=False))
+                                   cuda_graphs=graphs and args.device == "cuda"))
 
 
 def tokens(n: int, seed: int, vocab: int) -> list[int]:
@@ -107,9 +112,14 @@ def memory(args, cfg: dict) -> list[dict]:
         log(f"memory N={n}: store {stored / 2**20:.1f} MB, per-capsule copies {copies / 2**20:.1f} MB, "
             f"unique {unique / 2**20:.1f} MB")
         eng.close()
+    return rows + best_of_rows(args, cfg)
+
+
+def best_of_rows(args, cfg: dict) -> list[dict]:
     B = cfg["best_of"]
-    eng = make_engine(args, cfg, -(-(B + 32) // cfg["chunk"]) * cfg["chunk"], prefix_cache=False)
-    rows.append(best_of_8(eng, B, eng.model_cfg.vocab_size))
+    eng = make_engine(args, cfg, -(-(B + 32) // cfg["chunk"]) * cfg["chunk"], prefix_cache=False,
+                      graphs=args.best_of_only)
+    rows = [best_of_8(eng, B, eng.model_cfg.vocab_size, mode) for mode in ("full", "replay")]
     eng.close()
     return rows
 
@@ -135,23 +145,40 @@ def unique_bytes(eng: Engine, L: int) -> int:
             - (len(grids) - len(set(grids))) * grid_state_bytes(eng))
 
 
-def best_of_8(eng: Engine, L: int, vocab: int) -> dict:
-    """8 branches of one L-token context, 32 sampled tokens each, kept as capsules: against one capsule."""
+def best_of_8(eng: Engine, L: int, vocab: int, mode: str) -> dict:
+    """8 branches of one L-token context, 32 sampled tokens each, kept as capsules of `mode`: against one
+    capsule; and the time to restore a branch (median of 8; a replay capsule re-runs its 32 decode steps)."""
     s = eng.open()
     s.append(tokens(L, 2, vocab))
     one = s.snapshot("ctx")
     s.close()
+    want, curve = {}, [eng.store.stats()["gpu"]["bytes"] / 2**20]
     for i, b in enumerate(eng.fork("ctx", 8)):
         b.generate(32, SamplingParams(temperature=0.8, seed=i, ignore_eos=True))
-        b.snapshot(f"branch{i}")
+        b.snapshot(f"branch{i}", mode=mode)
+        curve.append(eng.store.stats()["gpu"]["bytes"] / 2**20)
+        want[i] = b.generate(4, GREEDY).tokens  # what the branch does next: a restore must do the same
         b.close()
     eng.store.delete("ctx")
     stored = eng.store.stats()["gpu"]["bytes"]
     unique = unique_bytes(eng, L)
-    log(f"best-of-8: store {stored / 2**20:.1f} MB = {stored / one.nbytes:.2f} x one capsule")
-    return dict(case="best-of-8 branches", n=8, store_mb=stored / 2**20, copies_mb=8 * one.nbytes / 2**20,
+    restore_ms = []
+    for i in range(8):
+        cuda_sync(eng.device)
+        t0 = time.perf_counter()
+        r = eng.restore(f"branch{i}")
+        cuda_sync(eng.device)
+        restore_ms.append((time.perf_counter() - t0) * 1e3)
+        assert r.generate(4, GREEDY).tokens == want[i], f"branch {i} restored from a {mode} capsule went elsewhere"
+        r.close()
+    for i in range(8):
+        eng.store.delete(f"branch{i}")
+    ms = statistics.median(restore_ms)
+    log(f"best-of-8 ({mode}): store {stored / 2**20:.1f} MB = {stored / one.nbytes:.2f} x one capsule; "
+        f"restore a branch {ms:.1f} ms")
+    return dict(case=f"best-of-8 branches ({mode})", n=8, store_mb=stored / 2**20, copies_mb=8 * one.nbytes / 2**20,
                 unique_mb=unique / 2**20, store_over_unique=stored / unique, copies_over_store=8 * one.nbytes / stored,
-                store_over_one=stored / one.nbytes)
+                store_over_one=stored / one.nbytes, restore_ms=ms, store_mb_with_context=curve)
 
 
 # ------------------------------------------------------------------------------------------------ chat
@@ -227,6 +254,8 @@ def main(argv=None) -> int:
     log(f"device={args.device} model={args.model} sizes={cfg}")
     if args.http:
         return main_http(args, cfg, t_start)
+    if args.best_of_only:
+        return main_best_of(args, cfg, t_start)
     mem = memory(args, cfg)
     print_table(mem, [("case", "case"), ("store_mb", "store MB"), ("copies_mb", "per-capsule copies MB"),
                       ("unique_mb", "unique MB"), ("store_over_unique", "store / unique"),
@@ -249,6 +278,23 @@ def main(argv=None) -> int:
                                              "memory": mem, "chat": rows, "ttft_per_turn_ms": medians,
                                              "wall_s": round(time.perf_counter() - t_start, 1)})
     log(f"wrote {out / 'prefix_sharing.json'} and two PNGs in {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+def main_best_of(args, cfg: dict, t_start: float) -> int:
+    rows = best_of_rows(args, cfg)
+    print_table(rows, [("case", "case"), ("store_mb", "store MB"), ("copies_mb", "per-capsule copies MB"),
+                       ("store_over_one", "store / one capsule"), ("restore_ms", "restore a branch ms")])
+    out = Path(args.out)
+    copies = [rows[0]["copies_mb"] / 8 * (k + 1) for k in range(9)]
+    plot_lines(out / "prefix_sharing_best_of.png", list(range(9)),
+               {"full capsules": rows[0]["store_mb_with_context"], "replay capsules": rows[1]["store_mb_with_context"],
+                "per-capsule copies": copies}, xlabel="branches kept", ylabel="store MB (context + branches)",
+               title=f"best-of-8 of a {cfg['best_of']}-token context, 32 tokens per branch")
+    write_json(out / "prefix_sharing_best_of.json", {"machine": machine_info(args.device),
+                                                     "params": {**vars(args), **cfg}, "best_of": rows,
+                                                     "wall_s": round(time.perf_counter() - t_start, 1)})
+    log(f"wrote {out / 'prefix_sharing_best_of.json'} and .png in {time.perf_counter() - t_start:.0f} s")
     return 0
 
 

@@ -262,7 +262,7 @@ def split(meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor], layout: BlockL
     whole = Parts(dict(tensors))
     if layout is None or origin is None or meta.prefill_chunk < 1:
         return whole
-    rows, dim, P = meta.prefill_chunk, layout.token_dim, meta.boundary
+    rows, dim, P = meta.prefill_chunk, layout.token_dim, meta.held
     n = P // rows
     if meta.grid_pos != n * rows:
         return whole

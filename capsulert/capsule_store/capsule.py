@@ -123,7 +123,7 @@ class CapsuleMeta:
     name: str
     namespace: str
     boundary: int  # P: tokens covered
-    grid_pos: int  # G <= P: the stored state is at G; tokens[G:P] are replayed on restore
+    grid_pos: int  # G <= P: the last grid point (multiple of prefill_chunk) at or before P
     tokens: tuple[int, ...]
     token_digest: str
     fingerprint: str
@@ -133,6 +133,12 @@ class CapsuleMeta:
     created_at: float
     recompute_cost_s: float
     checksum: str = ""
+    # tokens[:decoded_from] were folded in by the prefill path from the grid checkpoint (a pure function of
+    # the tokens), tokens[decoded_from:] by one-token decode steps (G <= decoded_from <= P); None: unknown
+    decoded_from: int | None = None
+    # a replay capsule holds only its state at G (KV rows [0, G), recurrent and conv state at G) and rebuilds
+    # the rest on restore by re-running tokens[G:] as they were made (worker/capsules.py)
+    replay: bool = False
     # set by build(), which checked the tokens and computed their digest itself (on the snapshot hot path)
     tokens_checked: InitVar[bool] = False
 
@@ -157,6 +163,13 @@ class CapsuleMeta:
             raise ValueError(f"boundary {self.boundary} != number of tokens {len(self.tokens)}")
         if self.grid_pos > self.boundary:
             raise ValueError(f"grid_pos {self.grid_pos} > boundary {self.boundary}")
+        if self.decoded_from is not None and (
+                not _is_int(self.decoded_from) or not self.grid_pos <= self.decoded_from <= self.boundary):
+            raise ValueError(f"decoded_from must be None or an int in [grid_pos, boundary], got {self.decoded_from!r}")
+        if not isinstance(self.replay, bool):
+            raise ValueError(f"replay must be a bool, got {self.replay!r}")
+        if self.replay and (self.decoded_from is None or self.grid_pos == self.boundary):
+            raise ValueError("a replay capsule needs decoded_from and tokens past its grid point")
         if not isinstance(self.fingerprint, str) or not self.fingerprint:
             raise ValueError("fingerprint must be a non-empty str")
         for f in ("created_at", "recompute_cost_s"):
@@ -173,10 +186,16 @@ class CapsuleMeta:
         ):
             raise ValueError("checksum must be '' or 64 lowercase hex characters")
 
+    @property
+    def held(self) -> int:
+        """The position whose state the capsule's tensors hold: P, or G for a replay capsule."""
+        return self.grid_pos if self.replay else self.boundary
+
     @classmethod
     def build(cls, *, name: str, namespace: str = "default", tokens: Any, grid_pos: int,
               fingerprint: str, layout_version: int, prefill_chunk: int, nbytes: int,
-              recompute_cost_s: float = 0.0, created_at: float | None = None) -> "CapsuleMeta":
+              recompute_cost_s: float = 0.0, created_at: float | None = None,
+              decoded_from: int | None = None, replay: bool = False) -> "CapsuleMeta":
         """Convenience constructor: fills boundary, token_digest and created_at. Any integers (numpy and
         torch ones too) in [0, 2**31 - 1] are accepted as tokens; the checks run in C, since a snapshot builds
         one of these for every capsule (a 16k-token one in ~0.2 ms)."""
@@ -193,7 +212,8 @@ class CapsuleMeta:
                    tokens=toks, token_digest=token_digest(arr), fingerprint=fingerprint,
                    layout_version=layout_version, prefill_chunk=prefill_chunk, nbytes=nbytes,
                    created_at=time.time() if created_at is None else created_at,
-                   recompute_cost_s=recompute_cost_s, tokens_checked=True)
+                   recompute_cost_s=recompute_cost_s, decoded_from=decoded_from, replay=replay,
+                   tokens_checked=True)
 
     def replace(self, **changes: Any) -> "CapsuleMeta":
         return dataclasses.replace(self, **changes)
@@ -203,6 +223,9 @@ class CapsuleMeta:
         # (12 ms for 16k tokens on a small CPU, on the path of every device transfer's manifest)
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["tokens"] = list(self.tokens)
+        for f in OPTIONAL_FIELDS:  # left out at their defaults: such capsules read as before this field
+            if d[f] == OPTIONAL_FIELDS[f]:
+                del d[f]
         return json.dumps(d, separators=(",", ":"), sort_keys=True, allow_nan=False)
 
     @classmethod
@@ -214,7 +237,7 @@ class CapsuleMeta:
         if not isinstance(d, dict):
             raise CorruptCapsuleError("capsule metadata must be a JSON object")
         fields = {f.name for f in dataclasses.fields(cls)}
-        if set(d) != fields:
+        if not fields - set(OPTIONAL_FIELDS) <= set(d) <= fields:
             missing, extra = sorted(fields - set(d)), sorted(set(d) - fields)
             raise CorruptCapsuleError(f"capsule metadata fields wrong: missing {missing}, unexpected {extra}")
         for f in ("name", "namespace", "token_digest", "fingerprint", "checksum"):
@@ -226,6 +249,9 @@ class CapsuleMeta:
             return cls(**{**d, "tokens": tuple(d["tokens"])})
         except (ValueError, TypeError, OverflowError, InvalidCapsuleNameError) as e:
             raise CorruptCapsuleError(f"capsule metadata is invalid: {e}") from None
+
+
+OPTIONAL_FIELDS: dict[str, Any] = {"decoded_from": None, "replay": False}
 
 
 def _refuse_constant(c: str) -> Any:

@@ -154,14 +154,14 @@ def _block_refs(path: Path, md: dict, meta: CapsuleMeta, header: dict, fmt: str)
     if refs.state is not None and (not refs.keys or refs.state != state_key(refs.keys[-1])
                                    or set(refs.state_names) & set(header)):
         raise _corrupt(path, "its grid-state block does not derive from its last block, or its file holds that state too")
-    if refs.rows != meta.prefill_chunk or refs.grid != meta.grid_pos or refs.grid > meta.boundary:
+    if refs.rows != meta.prefill_chunk or refs.grid != meta.grid_pos or refs.grid > meta.held:
         raise _corrupt(path, f"its {len(refs.keys)} blocks of {refs.rows} rows do not match its grid point {meta.grid_pos}")
     if list(refs.keys) != keys_for(meta, refs.origin, len(refs.keys)):
         raise _corrupt(path, "its block keys do not derive from its tokens (altered header?)")
     for name, s in refs.specs.items():
         e = header.get(name)
         tail = list(s.shape)
-        tail[refs.token_dim] = meta.boundary - refs.grid
+        tail[refs.token_dim] = meta.held - refs.grid
         if e is None or e["shape"] != tail or e["dtype"] != _ST_DTYPES.get(s.dtype):
             raise _corrupt(path, f"the KV rows past its blocks ({name!r}) do not match its blocks")
     return refs

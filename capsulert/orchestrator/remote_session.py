@@ -181,15 +181,19 @@ class RemoteSession:
         instead), with the same GenerateResult."""
         return await self.turn(suffix, max_new_tokens, sampling, restore=name, timeout=timeout)
 
-    async def snapshot(self, name: str, tier: str = "gpu", pin: bool = False) -> "CapsuleRef":
+    async def snapshot(self, name: str, tier: str = "gpu", pin: bool = False, mode: str = "full") -> "CapsuleRef":
         """A named capsule of this session's complete state (a CapsuleRef); pin=True keeps it from eviction
-        and persists it on the worker (with disk_dir), so it survives a worker restart."""
+        and persists it on the worker (with disk_dir), so it survives a worker restart. mode="replay" keeps
+        the state at the last grid point and the tokens past it, re-run on restore: a fraction of the
+        memory for branches of one context, at the cost of a decode step per token past that point."""
         name, tier = name_arg(name), tier_arg(tier)
         if not isinstance(pin, bool):
             raise InvalidRequestError(f"pin must be a bool, got {pin!r}")
+        if mode not in ("full", "replay"):
+            raise InvalidRequestError(f"mode must be 'full' or 'replay', got {mode!r}")
         self._check()
         async with self.owner.new_capsules([name], self.worker):  # serialised with delete / migrate of it
-            return await self._run(Snapshot(self.sid, name, tier, pin, self.owner.ns))
+            return await self._run(Snapshot(self.sid, name, tier, pin, self.owner.ns, mode))
 
     async def restore(self, name: str) -> str:
         """Replace this session's state with capsule `name` in place (rollback, episode reset); returns the

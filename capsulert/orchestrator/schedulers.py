@@ -92,12 +92,16 @@ class Node:
 
 async def tree_search(orch, capsule: str, expand: Callable[[Node], Any], score: Callable[[Node], Any],
                       width: int, depth: int, max_new_tokens: int = 16, *, keep: bool = False,
-                      prefix: str | None = None) -> list[Node]:
+                      prefix: str | None = None, node_mode: str = "full") -> list[Node]:
     """Beam search over capsules. `expand(node)` (sync or async) returns the node's children as a list
     of Thought, str or token-id lists (suffixes decoded greedily); `score(node)` (sync or async) rates
     a child. Returns the final beam, best first. Node capsules are deleted as the beam moves on; the
-    final beam's too unless keep=True. The root capsule is never touched."""
+    final beam's too unless keep=True. The root capsule is never touched. `node_mode` is the nodes'
+    snapshot mode: "replay" keeps each node as its tokens past the last grid point (memory for wide
+    searches, a decode step per such token when a node is expanded)."""
     capsule = name_arg(capsule)
+    if node_mode not in ("full", "replay"):
+        raise InvalidRequestError(f"node_mode must be 'full' or 'replay', got {node_mode!r}")
     width, depth = int_arg(width, "width", 1), int_arg(depth, "depth", 1)
     max_new = int_arg(max_new_tokens, "max_new_tokens", 0)
     orch.holders(capsule)  # an unknown root fails before expand is called
@@ -121,7 +125,7 @@ async def tree_search(orch, capsule: str, expand: Callable[[Node], Any], score: 
         """One child: a turn from the parent's capsule in a new session, snapshot as `name`, closed."""
         session, res = await orch.restore_append_generate(parent.name, suffix, max_new, sampling, keep=True)
         try:
-            await session.snapshot(name)
+            await session.snapshot(name, mode=node_mode)
             live.append(name)
         finally:
             await session.close()

@@ -126,8 +126,9 @@ class AsyncSession:
                 self.length = ev.result.length
             yield ev
 
-    async def snapshot(self, name: str, tier: str = "device", pin: bool = False, namespace: str = "default"):
-        return await self.owner.submit(Snapshot(self.id, name, tier, pin, namespace))
+    async def snapshot(self, name: str, tier: str = "device", pin: bool = False, namespace: str = "default",
+                       mode: str = "full"):
+        return await self.owner.submit(Snapshot(self.id, name, tier, pin, namespace, mode))
 
     async def restore(self, name: str, namespace: str = "default") -> str:
         """Restore the capsule into this session in place; the tier it was read from."""

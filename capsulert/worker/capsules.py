@@ -12,11 +12,21 @@ grid-state block, shared with every capsule (and prefix-cache entry) of the same
 (capsule_store/blocks.py); a restore writes each block and the tail into the slot's contiguous buffers in
 one grouped copy. Only a session whose state is canonical (prefix_cache.py) snapshots with this engine's
 origin, so only canonical bytes are ever shared or indexed.
+
+A *replay* capsule (mode "replay") keeps only the state at G (its KV blocks and grid-state block, shared)
+and its tokens; restore writes that state and re-runs tokens[G:] the way they were made: tokens[G:A) through
+the prefill path from the grid checkpoint (as every append does) and tokens[A:P) as one-token decode steps
+(A = decoded_from). Appends are a pure function of the tokens (canonical grid state) and decode steps are
+bitwise independent of the batch (batch invariance), so the rebuilt slot is bitwise the snapshotted one,
+as long as the same numerics run it: a replay capsule restores only under the origin that made it. It
+trades restore time (P - A decode steps) for memory: nothing computed past G is stored, so branches of one
+context (best-of-N, tree search) hold little more than their tokens.
 """
 from __future__ import annotations
 
 import platform
 from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 import torch
@@ -32,10 +42,20 @@ if TYPE_CHECKING:
     from capsulert.worker.engine import Engine
     from capsulert.worker.session import Session
 
-STATE_MODES = ("full",)
+STATE_MODES = ("full", "replay")
 BLOCK_TENSORS = ("kv_k", "kv_v")  # [attn_layers, P, kv_heads, head_dim]: token rows along dim 1
 # the state at the grid point (on the grid: the live state; off it: the grid checkpoint), shared as one block
 GRID_STATE = (("ssm", "ssm_grid"), ("conv", "conv_grid"))
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What a restored replay capsule's session still has to re-run: `prefill` from its grid point through
+    the prefill path, then `decode` one token per step; `decoded_from` is the session's after that."""
+
+    prefill: tuple[int, ...]
+    decode: tuple[int, ...]
+    decoded_from: int
 
 
 def numerics_origin(engine: "Engine") -> str:
@@ -92,7 +112,14 @@ class CapsuleVerbs:
         eng = self.engine
         P = len(session.tokens)
         G = P // eng.chunk * eng.chunk
-        views = self._views(session.slot, P, G)
+        canonical = self.prefix.canonical(session)
+        replay = mode == "replay" and P != G  # on the grid there is nothing to re-run: the capsule is whole
+        if replay and (not canonical or session.decoded_from is None):
+            raise UnsupportedStateModeError(
+                f"session {session.id} cannot be kept as a replay capsule: its state was not computed here from "
+                "its tokens (restored from a capsule of other numerics, or carried across a weight update), so "
+                "re-running its tokens would not rebuild it; snapshot it with mode='full'")
+        views = self._grid_views(session.slot, G) if replay else self._views(session.slot, P, G)
         nbytes = sum(t.numel() * t.element_size() for t in views.values())
         meta = CapsuleMeta.build(
             name=name,
@@ -104,9 +131,17 @@ class CapsuleVerbs:
             prefill_chunk=eng.chunk,
             nbytes=nbytes,
             recompute_cost_s=eng._prefill_s_per_token * P,
+            decoded_from=session.decoded_from,
+            replay=replay,
         )
-        origin = self.store.block_origin if self.prefix.canonical(session) else None
+        origin = self.store.block_origin if canonical else None
         return self.store.put(meta, views, tier=tier, pin=pin, origin=origin)
+
+    def _grid_views(self, slot: int, grid_pos: int) -> dict[str, torch.Tensor]:
+        """The slot's state at its grid point: what a replay capsule holds (views, no copies)."""
+        st = self.engine.state
+        return {"kv_k": st.kv_k[:, slot, :grid_pos], "kv_v": st.kv_v[:, slot, :grid_pos],
+                "ssm": st.ssm_grid[:, slot], "conv": st.conv_grid[:, slot]}
 
     def check_exists(self, name: str, namespace: str) -> None:
         if not self.store.contains(name, namespace):
@@ -131,7 +166,7 @@ class CapsuleVerbs:
             )
         if meta.boundary > eng.config.max_seq:
             raise IncompatibleCapsuleError(f"capsule {meta.name!r} holds {meta.boundary} tokens > max_seq {eng.config.max_seq}")
-        expected = self._views(0, meta.boundary, meta.grid_pos)
+        expected = self._grid_views(0, meta.grid_pos) if meta.replay else self._views(0, meta.boundary, meta.grid_pos)
         for key, view in expected.items():
             spec = specs.get(key)
             if spec is None or spec.shape != tuple(view.shape) or spec.dtype != view.dtype:
@@ -142,28 +177,39 @@ class CapsuleVerbs:
         if set(specs) != set(expected):
             raise IncompatibleCapsuleError(f"capsule {meta.name!r} has tensors {sorted(specs)}, expected {sorted(expected)}")
 
-    def restore_into(self, session: "Session", name: str, namespace: str) -> str:
+    def restore_into(self, session: "Session", name: str, namespace: str) -> tuple[str, Replay | None]:
         """Overwrite the session's slot with the capsule; validates everything before the first byte moves.
-        Returns the tier the capsule was read from (gpu, host or disk)."""
+        Returns the tier the capsule was read from (gpu, host or disk) and, for a replay capsule, what the
+        engine still has to re-run (the session then holds the capsule's state at its grid point)."""
         eng = self.engine
         with self.store.reading_parts(name, namespace, check=self._check_compatible) as (meta, parts, tier):
-            slot, P, G = session.slot, meta.boundary, meta.grid_pos
+            canonical = parts.refs is not None and parts.refs.origin == self.store.block_origin
+            if meta.replay and not canonical:
+                raise IncompatibleCapsuleError(
+                    f"capsule {name!r} is a replay capsule made under other numerics "
+                    f"({parts.refs.origin if parts.refs else 'unknown'}); re-running its tokens here would not "
+                    "rebuild its state: restore it where it was made")
+            slot, P, G = session.slot, meta.held, meta.grid_pos
             st = eng.state
             pairs = self._block_pairs(slot, parts, 0)
-            dst = self._views(slot, P, G)
+            dst = self._grid_views(slot, G) if meta.replay else self._views(slot, P, G)
             own = parts.own_view()
             for k in BLOCK_TENSORS:  # the rows past its blocks
                 dst[k] = dst[k][:, len(parts.blocks) * eng.chunk:]
             pairs += [(dst[k], own[k]) for k in dst]
-            if P == G:  # on the grid the live state is the grid checkpoint
-                pairs += [(st.ssm_grid[:, slot], own["ssm"]), (st.conv_grid[:, slot], own["conv"])]
+            if P == G:  # at the grid point the live state is the grid checkpoint
+                live = (st.ssm, st.conv) if meta.replay else (st.ssm_grid, st.conv_grid)
+                pairs += [(live[0][:, slot], own["ssm"]), (live[1][:, slot], own["conv"])]
             torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
             st.pos[slot] = P
-        session.tokens = list(meta.tokens)
+        session.tokens = list(meta.tokens[:P])
+        session.decoded_from = G if meta.replay or meta.boundary == G else meta.decoded_from
         session.stop_reason = None
-        canonical = parts.refs is not None and parts.refs.origin == self.store.block_origin
         self.prefix.restored(session, namespace, canonical)
-        return tier
+        if not meta.replay:
+            return tier, None
+        A = meta.decoded_from
+        return tier, Replay(meta.tokens[G:A], meta.tokens[A:], A)  # type: ignore[arg-type, misc]
 
     def _block_pairs(self, slot: int, parts: Parts, first: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(slot rows, block rows) of the KV of blocks first.. of a capsule's parts."""
@@ -185,7 +231,7 @@ class CapsuleVerbs:
         try:
             with self.store.reading_prefix(match, start) as (meta, parts):
                 st, own = eng.state, parts.own_view()
-                on_grid = meta.boundary == meta.grid_pos
+                on_grid = meta.held == meta.grid_pos
                 ssm, conv = (own["ssm"], own["conv"]) if on_grid else (own["ssm_grid"], own["conv_grid"])
                 pairs = self._block_pairs(slot, parts, start // eng.chunk)
                 pairs += [(st.ssm[:, slot], ssm), (st.conv[:, slot], conv),
@@ -197,6 +243,7 @@ class CapsuleVerbs:
         except UnknownCapsuleError:
             return False
         session.tokens = list(tokens[:match.grid])
+        session.decoded_from = match.grid
         return True
 
     def keep_checkpoint(self, session: "Session", namespace: str) -> bool:

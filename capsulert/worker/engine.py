@@ -31,6 +31,7 @@ from capsulert.errors import (
 )
 from capsulert.worker.engine_config import EngineConfig
 from capsulert.worker.model import HybridModel, pad_rows
+from capsulert.worker.capsules import Replay
 from capsulert.worker.decoding import DecodeStream, advance
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.session import Session
@@ -301,6 +302,7 @@ class Engine:
             self.state.pos[session.slot] = G
         self._run_prefill(session.slot, session.tokens[G:] + new, G)
         session.tokens.extend(new)
+        session.decoded_from = len(session.tokens)
 
     def logits(self, session: Session) -> torch.Tensor:
         self._own(session)
@@ -403,6 +405,7 @@ class Engine:
         self.state.load_grid(session.slot)
         self.state.pos[session.slot] = G - self.chunk
         self._run_prefill(session.slot, session.tokens[G - self.chunk:G], G - self.chunk)
+        session.decoded_from = G
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, weights, *, rebuild_pinned: bool = False, version: int | None = None) -> int:
@@ -445,7 +448,7 @@ class Engine:
             try:
                 s.append(list(info.meta.tokens))  # the expensive, fallible part runs before anything changes
                 self.store.delete(name, namespace)
-                return self.capsules.snapshot(s, name, tier=info.tier, pin=info.pinned, mode="full",
+                return self.capsules.snapshot(s, name, tier=info.tier, pin=info.pinned, mode="replay" if info.meta.replay else "full",
                                               namespace=namespace)
             finally:
                 s.close()
@@ -473,7 +476,9 @@ class Engine:
         """Restore the capsule into an open session in place; the tier it was read from (gpu, host or disk)."""
         with self._lock:
             self._own(session)
-            return self.capsules.restore_into(session, name, namespace)
+            tier, replay = self.capsules.restore_into(session, name, namespace)
+            self._replay([(session, replay)] if replay else [])
+            return tier
 
     def fork(self, name: str, n: int, namespace: str = "default", wait_s: float | None = None) -> list[Session]:
         return self.restore_sessions(name, n, namespace, wait_s).sessions
@@ -488,9 +493,24 @@ class Engine:
             self.capsules.check_exists(name, namespace)
             sessions = self._take_slots(n, wait_s, reset=False)
             try:
-                tiers = [self.capsules.restore_into(s, name, namespace) for s in sessions]
+                read = [self.capsules.restore_into(s, name, namespace) for s in sessions]
+                self._replay([(s, replay) for s, (_, replay) in zip(sessions, read) if replay])
             except BaseException:
                 for s in sessions:
                     self.release(s)
                 raise
-            return Restored(sessions, tiers[0])
+            return Restored(sessions, read[0][0])
+
+    def _replay(self, items: list[tuple[Session, Replay]]) -> None:
+        """Rebuild restored replay capsules past their grid point (worker/capsules.py): the prefilled tokens
+        through the prefill path, then the decoded ones one step at a time, the sessions batched together
+        (bitwise what each gets alone: batch invariance)."""
+        for s, r in items:
+            if r.prefill:
+                self._extend(s, list(r.prefill))
+        for i in range(max((len(r.decode) for _, r in items), default=0)):
+            step = [(s, r.decode[i]) for s, r in items if i < len(r.decode)]
+            for group in self.decode_groups(step):
+                self.decode([s for s, _ in group], [t for _, t in group])
+        for s, r in items:
+            s.decoded_from = r.decoded_from

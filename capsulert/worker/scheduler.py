@@ -221,7 +221,7 @@ class StepScheduler:
             job.phases.append(("generate", r.max_new_tokens, r.sampling))
         elif isinstance(r, Snapshot):
             s = self._session(r.session)
-            job.sink.done(eng.snapshot(s, r.name, tier=r.tier, pin=r.pin, namespace=r.namespace))
+            job.sink.done(eng.snapshot(s, r.name, tier=r.tier, pin=r.pin, mode=r.mode, namespace=r.namespace))
             return False
         elif isinstance(r, Restore):
             self._restore(job, r.name, r.namespace)

@@ -26,6 +26,9 @@ class Session:
         self.slot = slot
         self.id = next(_ids)
         self.tokens: list[int] = []
+        # tokens[:decoded_from] came through the prefill path, the rest through one-token decode steps: with
+        # the tokens this says how the state was made (None: unknown, restored from a capsule without it)
+        self.decoded_from: int | None = 0
         self.closed = False
         self.stop_reason: str | None = None
         self._interrupt = False

@@ -101,13 +101,16 @@ class Generate(Request):
 @dataclass(frozen=True)
 class Snapshot(Request):
     """A named capsule of the session's complete state; `pin` keeps it from eviction and, on a worker with
-    a persist directory, on disk across restarts."""
+    a persist directory, on disk across restarts. `mode` "replay" keeps only the state at the last grid
+    point and the tokens, and re-runs the tokens past it on restore (worker/capsules.py): far smaller,
+    slower to restore."""
     memory_only: ClassVar[bool] = False
     session: int
     name: str
     tier: str = "device"
     pin: bool = False
     namespace: str = "default"
+    mode: str = "full"
 
 
 @dataclass(frozen=True)
@@ -282,9 +285,9 @@ class PeerConnect(TransferRequest):
 @dataclass(frozen=True)
 class SendCapsule(TransferRequest):
     """Send a capsule over pair link `peer_key` to the worker running the matching ReceiveCapsule: its
-    tensors packed into one buffer on the engine device, sent in one op. The small part, the manifest
-    (metadata JSON, origin, tensor names, dtypes, shapes and offsets), goes first, then the buffer, then the
-    checksum. The reply says whether the receiver took it and the checksum."""
+    tensors packed into one buffer on the engine device, sealed with their digest, sent in one op. The
+    manifest (metadata, origin, tensor names, dtypes, shapes and offsets) goes first; the buffer only once
+    the receiver said yes. The reply says whether the receiver took it (or why it refused)."""
     name: str
     peer_key: str
     namespace: str = "default"
@@ -294,12 +297,14 @@ class SendCapsule(TransferRequest):
 @dataclass(frozen=True)
 class ReceiveCapsule(TransferRequest):
     """Receive the capsule a SendCapsule sends over `peer_key` into one buffer on the engine device, check
-    it (namespace, checksum) and store it like ImportCapsule; a refusal or a failure stores nothing."""
+    it (name when given, namespace, not held yet: all before any byte moves; then the digest) and store it
+    like ImportCapsule; a refusal or a failure stores nothing."""
     peer_key: str
     tier: str = "device"
     pin: bool = False
     namespace: str | None = None
     timeout_s: float = 60.0
+    name: str | None = None  # the capsule the orchestrator asked to move: the sender's must be this one
 
 
 @dataclass(frozen=True)

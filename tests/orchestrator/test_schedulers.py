@@ -44,7 +44,8 @@ async def test_best_of_n_equals_sequential(orch, fresh, c0):
         r.close()
 
 
-async def test_tree_search_equals_sequential(orch, fresh, c0):
+@pytest.mark.parametrize("node_mode", ["full", "replay"])
+async def test_tree_search_equals_sequential(orch, fresh, c0, node_mode):
     options = [" First,", " Instead,", " So"]
 
     def expand(node):
@@ -54,7 +55,7 @@ async def test_tree_search_equals_sequential(orch, fresh, c0):
         return (sum(node.tokens) * 31 + node.depth) % 1009
 
     before = await _counts(orch)
-    beam = await tree_search(orch, c0, expand, score, width=2, depth=3, max_new_tokens=3)
+    beam = await tree_search(orch, c0, expand, score, width=2, depth=3, max_new_tokens=3, node_mode=node_mode)
     assert await _counts(orch) == before  # every node capsule deleted, every slot back
 
     # the same beam search, sequentially, with in-process verbs (a node = (name, thoughts, score))
