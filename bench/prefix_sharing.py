@@ -28,7 +28,7 @@ bench/out/prefix_sharing_memory.png (store bytes vs N), and prints the tables.
     python bench/prefix_sharing.py                  # the issue's sizes: 100 x 8k prefix, 16 x 8 turns on 2k
     python bench/prefix_sharing.py --device cuda --model random:capsulert/configs/models/qwen3_5-9b-shape.yaml
     python bench/prefix_sharing.py --quick --http   # the chat trace through `capsulert serve` (openai client)
-    python bench/prefix_sharing.py --best-of-only   # best-of-8 only (full and replay capsules)
+    python bench/prefix_sharing.py --replay         # full vs replay capsules: largest fleet, best-of-8
 """
 from __future__ import annotations
 
@@ -59,8 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="default", help="'default', a checkpoint dir or random:<shape YAML>")
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1: a shared small box)")
     p.add_argument("--out", default=str(OUT_DIR))
-    p.add_argument("--best-of-only", action="store_true",
-                   help="only best-of-8 (full and replay capsules, with restore times; CUDA graphs on CUDA)")
+    p.add_argument("--replay", action="store_true",
+                   help="only full against replay capsules: the largest agent fleet and best-of-8, with restore "
+                        "times (CUDA graphs on CUDA)")
     p.add_argument("--http", action="store_true",
                    help="the chat trace only, through `capsulert serve` with the openai client (prefix_sharing_http.py)")
     return p.parse_args(argv)
@@ -87,38 +88,61 @@ def tokens(n: int, seed: int, vocab: int) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------- memory
 def memory(args, cfg: dict) -> list[dict]:
-    L, T = cfg["prefix"], cfg["tail"]
-    max_seq = -(-(L + T + 32) // cfg["chunk"]) * cfg["chunk"]
-    rows = []
-    for n in cfg["ns"]:
-        eng = make_engine(args, cfg, max_seq, prefix_cache=False)
-        vocab = eng.model_cfg.vocab_size
-        s = eng.open()
-        s.append(tokens(L, 1, vocab))
-        s.snapshot("base")
-        s.close()
-        refs = []
-        for i in range(n):
-            b = eng.fork("base", 1)[0]
-            b.append(tokens(T, 100 + i, vocab))
-            refs.append(b.snapshot(f"agent{i}"))
-            b.close()
-        eng.store.delete("base")
-        stored = eng.store.stats()["gpu"]["bytes"]
-        copies = sum(r.nbytes for r in refs)
-        unique = unique_bytes(eng, L)
-        rows.append(dict(case=f"{n} agents", n=n, store_mb=stored / 2**20, copies_mb=copies / 2**20,
-                         unique_mb=unique / 2**20, store_over_unique=stored / unique, copies_over_store=copies / stored))
-        log(f"memory N={n}: store {stored / 2**20:.1f} MB, per-capsule copies {copies / 2**20:.1f} MB, "
-            f"unique {unique / 2**20:.1f} MB")
-        eng.close()
+    rows = [agents(args, cfg, n, "full") for n in cfg["ns"]]
     return rows + best_of_rows(args, cfg)
+
+
+def agents(args, cfg: dict, n: int, mode: str) -> dict:
+    """n capsules on one L-token prefix, each its own T-token tail (fork + append + snapshot of `mode`)."""
+    L, T = cfg["prefix"], cfg["tail"]
+    eng = make_engine(args, cfg, -(-(L + T + 32) // cfg["chunk"]) * cfg["chunk"], prefix_cache=False,
+                      graphs=args.replay)
+    vocab = eng.model_cfg.vocab_size
+    s = eng.open()
+    s.append(tokens(L, 1, vocab))
+    s.snapshot("base")
+    s.close()
+    copies, want = 0, {}
+    for i in range(n):
+        b = eng.fork("base", 1)[0]
+        b.append(tokens(T, 100 + i, vocab))
+        b.snapshot(f"agent{i}", mode=mode)
+        copies += sum(t.nbytes for t in eng.capsules._views(b.slot, L + T, (L + T) // cfg["chunk"] * cfg["chunk"]).values())
+        if i < 8:
+            want[i] = b.generate(4, GREEDY).tokens  # what the agent does next: a restore must do the same
+        b.close()
+    eng.store.delete("base")
+    stored = eng.store.stats()["gpu"]["bytes"]
+    unique = unique_bytes(eng, L)
+    unique_kv = prefix_kv_bytes(eng, L + n * T)  # the KV of the unique tokens: the prefix once, every tail
+    restore_ms = restore_times(eng, [f"agent{i}" for i in want], want, mode)
+    eng.close()
+    log(f"memory N={n} ({mode}): store {stored / 2**20:.1f} MB, per-capsule copies {copies / 2**20:.1f} MB, "
+        f"unique {unique / 2**20:.1f} MB, unique tokens' KV {unique_kv / 2**20:.1f} MB, restore {restore_ms:.1f} ms")
+    return dict(case=f"{n} agents" + (f" ({mode})" if mode != "full" else ""), n=n, mode=mode,
+                store_mb=stored / 2**20, copies_mb=copies / 2**20, unique_mb=unique / 2**20,
+                store_over_unique=stored / unique, copies_over_store=copies / stored, unique_kv_mb=unique_kv / 2**20,
+                store_over_unique_kv=stored / unique_kv, restore_ms=restore_ms)
+
+
+def restore_times(eng: Engine, names: list[str], want: dict, mode: str) -> float:
+    """Median ms to restore each capsule (a replay capsule re-runs its tokens), each checked to continue as
+    its session did."""
+    times = []
+    for i, name in enumerate(names):
+        cuda_sync(eng.device)
+        t0 = time.perf_counter()
+        r = eng.restore(name)
+        cuda_sync(eng.device)
+        times.append((time.perf_counter() - t0) * 1e3)
+        assert r.generate(4, GREEDY).tokens == want[i], f"{name} restored from a {mode} capsule went elsewhere"
+        r.close()
+    return statistics.median(times)
 
 
 def best_of_rows(args, cfg: dict) -> list[dict]:
     B = cfg["best_of"]
-    eng = make_engine(args, cfg, -(-(B + 32) // cfg["chunk"]) * cfg["chunk"], prefix_cache=False,
-                      graphs=args.best_of_only)
+    eng = make_engine(args, cfg, -(-(B + 32) // cfg["chunk"]) * cfg["chunk"], prefix_cache=False, graphs=args.replay)
     rows = [best_of_8(eng, B, eng.model_cfg.vocab_size, mode) for mode in ("full", "replay")]
     eng.close()
     return rows
@@ -162,18 +186,9 @@ def best_of_8(eng: Engine, L: int, vocab: int, mode: str) -> dict:
     eng.store.delete("ctx")
     stored = eng.store.stats()["gpu"]["bytes"]
     unique = unique_bytes(eng, L)
-    restore_ms = []
-    for i in range(8):
-        cuda_sync(eng.device)
-        t0 = time.perf_counter()
-        r = eng.restore(f"branch{i}")
-        cuda_sync(eng.device)
-        restore_ms.append((time.perf_counter() - t0) * 1e3)
-        assert r.generate(4, GREEDY).tokens == want[i], f"branch {i} restored from a {mode} capsule went elsewhere"
-        r.close()
+    ms = restore_times(eng, [f"branch{i}" for i in range(8)], want, mode)
     for i in range(8):
         eng.store.delete(f"branch{i}")
-    ms = statistics.median(restore_ms)
     log(f"best-of-8 ({mode}): store {stored / 2**20:.1f} MB = {stored / one.nbytes:.2f} x one capsule; "
         f"restore a branch {ms:.1f} ms")
     return dict(case=f"best-of-8 branches ({mode})", n=8, store_mb=stored / 2**20, copies_mb=8 * one.nbytes / 2**20,
@@ -254,8 +269,8 @@ def main(argv=None) -> int:
     log(f"device={args.device} model={args.model} sizes={cfg}")
     if args.http:
         return main_http(args, cfg, t_start)
-    if args.best_of_only:
-        return main_best_of(args, cfg, t_start)
+    if args.replay:
+        return main_replay(args, cfg, t_start)
     mem = memory(args, cfg)
     print_table(mem, [("case", "case"), ("store_mb", "store MB"), ("copies_mb", "per-capsule copies MB"),
                       ("unique_mb", "unique MB"), ("store_over_unique", "store / unique"),
@@ -281,20 +296,25 @@ def main(argv=None) -> int:
     return 0
 
 
-def main_best_of(args, cfg: dict, t_start: float) -> int:
-    rows = best_of_rows(args, cfg)
-    print_table(rows, [("case", "case"), ("store_mb", "store MB"), ("copies_mb", "per-capsule copies MB"),
+def main_replay(args, cfg: dict, t_start: float) -> int:
+    n = max(cfg["ns"])
+    fleet = [agents(args, cfg, n, mode) for mode in ("full", "replay")]
+    best = best_of_rows(args, cfg)
+    print_table(fleet, [("case", "case"), ("store_mb", "store MB"), ("copies_mb", "per-capsule copies MB"),
+                        ("unique_kv_mb", "unique tokens' KV MB"), ("store_over_unique_kv", "store / unique KV"),
+                        ("restore_ms", "restore an agent ms")])
+    print_table(best, [("case", "case"), ("store_mb", "store MB"), ("copies_mb", "per-capsule copies MB"),
                        ("store_over_one", "store / one capsule"), ("restore_ms", "restore a branch ms")])
     out = Path(args.out)
-    copies = [rows[0]["copies_mb"] / 8 * (k + 1) for k in range(9)]
-    plot_lines(out / "prefix_sharing_best_of.png", list(range(9)),
-               {"full capsules": rows[0]["store_mb_with_context"], "replay capsules": rows[1]["store_mb_with_context"],
+    copies = [best[0]["copies_mb"] / 8 * (k + 1) for k in range(9)]
+    plot_lines(out / "prefix_sharing_replay.png", list(range(9)),
+               {"full capsules": best[0]["store_mb_with_context"], "replay capsules": best[1]["store_mb_with_context"],
                 "per-capsule copies": copies}, xlabel="branches kept", ylabel="store MB (context + branches)",
                title=f"best-of-8 of a {cfg['best_of']}-token context, 32 tokens per branch")
-    write_json(out / "prefix_sharing_best_of.json", {"machine": machine_info(args.device),
-                                                     "params": {**vars(args), **cfg}, "best_of": rows,
-                                                     "wall_s": round(time.perf_counter() - t_start, 1)})
-    log(f"wrote {out / 'prefix_sharing_best_of.json'} and .png in {time.perf_counter() - t_start:.0f} s")
+    write_json(out / "prefix_sharing_replay.json", {"machine": machine_info(args.device),
+                                                    "params": {**vars(args), **cfg}, "agents": fleet, "best_of": best,
+                                                    "wall_s": round(time.perf_counter() - t_start, 1)})
+    log(f"wrote {out / 'prefix_sharing_replay.json'} and .png in {time.perf_counter() - t_start:.0f} s")
     return 0
 
 

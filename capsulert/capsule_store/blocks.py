@@ -264,7 +264,7 @@ def split(meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor], layout: BlockL
         return whole
     rows, dim, P = meta.prefill_chunk, layout.token_dim, meta.held
     n = P // rows
-    if meta.grid_pos != n * rows:
+    if meta.held_grid != n * rows:
         return whole
     for name in layout.tensors:
         t = tensors.get(name)

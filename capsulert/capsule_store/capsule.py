@@ -136,9 +136,10 @@ class CapsuleMeta:
     # tokens[:decoded_from] were folded in by the prefill path from the grid checkpoint (a pure function of
     # the tokens), tokens[decoded_from:] by one-token decode steps (G <= decoded_from <= P); None: unknown
     decoded_from: int | None = None
-    # a replay capsule holds only its state at G (KV rows [0, G), recurrent and conv state at G) and rebuilds
-    # the rest on restore by re-running tokens[G:] as they were made (worker/capsules.py)
-    replay: bool = False
+    # a replay capsule holds only the state at the grid point replay_from <= G (KV rows [0, replay_from), the
+    # recurrent and conv state there) and rebuilds the rest on restore by re-running tokens[replay_from:] as
+    # they were made (worker/capsules.py); None: the capsule holds its complete state at P
+    replay_from: int | None = None
     # set by build(), which checked the tokens and computed their digest itself (on the snapshot hot path)
     tokens_checked: InitVar[bool] = False
 
@@ -166,10 +167,13 @@ class CapsuleMeta:
         if self.decoded_from is not None and (
                 not _is_int(self.decoded_from) or not self.grid_pos <= self.decoded_from <= self.boundary):
             raise ValueError(f"decoded_from must be None or an int in [grid_pos, boundary], got {self.decoded_from!r}")
-        if not isinstance(self.replay, bool):
-            raise ValueError(f"replay must be a bool, got {self.replay!r}")
-        if self.replay and (self.decoded_from is None or self.grid_pos == self.boundary):
-            raise ValueError("a replay capsule needs decoded_from and tokens past its grid point")
+        if self.replay_from is not None and (
+                not _is_int(self.replay_from) or not 0 <= self.replay_from <= self.grid_pos
+                or self.replay_from % self.prefill_chunk or self.replay_from == self.boundary):
+            raise ValueError(f"replay_from must be None or a grid point below boundary and <= grid_pos, "
+                             f"got {self.replay_from!r}")
+        if self.replay_from is not None and self.decoded_from is None:
+            raise ValueError("a replay capsule needs decoded_from (how its tokens past the grid point were made)")
         if not isinstance(self.fingerprint, str) or not self.fingerprint:
             raise ValueError("fingerprint must be a non-empty str")
         for f in ("created_at", "recompute_cost_s"):
@@ -188,14 +192,19 @@ class CapsuleMeta:
 
     @property
     def held(self) -> int:
-        """The position whose state the capsule's tensors hold: P, or G for a replay capsule."""
-        return self.grid_pos if self.replay else self.boundary
+        """The position whose state the capsule's tensors hold: P, or replay_from for a replay capsule."""
+        return self.boundary if self.replay_from is None else self.replay_from
+
+    @property
+    def held_grid(self) -> int:
+        """The last grid point at or before `held`: where its KV blocks end and its grid state is."""
+        return self.held // self.prefill_chunk * self.prefill_chunk
 
     @classmethod
     def build(cls, *, name: str, namespace: str = "default", tokens: Any, grid_pos: int,
               fingerprint: str, layout_version: int, prefill_chunk: int, nbytes: int,
               recompute_cost_s: float = 0.0, created_at: float | None = None,
-              decoded_from: int | None = None, replay: bool = False) -> "CapsuleMeta":
+              decoded_from: int | None = None, replay_from: int | None = None) -> "CapsuleMeta":
         """Convenience constructor: fills boundary, token_digest and created_at. Any integers (numpy and
         torch ones too) in [0, 2**31 - 1] are accepted as tokens; the checks run in C, since a snapshot builds
         one of these for every capsule (a 16k-token one in ~0.2 ms)."""
@@ -212,7 +221,7 @@ class CapsuleMeta:
                    tokens=toks, token_digest=token_digest(arr), fingerprint=fingerprint,
                    layout_version=layout_version, prefill_chunk=prefill_chunk, nbytes=nbytes,
                    created_at=time.time() if created_at is None else created_at,
-                   recompute_cost_s=recompute_cost_s, decoded_from=decoded_from, replay=replay,
+                   recompute_cost_s=recompute_cost_s, decoded_from=decoded_from, replay_from=replay_from,
                    tokens_checked=True)
 
     def replace(self, **changes: Any) -> "CapsuleMeta":
@@ -251,7 +260,7 @@ class CapsuleMeta:
             raise CorruptCapsuleError(f"capsule metadata is invalid: {e}") from None
 
 
-OPTIONAL_FIELDS: dict[str, Any] = {"decoded_from": None, "replay": False}
+OPTIONAL_FIELDS: dict[str, Any] = {"decoded_from": None, "replay_from": None}
 
 
 def _refuse_constant(c: str) -> Any:

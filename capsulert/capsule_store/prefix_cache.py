@@ -42,17 +42,18 @@ class PrefixEntries(Persistence):
 
     # -- lookups ----------------------------------------------------------------------------------
     def match_prefix(self, namespace: str, fingerprint: str, tokens: list[int], rows: int, *,
-                     after: int = 0) -> PrefixMatch:
+                     after: int = 0, count: bool = True) -> PrefixMatch:
         """The deepest grid checkpoint past `after` tokens on the path of `tokens` in `namespace` under
         model `fingerprint` and prefill chunk `rows` (one ending exactly at len(tokens) must be complete),
-        and how far the store's blocks follow the path."""
+        and how far the store's blocks follow the path. count=False: not a prompt's lookup (a replay
+        snapshot looking for a shared state), kept out of the prefix cache's counters."""
         if self._layout is None:
             return PrefixMatch()
         keys = chain_keys(chain_seed(namespace, fingerprint, self.layout_version, rows, self._layout.origin),
                           tokens, rows)
         with self._lock:
             self._check_open()
-            self._prefix_counters["lookups"] += 1
+            self._prefix_counters["lookups"] += count
             held, at = self._index.walk(keys)
             best = None
             for depth in sorted(at, reverse=True):
@@ -67,7 +68,7 @@ class PrefixEntries(Persistence):
                                checkpoints=frozenset(d * rows for d in at))
 
     @contextmanager
-    def reading_prefix(self, match: PrefixMatch, start: int = 0) -> Iterator[tuple[CapsuleMeta, Parts]]:
+    def reading_prefix(self, match: PrefixMatch, start: int = 0, count: bool = True) -> Iterator[tuple[CapsuleMeta, Parts]]:
         """The checkpoint `match` found, on the device, with a read reference held (as `reading_parts`);
         UnknownCapsuleError when it left the store since the match. `start`: tokens the reader holds
         already (counted out of the hit's tokens)."""
@@ -75,8 +76,9 @@ class PrefixEntries(Persistence):
             e = self._entries.get(match.key) if match.key is not None else None  # type: ignore[arg-type]
             if e is None:
                 raise UnknownCapsuleError("the prefix checkpoint left the store since it was matched")
-            self._prefix_counters["hits"] += 1
-            self._prefix_counters["hit_tokens"] += match.grid - start
+            if count:
+                self._prefix_counters["hits"] += 1
+                self._prefix_counters["hit_tokens"] += match.grid - start
             return match.key, e
 
         with self._reading(resolve) as (e, parts, _):

@@ -13,14 +13,16 @@ grid-state block, shared with every capsule (and prefix-cache entry) of the same
 one grouped copy. Only a session whose state is canonical (prefix_cache.py) snapshots with this engine's
 origin, so only canonical bytes are ever shared or indexed.
 
-A *replay* capsule (mode "replay") keeps only the state at G (its KV blocks and grid-state block, shared)
-and its tokens; restore writes that state and re-runs tokens[G:] the way they were made: tokens[G:A) through
-the prefill path from the grid checkpoint (as every append does) and tokens[A:P) as one-token decode steps
-(A = decoded_from). Appends are a pure function of the tokens (canonical grid state) and decode steps are
-bitwise independent of the batch (batch invariance), so the rebuilt slot is bitwise the snapshotted one,
-as long as the same numerics run it: a replay capsule restores only under the origin that made it. It
-trades restore time (P - A decode steps) for memory: nothing computed past G is stored, so branches of one
-context (best-of-N, tree search) hold little more than their tokens.
+A *replay* capsule (mode "replay") keeps only the state at a grid point R <= G, its KV blocks and its
+grid-state block, shared, and its tokens; restore writes that state and re-runs tokens[R:] the way they
+were made: tokens[R:A) through the prefill path (as every append does) and tokens[A:P) as one-token decode
+steps (A = decoded_from >= G). Appends and the state at every grid point are a pure function of the tokens
+(canonical grid state) and decode steps are bitwise independent of the batch (batch invariance), so the
+rebuilt slot is bitwise the snapshotted one, as long as the same numerics run it: a replay capsule restores
+only under the origin that made it. R is the deepest grid point whose state the store holds already (a
+context the branch was forked from), if at most `replay_max_prefill` tokens before G; else G. It trades
+restore time for memory: nothing private is stored, so branches of one context (best-of-N, tree search)
+and agents on one prompt hold little more than their tokens.
 """
 from __future__ import annotations
 
@@ -113,32 +115,59 @@ class CapsuleVerbs:
         P = len(session.tokens)
         G = P // eng.chunk * eng.chunk
         canonical = self.prefix.canonical(session)
-        replay = mode == "replay" and P != G  # on the grid there is nothing to re-run: the capsule is whole
-        if replay and (not canonical or session.decoded_from is None):
+        if mode == "replay" and (not canonical or session.decoded_from is None):
             raise UnsupportedStateModeError(
                 f"session {session.id} cannot be kept as a replay capsule: its state was not computed here from "
                 "its tokens (restored from a capsule of other numerics, or carried across a weight update), so "
                 "re-running its tokens would not rebuild it; snapshot it with mode='full'")
-        views = self._grid_views(session.slot, G) if replay else self._views(session.slot, P, G)
-        nbytes = sum(t.numel() * t.element_size() for t in views.values())
+        match = self._shared_state(session, namespace, G) if mode == "replay" else PrefixMatch()
+        R = match.grid or G
+        if mode == "full" or R == P:  # nothing to re-run (on the grid, no shared state below): whole
+            return self._put(session, name, namespace, tier, pin, canonical, self._views(session.slot, P, G), None)
+        if R == G:
+            return self._put(session, name, namespace, tier, pin, canonical, self._grid_views(session.slot, G), G)
+        try:
+            with self.store.reading_prefix(match, count=False) as (meta, parts):
+                views = self._grid_views(session.slot, R)
+                views.update(zip(("ssm", "conv"), self._state_of(meta, parts.own_view())))
+                return self._put(session, name, namespace, tier, pin, canonical, views, R)
+        except UnknownCapsuleError:  # the shared state left the store since the lookup: keep the own one
+            return self._put(session, name, namespace, tier, pin, canonical, self._grid_views(session.slot, G), G)
+
+    def _shared_state(self, session: "Session", namespace: str, G: int) -> PrefixMatch:
+        """The deepest grid checkpoint on the session's path, at most replay_max_prefill tokens before G,
+        whose state the store holds (any capsule or prefix entry of this numerics in the namespace)."""
+        eng = self.engine
+        after = max(G - eng.config.replay_max_prefill, 1) - 1
+        return self.store.match_prefix(namespace, eng.fingerprint, session.tokens, eng.chunk, after=after, count=False)
+
+    @staticmethod
+    def _state_of(meta: CapsuleMeta, own: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A stored checkpoint's recurrent and conv state at its grid point (the live state of one held on
+        the grid, the grid checkpoint of one held past it)."""
+        return (own["ssm"], own["conv"]) if meta.held == meta.held_grid else (own["ssm_grid"], own["conv_grid"])
+
+    def _put(self, session: "Session", name: str, namespace: str, tier: str, pin: bool, canonical: bool,
+             views: dict[str, torch.Tensor], replay_from: int | None) -> CapsuleRef:
+        eng, P = self.engine, len(session.tokens)
         meta = CapsuleMeta.build(
             name=name,
             namespace=namespace,
             tokens=session.tokens,
-            grid_pos=G,
+            grid_pos=P // eng.chunk * eng.chunk,
             fingerprint=eng.fingerprint,
             layout_version=LAYOUT_VERSION,
             prefill_chunk=eng.chunk,
-            nbytes=nbytes,
+            nbytes=sum(t.numel() * t.element_size() for t in views.values()),
             recompute_cost_s=eng._prefill_s_per_token * P,
             decoded_from=session.decoded_from,
-            replay=replay,
+            replay_from=replay_from,
         )
         origin = self.store.block_origin if canonical else None
         return self.store.put(meta, views, tier=tier, pin=pin, origin=origin)
 
     def _grid_views(self, slot: int, grid_pos: int) -> dict[str, torch.Tensor]:
-        """The slot's state at its grid point: what a replay capsule holds (views, no copies)."""
+        """The slot's KV rows [0, grid_pos) and its state at its last grid point (views, no copies)."""
         st = self.engine.state
         return {"kv_k": st.kv_k[:, slot, :grid_pos], "kv_v": st.kv_v[:, slot, :grid_pos],
                 "ssm": st.ssm_grid[:, slot], "conv": st.conv_grid[:, slot]}
@@ -166,7 +195,8 @@ class CapsuleVerbs:
             )
         if meta.boundary > eng.config.max_seq:
             raise IncompatibleCapsuleError(f"capsule {meta.name!r} holds {meta.boundary} tokens > max_seq {eng.config.max_seq}")
-        expected = self._grid_views(0, meta.grid_pos) if meta.replay else self._views(0, meta.boundary, meta.grid_pos)
+        replay = meta.replay_from is not None
+        expected = self._grid_views(0, meta.held) if replay else self._views(0, meta.boundary, meta.grid_pos)
         for key, view in expected.items():
             spec = specs.get(key)
             if spec is None or spec.shape != tuple(view.shape) or spec.dtype != view.dtype:
@@ -180,36 +210,37 @@ class CapsuleVerbs:
     def restore_into(self, session: "Session", name: str, namespace: str) -> tuple[str, Replay | None]:
         """Overwrite the session's slot with the capsule; validates everything before the first byte moves.
         Returns the tier the capsule was read from (gpu, host or disk) and, for a replay capsule, what the
-        engine still has to re-run (the session then holds the capsule's state at its grid point)."""
+        engine still has to re-run (the session then holds the capsule's state at its replay point)."""
         eng = self.engine
         with self.store.reading_parts(name, namespace, check=self._check_compatible) as (meta, parts, tier):
             canonical = parts.refs is not None and parts.refs.origin == self.store.block_origin
-            if meta.replay and not canonical:
+            replay = meta.replay_from is not None
+            if replay and not canonical:
                 raise IncompatibleCapsuleError(
                     f"capsule {name!r} is a replay capsule made under other numerics "
                     f"({parts.refs.origin if parts.refs else 'unknown'}); re-running its tokens here would not "
                     "rebuild its state: restore it where it was made")
-            slot, P, G = session.slot, meta.held, meta.grid_pos
+            slot, P, G = session.slot, meta.held, meta.held_grid
             st = eng.state
             pairs = self._block_pairs(slot, parts, 0)
-            dst = self._grid_views(slot, G) if meta.replay else self._views(slot, P, G)
+            dst = self._grid_views(slot, G) if replay else self._views(slot, P, G)
             own = parts.own_view()
             for k in BLOCK_TENSORS:  # the rows past its blocks
                 dst[k] = dst[k][:, len(parts.blocks) * eng.chunk:]
             pairs += [(dst[k], own[k]) for k in dst]
             if P == G:  # at the grid point the live state is the grid checkpoint
-                live = (st.ssm, st.conv) if meta.replay else (st.ssm_grid, st.conv_grid)
+                live = (st.ssm, st.conv) if replay else (st.ssm_grid, st.conv_grid)
                 pairs += [(live[0][:, slot], own["ssm"]), (live[1][:, slot], own["conv"])]
             torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
             st.pos[slot] = P
         session.tokens = list(meta.tokens[:P])
-        session.decoded_from = G if meta.replay or meta.boundary == G else meta.decoded_from
+        session.decoded_from = P if P == G else meta.decoded_from
         session.stop_reason = None
         self.prefix.restored(session, namespace, canonical)
-        if not meta.replay:
+        if not replay:
             return tier, None
         A = meta.decoded_from
-        return tier, Replay(meta.tokens[G:A], meta.tokens[A:], A)  # type: ignore[arg-type, misc]
+        return tier, Replay(meta.tokens[P:A], meta.tokens[A:], A)  # type: ignore[arg-type, misc]
 
     def _block_pairs(self, slot: int, parts: Parts, first: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(slot rows, block rows) of the KV of blocks first.. of a capsule's parts."""
@@ -231,8 +262,8 @@ class CapsuleVerbs:
         try:
             with self.store.reading_prefix(match, start) as (meta, parts):
                 st, own = eng.state, parts.own_view()
-                on_grid = meta.held == meta.grid_pos
-                ssm, conv = (own["ssm"], own["conv"]) if on_grid else (own["ssm_grid"], own["conv_grid"])
+                on_grid = meta.held == meta.held_grid
+                ssm, conv = self._state_of(meta, own)
                 pairs = self._block_pairs(slot, parts, start // eng.chunk)
                 pairs += [(st.ssm[:, slot], ssm), (st.conv[:, slot], conv),
                           (st.ssm_grid[:, slot], ssm), (st.conv_grid[:, slot], conv)]

@@ -448,8 +448,8 @@ class Engine:
             try:
                 s.append(list(info.meta.tokens))  # the expensive, fallible part runs before anything changes
                 self.store.delete(name, namespace)
-                return self.capsules.snapshot(s, name, tier=info.tier, pin=info.pinned, mode="replay" if info.meta.replay else "full",
-                                              namespace=namespace)
+                mode = "full" if info.meta.replay_from is None else "replay"
+                return self.capsules.snapshot(s, name, tier=info.tier, pin=info.pinned, mode=mode, namespace=namespace)
             finally:
                 s.close()
 

@@ -40,6 +40,9 @@ class EngineConfig(BaseModel):
     prefix_cache_bytes: int | None = Field(2 << 30, ge=0, description="the most bytes prefix entries hold alone "
                                            "(blocks shared with capsules not counted); None: tier budgets only")
     prefix_policy: str = Field("cost_aware", description="the policy that admits and evicts prefix entries")
+    replay_max_prefill: int = Field(4096, ge=0, description="a replay capsule re-runs from the deepest grid point "
+                                    "whose state the store holds already, if that is at most this many tokens "
+                                    "before its own grid point (else from its own): memory against restore time")
     kernels: Literal["auto", "reference", "triton"] = Field(
         "auto", description="CUDA kernels: auto = Triton + fla chunked prefill when installed")
     slot_wait_s: float = Field(0.0, ge=0.0, le=3600.0,

@@ -70,7 +70,7 @@ def test_a_replay_capsule_restores_bitwise_what_the_session_held(make_engine, hi
     want = slot_state(eng, s)
     ref = s.snapshot("r", mode="replay")
     info = eng.store.info("r")
-    assert info.meta.replay and info.meta.boundary == P and info.meta.grid_pos == G and ref.boundary == P
+    assert info.meta.replay_from == G and info.meta.boundary == P and info.meta.grid_pos == G and ref.boundary == P
     # it holds the state at G only: no KV row past G, no live state, no last hidden state
     assert ref.nbytes == sum(t.numel() * t.element_size() for t in eng.capsules._grid_views(s.slot, G).values())
     r = eng.restore("r")
@@ -84,7 +84,7 @@ def test_on_the_grid_a_replay_snapshot_is_a_full_capsule(engine):
     s = engine.open()
     s.append(toks(2 * CHUNK, 1))
     s.snapshot("g", mode="replay")
-    assert not engine.store.info("g").meta.replay  # nothing to re-run at a grid point
+    assert engine.store.info("g").meta.replay_from is None  # nothing to re-run at a grid point
 
 
 def test_branches_kept_as_replay_capsules_share_the_context_and_replay_batched(make_engine):
@@ -111,6 +111,49 @@ def test_branches_kept_as_replay_capsules_share_the_context_and_replay_batched(m
         assert_same_state(eng, s, wants[f"b{i}"][1])
 
 
+@pytest.mark.parametrize("tail", [200, 128], ids=["off the grid", "on the grid"])
+def test_agents_on_a_shared_prompt_replay_from_its_state_and_hold_only_their_tokens(make_engine, tail):
+    eng = make_engine(slots=6)
+    base = eng.open()
+    base.append(toks(8 * CHUNK, 8))
+    base.snapshot("base")
+    shared = eng.store.stats()["gpu"]["bytes"]
+    wants = {}
+    for i, a in enumerate(eng.fork("base", 3)):
+        a.append(toks(tail, 20 + i))  # its own prompt past the shared one (crossing a grid point)
+        if i:
+            a.generate(4 * i, SAMPLED)
+        wants[i] = slot_state(eng, a)
+        ref = a.snapshot(f"agent{i}", mode="replay")
+        meta = eng.store.info(f"agent{i}").meta
+        # the base's KV and state (all but its last hidden state), nothing else
+        assert meta.replay_from == 8 * CHUNK and ref.nbytes == shared - eng.state.last_hidden[0].nbytes
+        a.close()
+    assert eng.store.stats()["gpu"]["bytes"] == shared
+    eng.store.delete("base")  # the agents keep the shared blocks alive
+    for i in range(3):
+        r = eng.restore(f"agent{i}")
+        assert_same_state(eng, r, wants[i])
+        r.close()
+
+
+def test_a_shared_state_too_far_back_is_not_replayed_from(make_engine):
+    eng = make_engine(replay_max_prefill=CHUNK)
+    base = eng.open()
+    base.append(toks(2 * CHUNK, 9))
+    base.snapshot("base")
+    a = eng.fork("base", 1)[0]
+    a.append(toks(2 * CHUNK + 30, 10))
+    want = slot_state(eng, a)
+    a.snapshot("own", mode="replay")
+    assert eng.store.info("own").meta.replay_from == 4 * CHUNK  # its own grid point: 2 chunks back is too far
+    assert_same_state(eng, eng.restore("own"), want)
+    b = eng.fork("base", 1)[0]
+    b.append(toks(2 * CHUNK, 11))
+    b.snapshot("whole", mode="replay")
+    assert eng.store.info("whole").meta.replay_from is None  # on its grid point with nothing near: whole
+
+
 def test_replay_capsules_restore_from_every_tier_and_across_save_and_load(make_engine, tmp_path):
     eng = make_engine(disk_dir=str(tmp_path / "disk"))
     s = make_history(eng, 300, [("gen", 9), ("append", 5), ("gen", 7)])
@@ -124,7 +167,7 @@ def test_replay_capsules_restore_from_every_tier_and_across_save_and_load(make_e
     eng.store.save(tmp_path / "saved")
     other = make_engine()
     other.store.load(tmp_path / "saved")
-    assert other.store.info("r").meta.replay
+    assert other.store.info("r").meta.replay_from is not None
     r = other.restore("r")
     assert_same_state(other, r, want)
 
@@ -169,15 +212,18 @@ def test_meta_records_how_the_state_was_made_and_reads_files_without_it():
                 prefill_chunk=128, nbytes=1)
     old = CapsuleMeta.build(**base)
     assert "decoded_from" not in old.to_json() and "replay" not in old.to_json()  # read by older builds as before
-    assert CapsuleMeta.from_json(old.to_json()) == old and old.held == 300
-    m = CapsuleMeta.build(**base, decoded_from=280, replay=True)
-    back = CapsuleMeta.from_json(m.to_json())
-    assert back == m and back.held == 256 and back.decoded_from == 280
-    for bad in (dict(decoded_from=200), dict(decoded_from=301), dict(replay=True), dict(replay=1, decoded_from=280)):
+    assert CapsuleMeta.from_json(old.to_json()) == old and old.held == 300 and old.held_grid == 256
+    for R in (256, 128, 0):
+        m = CapsuleMeta.build(**base, decoded_from=280, replay_from=R)
+        back = CapsuleMeta.from_json(m.to_json())
+        assert back == m and back.held == back.held_grid == R and back.decoded_from == 280
+    for bad in (dict(decoded_from=200), dict(decoded_from=301), dict(replay_from=256),  # replay needs decoded_from
+                dict(decoded_from=280, replay_from=100), dict(decoded_from=280, replay_from=384),
+                dict(decoded_from=280, replay_from=True)):
         with pytest.raises(ValueError):
             CapsuleMeta.build(**base, **bad)
-    with pytest.raises(ValueError, match="replay"):  # a replay capsule on its grid point re-runs nothing
-        CapsuleMeta.build(**{**base, "tokens": list(range(256))}, decoded_from=256, replay=True)
+    with pytest.raises(ValueError, match="replay_from"):  # re-running nothing is not a replay capsule
+        CapsuleMeta.build(**{**base, "tokens": list(range(256))}, decoded_from=256, replay_from=256)
 
 
 async def test_the_step_scheduler_keeps_and_restores_replay_capsules_among_other_sessions(make_engine):
@@ -188,7 +234,7 @@ async def test_the_step_scheduler_keeps_and_restores_replay_capsules_among_other
         s = await aeng.open(toks(300, 6))
         await s.generate(12, SAMPLED)
         await s.snapshot("r", mode="replay")
-        assert eng.store.info("r").meta.replay
+        assert eng.store.info("r").meta.replay_from is not None
         want = await s.generate(8, SAMPLED)
         others = [await aeng.open(toks(200, 7 + i)) for i in range(3)]
         busy = [asyncio.create_task(o.generate(20, SAMPLED)) for o in others]  # decoding while it replays
