@@ -4,14 +4,17 @@ in a temp directory).
 
 For each context length: a capsule of that many tokens is made on worker 0, then moved 0 -> 1 -> 0 ...
 --repeats round trips per path after a warm-up one (each move: migrate, then the source's copy is deleted;
-"first ms" is the cold first move, which for the device path sets up the pair link). Every move is timed
-from the driver (orch.migrate, end to end: for the device path the pack on the source device, both
-checksums, the transfer and the store on the target), and every moved capsule is checked to restore bitwise:
-the same greedy tokens as the original. Reports latency p50 / max and GB/s (capsule bytes / p50) per path,
-and the raw link: a plain send/recv of a buffer of the capsule's size between the same two workers over the
-same pair link (LinkProbe, timed on the receiving worker), with the device path's fraction of it, and
-the device move's time per phase on each worker (pack, handshake, send / recv, digest, store) against the
-wall time of its two calls and of orch.migrate.
+"first ms" is the cold first move, which for the device path sets up the pair link). Every move is timed from
+the driver (orch.migrate, end to end: for the device path the manifest and the answer, the pack and the seal
+on the source device, the transfer, the check on the target and its store), and every moved capsule is checked
+to restore bitwise: the same greedy tokens as the original. Reports latency p50 / max and GB/s (capsule bytes
+/ p50) per path, and the raw link: a plain send/recv of a buffer of the capsule's size between the same two
+workers over the same pair link (LinkProbe, timed on the receiving worker), with the device path's fraction of
+it, and the device move's time per phase on each worker against the wall time of its two calls and of
+orch.migrate: the sender's manifest (read, lay out, encode, start sending), pack (pack and seal; on CUDA only
+queued), answer (until the receiver's yes, the pack done) and send; the receiver's manifest (from its call's
+start: includes the sender's read), check (its refusals, the buffer, answer and receive started), meta (the
+metadata built while the bytes move), recv, digest and store (on CUDA queued on the engine's stream).
 
 Prints a table, writes bench/out/migration.json and bench/out/migration.png.
 
@@ -116,15 +119,16 @@ async def link_seconds(orch, nbytes: int, repeats: int) -> list[float]:
 
 async def device_phases(orch, name: str, repeats: int) -> dict:
     """Where a device move's time goes: SendCapsule and ReceiveCapsule called on the two workers directly
-    (over the link set up by then), each half's wall time per phase (ms, median of `repeats`; each mark waits
-    for its device), and the two calls' wall time from here. What orch.migrate adds on top is the router."""
+    (over the link set up by then), each half's wall time per phase (ms, median of `repeats`; a mark does
+    not wait for the device: queued GPU work shows in the phase that waits for it), and the two calls' wall
+    time from here. What orch.migrate adds on top is the router."""
     key = orch.pool.links[(0, 1)][1]
     halves, walls = {"send": [], "receive": []}, []
     for _ in range(repeats):
         t0 = time.perf_counter()
         async with orch.pool.transferring(0, 1):
             sent, got = await asyncio.gather(orch.call(0, SendCapsule(name, key, "default", 60.0)),
-                                             orch.call(1, ReceiveCapsule(key, "device", timeout_s=60.0)))
+                                             orch.call(1, ReceiveCapsule(key, "device", timeout_s=60.0, name=name)))
         walls.append((time.perf_counter() - t0) * 1e3)
         halves["send"].append(sent["phases_ms"])
         halves["receive"].append(got["phases_ms"])

@@ -7,11 +7,13 @@ port of its node, both ranks build `ProcessGroupNCCL(store, rank, 2)` on a CUDA 
 fails at connect time, not in the first transfer. The same code moves bytes over NVLink/PCIe (NCCL) and over
 TCP (Gloo).
 
-Ops block, so every one has a deadline: a peer that died, restarted or hangs fails the op with
-PeerLinkError when the deadline passes (or at once when the transport notices the closed connection), and
-the group is aborted and dropped: a broken group is never used again. A pair is named by a key the
-orchestrator makes from both workers' process ids and a generation, so a restarted peer always gets a new
-group; connecting a new key to a peer drops the older group to that peer.
+Every op has a deadline: a peer that died, restarted or hangs fails the op with PeerLinkError when the
+deadline passes (or at once when the transport notices the closed connection), and the group is aborted and
+dropped: a broken group is never used again. An op can be started and waited for later (`start_send`,
+`start_recv`, `wait`), so a transfer overlaps its own work with the bytes in flight. On CUDA, messages
+(`send_bytes`) use a stream of their own: a message never waits for work queued on the engine's stream. A pair
+is named by a key the orchestrator makes from both workers' process ids and a generation, so a restarted peer
+always gets a new group; connecting a new key to a peer drops the older group to that peer.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ import datetime
 import socket
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -70,6 +74,7 @@ class PeerLink:
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self._pairs: dict[str, _Pair] = {}
         self._lock = threading.Lock()
+        self._stream = None  # CUDA: the stream of messages, made on first use
 
     def keys(self) -> list[str]:
         with self._lock:
@@ -131,39 +136,66 @@ class PeerLink:
     def send(self, key: str, tensor: torch.Tensor, deadline: float) -> None:
         """Send a contiguous tensor on the engine device to the peer of pair `key`, by time.monotonic()
         `deadline`."""
-        pair = self._pair(key)
-        self._finish(pair, lambda: pair.group.send([tensor], 1 - pair.rank, 0), "send", deadline)
+        self.wait(self.start_send(key, tensor), deadline)
 
     def recv(self, key: str, tensor: torch.Tensor, deadline: float) -> None:
         """Receive into `tensor` (contiguous, on the engine device; the sender's size) by `deadline`."""
+        self.wait(self.start_recv(key, tensor), deadline)
+
+    def start_send(self, key: str, tensor: torch.Tensor, stream=None) -> Pending:
+        """Start a send and return at once (the thread may do other work while it runs); `wait` finishes
+        it. The ops of a pair run in the order they were started, on both ranks."""
         pair = self._pair(key)
-        self._finish(pair, lambda: pair.group.recv([tensor], 1 - pair.rank, 0), "recv", deadline)
+        return self._start(pair, "send", lambda: pair.group.send([tensor], 1 - pair.rank, 0), tensor, stream)
 
-    def send_bytes(self, key: str, data: bytes, deadline: float) -> None:
-        """A message: one op of _FRAME bytes (its length, then the data) when it fits, else that and one op
-        for the rest; the receiver needs no size in advance."""
-        frame = bytearray(_FRAME)
-        frame[:8] = len(data).to_bytes(8, "little")
-        head = data[:_FRAME - 8]
-        frame[8:8 + len(head)] = head
-        self.send(key, torch.frombuffer(frame, dtype=torch.uint8).to(self.device), deadline)
-        if len(data) > len(head):
-            rest = bytearray(data[len(head):])
-            self.send(key, torch.frombuffer(rest, dtype=torch.uint8).to(self.device), deadline)
+    def start_recv(self, key: str, tensor: torch.Tensor, stream=None) -> Pending:
+        pair = self._pair(key)
+        return self._start(pair, "recv", lambda: pair.group.recv([tensor], 1 - pair.rank, 0), tensor, stream)
 
-    def recv_bytes(self, key: str, deadline: float, limit: int = 1 << 30) -> bytes:
-        frame = torch.empty(_FRAME, dtype=torch.uint8, device=self.device)
-        self.recv(key, frame, deadline)
-        frame = frame.cpu().numpy().tobytes()
-        size = int.from_bytes(frame[:8], "little")
+    def send_bytes(self, key: str, data: bytes, deadline: float, frame: int = _FRAME) -> None:
+        for op in self.start_send_bytes(key, data, frame):
+            self.wait(op, deadline)
+
+    def start_send_bytes(self, key: str, data: bytes, frame: int = _FRAME) -> list[Pending]:
+        """A message: one op of `frame` bytes (its length, then the data) when it fits, else that and one op
+        for the rest; the receiver needs no size in advance, only the same `frame`. On CUDA the message
+        stream carries it: it never waits for work queued on the engine's stream (a pack, a decode step)."""
+        buf = bytearray(frame)
+        buf[:8] = len(data).to_bytes(8, "little")
+        head = data[:frame - 8]
+        buf[8:8 + len(head)] = head
+        chunks = [buf] + ([bytearray(data[len(head):])] if len(data) > len(head) else [])
+        stream = self._message_stream()
+        with _on(stream):
+            tensors = [torch.frombuffer(c, dtype=torch.uint8).to(self.device) for c in chunks]
+        return [self.start_send(key, t, stream) for t in tensors]
+
+    def recv_bytes(self, key: str, deadline: float, limit: int = 1 << 30, frame: int = _FRAME) -> bytes:
+        stream = self._message_stream()
+        with _on(stream):
+            first = torch.empty(frame, dtype=torch.uint8, device=self.device)
+        self.wait(self.start_recv(key, first, stream), deadline)
+        with _on(stream):
+            head = first.cpu().numpy().tobytes()
+        size = int.from_bytes(head[:8], "little")
         if size > limit:
             self.close(key)  # out of step with the peer: the group cannot be trusted any more
             raise PeerLinkError(f"worker link {key!r}: a message of {size} bytes (out of step with the peer)")
-        if size <= _FRAME - 8:
-            return frame[8:8 + size]
-        rest = torch.empty(size - (_FRAME - 8), dtype=torch.uint8, device=self.device)
-        self.recv(key, rest, deadline)
-        return frame[8:] + rest.cpu().numpy().tobytes()
+        if size <= frame - 8:
+            return head[8:8 + size]
+        with _on(stream):
+            rest = torch.empty(size - (frame - 8), dtype=torch.uint8, device=self.device)
+        self.wait(self.start_recv(key, rest, stream), deadline)
+        with _on(stream):
+            return head[8:] + rest.cpu().numpy().tobytes()
+
+    def _message_stream(self):
+        if self.device.type != "cuda":
+            return None
+        with self._lock:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            return self._stream
 
     def _pair(self, key: str) -> _Pair:
         with self._lock:
@@ -172,25 +204,52 @@ class PeerLink:
             raise PeerLinkError(f"no worker link {key!r} here (never connected, or dropped after a failure)")
         return pair
 
-    def _finish(self, pair: _Pair, start, what: str, deadline: float) -> None:
+    def _start(self, pair: _Pair, what: str, start, tensor: torch.Tensor, stream) -> Pending:
         try:
-            work = start()
+            with _on(stream):
+                return Pending(pair, start(), what, tensor, stream)
+        except Exception as e:  # noqa: BLE001 - the group is unusable: drop it
+            self._drop(pair, what, e)
+
+    def wait(self, op: Pending, deadline: float) -> None:
+        """Finish a started op by `deadline` (on CUDA: until its kernel finished); PeerLinkError, and the link
+        dropped, when it fails or the deadline passes."""
+        try:
             if self.backend == "gloo":
                 left = max(deadline - time.monotonic(), 0.001)
-                work.wait(datetime.timedelta(seconds=left))  # Gloo raises at its deadline itself
-            else:
-                # NCCL's wait() only orders the current stream after the op: poll the op's event, so the
-                # thread (not the GPU) is what waits, and only until the deadline
-                pause = 5e-5
-                while not work.is_completed():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{what} did not complete by its deadline")
-                    if self._pairs.get(pair.key) is not pair:
-                        raise RuntimeError("the link was dropped (its peer was lost)")
-                    time.sleep(pause)
-                    pause = min(pause * 2, 5e-4)
-                work.wait()  # raises the op's error, if any
+                op.work.wait(datetime.timedelta(seconds=left))  # Gloo raises at its deadline itself
+                return
+            # NCCL's wait() only orders the current stream after the op: poll the op's event, so the thread
+            # (not the GPU) is what waits, and only until the deadline; the pause stays short, as it is
+            # what a finished op waits to be noticed
+            pause = 1e-5
+            while not op.work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{op.what} did not complete by its deadline")
+                if self._pairs.get(op.pair.key) is not op.pair:
+                    raise RuntimeError("the link was dropped (its peer was lost)")
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-4)
+            with _on(op.stream):
+                op.work.wait()  # raises the op's error, if any; orders the op's stream after it
         except Exception as e:  # noqa: BLE001 - the peer died, restarted or hung: the group is done for
-            self.close(pair.key)
-            raise PeerLinkError(f"worker link {pair.key!r} to worker {pair.peer}: {what} failed "
-                                f"({type(e).__name__}: {str(e)[:300]}); the link is dropped") from None
+            self._drop(op.pair, op.what, e)
+
+    def _drop(self, pair: _Pair, what: str, e: Exception) -> NoReturn:
+        self.close(pair.key)
+        raise PeerLinkError(f"worker link {pair.key!r} to worker {pair.peer}: {what} failed "
+                            f"({type(e).__name__}: {str(e)[:300]}); the link is dropped") from None
+
+
+@dataclass
+class Pending:
+    """An op started on a pair link, not yet waited for; it keeps its tensor alive until then."""
+    pair: _Pair
+    work: object
+    what: str
+    tensor: torch.Tensor
+    stream: object = None  # the CUDA stream it was started on (None: the current one)
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()

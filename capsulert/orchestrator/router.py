@@ -112,8 +112,8 @@ class CapsuleRouter:
         """Copy capsule `name` to `worker`, byte-exact, by one of these paths (`via`):
 
         - "device": worker to worker over a pair link (orchestrator/peer_link.py), set up on first use: the
-          capsule packed into one buffer on the source's engine device, received into one on the target's
-          and checked against the source's digest (packed_capsule.py). NCCL between CUDA workers, Gloo between
+          capsule packed into one buffer on the source's engine device, sealed with its digest, received into
+          one on the target's and checked there (packed_capsule.py). NCCL between CUDA workers, Gloo between
           CPU workers;
         - "object_store": as safetensors bytes through the Ray object store;
         - "disk": as a verified capsule file written to and read from `directory`;
@@ -179,7 +179,7 @@ class CapsuleRouter:
             halves = {src: asyncio.ensure_future(self.pool.call(src, SendCapsule(name, key, self.ns, timeout),
                                                                 timeout=timeout + 10)),
                       dst: asyncio.ensure_future(self.pool.call(dst, ReceiveCapsule(key, tier, namespace=self.ns,
-                                                                                    timeout_s=timeout),
+                                                                                    timeout_s=timeout, name=name),
                                                                 timeout=timeout + 10))}
             await asyncio.wait(halves.values(), return_when=asyncio.FIRST_EXCEPTION)
             broke = any(t.done() and isinstance(t.exception(), WorkerLost) for t in halves.values())

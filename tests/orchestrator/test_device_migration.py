@@ -3,26 +3,21 @@ between CUDA workers runs Gloo here, between two CPU workers. A migrated capsule
 to the byte (same greedy tokens, logprobs and logits on both workers, identical exports); a link is set up
 once per worker pair and reused; "auto" picks the object store between CPU workers; a refusal or a
 corrupted transfer stores nothing on the target and leaves the router's view and the link as they were;
-a silent peer fails an op at its deadline instead of hanging the worker."""
+a silent peer fails an op at its deadline instead of hanging the worker. The protocol itself, in one
+process: test_transfer_protocol.py; the packed buffer and its digest: test_packed_capsule.py."""
 import asyncio
 import logging
-import threading
 import time
 
 import numpy as np
 import pytest
 import pytest_asyncio
 import ray
-import torch
 
-from capsulert.errors import (CapsuleError, ConfigError, CorruptCapsuleError, PeerLinkError, UnknownCapsuleError,
-                              WorkerLost)
+from capsulert.errors import CapsuleError, ConfigError, PeerLinkError, UnknownCapsuleError, WorkerLost
 from capsulert.orchestrator import Orchestrator
-from capsulert.orchestrator.peer_link import PeerLink, free_port
-from capsulert.orchestrator.packed_capsule import buffer_digest, pack_tensors, tensor_views
-from capsulert.orchestrator.worker_core import WorkerCore
-from capsulert.worker.verbs import (Append, Close, ExportCapsule, ListCapsules, Open, PeerConnect, ReceiveCapsule,
-                                    Restore, SendCapsule, Snapshot, Turn)
+from capsulert.worker.verbs import (Append, Close, ExportCapsule, ListCapsules, ReceiveCapsule, Restore, SendCapsule,
+                                    Turn)
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")
 PROMPT = "A capsule moves between workers over a link of their own, byte for byte, and nothing else moves. " * 3
@@ -202,130 +197,3 @@ async def test_a_peer_that_dies_fails_the_transfer_fast_and_its_restart_gets_a_n
     assert pids2[0] == pids[0] and pids2[1] != pids[1] and key2 != key
     assert orch.holders("rs-b") == {0, 1} and orch.holders("rs-a") == {0}
     assert (await _served(orch, 1, "rs-b"))[:2] == (await _served(orch, 0, "rs-b"))[:2]
-
-
-# ---------------------------------------------------------------------- in-process: two cores, two threads
-def _both(a, b):
-    """Run a() and b() at once in two threads; their results (or the exceptions they raised)."""
-    out = [None, None]
-
-    def run(i, fn):
-        try:
-            out[i] = fn()
-        except Exception as e:  # noqa: BLE001 - the test looks at it
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate((a, b))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
-
-
-def _connect(link0: PeerLink, link1: PeerLink, key: str = "pair") -> None:
-    port = free_port()
-    assert _both(lambda: link0.connect(key, 1, 0, "127.0.0.1", port, 10),
-                 lambda: link1.connect(key, 0, 1, "127.0.0.1", port, 10)) == [None, None]
-
-
-def test_peer_link_sends_a_buffer_between_two_ranks_and_a_silent_peer_fails_at_the_deadline():
-    a, b = PeerLink("cpu", "127.0.0.1"), PeerLink("cpu", "127.0.0.1")
-    _connect(a, b)
-    assert a.backend == b.backend == "gloo" and a.keys() == b.keys() == ["pair"]
-    for n in (1 << 20, 3):  # twice over the same group
-        src = torch.randint(0, 256, (n,), dtype=torch.uint8)
-        dst = torch.zeros(n, dtype=torch.uint8)
-        far = time.monotonic() + 10
-        assert _both(lambda: a.send("pair", src, far), lambda: b.recv("pair", dst, far)) == [None, None]
-        assert torch.equal(dst, src)
-    for msg in (b"", b"manifest", bytes(range(256)) * 40):  # empty, one op, longer than one op
-        assert _both(lambda: a.send_bytes("pair", msg, far), lambda: b.recv_bytes("pair", far))[1] == msg
-
-    # nobody sends: the receive fails at its deadline, and the broken group is dropped on both sides
-    t0 = time.monotonic()
-    with pytest.raises(PeerLinkError, match="recv"):
-        b.recv("pair", torch.zeros(4, dtype=torch.uint8), time.monotonic() + 0.5)
-    assert time.monotonic() - t0 < 5 and b.keys() == []
-    with pytest.raises(PeerLinkError):
-        a.send("pair", torch.zeros(4, dtype=torch.uint8), time.monotonic() + 5)  # the peer closed its end
-    assert a.keys() == []
-    _connect(a, b, "pair-2")  # a new key connects again
-    _connect(a, b, "pair-3")  # ... and replaces the older group to the same peer (a restarted peer's)
-    assert a.keys() == b.keys() == ["pair-3"]
-    a.close_all(), b.close_all()
-    assert a.keys() == b.keys() == []
-
-
-def test_pack_and_views_round_trip_every_dtype_and_the_empty_capsule():
-    tensors = {"kv": torch.randn(3, 5, dtype=torch.bfloat16), "pos": torch.tensor(7, dtype=torch.int32),
-               "empty": torch.zeros(0, 4), "ssm": torch.randn(2, 3).t()}  # a strided one too
-    buf, specs = pack_tensors(tensors, torch.device("cpu"))
-    assert buf.dtype == torch.uint8 and buf.dim() == 1
-    back = tensor_views(buf, specs)
-    assert set(back) == set(tensors)
-    for k, t in tensors.items():
-        assert back[k].dtype == t.dtype and back[k].shape == t.shape and torch.equal(back[k], t)
-    buf, specs = pack_tensors({}, torch.device("cpu"))
-    assert buf.numel() == 0 and tensor_views(buf, specs) == {}
-    with pytest.raises(CorruptCapsuleError):
-        tensor_views(torch.empty(16, dtype=torch.uint8), [["x", "float32", [8], 0]])
-
-
-def test_the_buffer_digest_is_exact_order_sensitive_and_the_same_in_any_number_of_passes(monkeypatch):
-    from capsulert.orchestrator import packed_capsule
-
-    g = torch.Generator().manual_seed(3)
-    buf = torch.randint(0, 256, (4096 * 8,), dtype=torch.uint8, generator=g)
-    d = buffer_digest(buf)
-    assert d == buffer_digest(buf.clone()) and len(d) <= 64
-    flipped = buf.clone()
-    flipped[12345] ^= 1
-    words = buf.view(torch.int64).clone()
-    words[[3, 9]] = words[[9, 3]]  # the same words in another order: the plain sum alone would not see it
-    assert len({d, buffer_digest(flipped), buffer_digest(words.view(torch.uint8))}) == 3
-    assert buffer_digest(buf[:-packed_capsule.ALIGN]) != d  # a missing tail
-    monkeypatch.setattr(packed_capsule, "_DIGEST_WORDS", 1000)  # many passes, a short last one
-    assert buffer_digest(buf) == d
-    assert buffer_digest(torch.empty(0, dtype=torch.uint8)) == buffer_digest(torch.empty(0, dtype=torch.uint8))
-
-
-def test_a_transfer_corrupted_in_transit_is_refused_and_nothing_is_stored(engine_cfg):
-    a, b = WorkerCore({**engine_cfg, "slots": 2}, worker_index=0), WorkerCore({**engine_cfg, "slots": 2},
-                                                                                worker_index=1)
-    try:
-        info = a.execute(Open(PROMPT))
-        a.execute(Snapshot(info.session, "c"))
-        _connect(a.peers, b.peers)
-        real_recv, calls = b.peers.recv, []
-
-        def flipping_recv(key, tensor, deadline):  # flip one bit of the packed capsule (the only big receive)
-            real_recv(key, tensor, deadline)
-            calls.append(tensor.numel())
-            if tensor.numel() > 1 << 16:
-                tensor[tensor.numel() // 2] ^= 1
-
-        b.peers.recv = flipping_recv
-        sent, got = _both(lambda: a.execute(SendCapsule("c", "pair")), lambda: b.execute(ReceiveCapsule("pair")))
-        assert sent["sent"] is True and isinstance(got, CorruptCapsuleError)
-        assert max(calls) == sent["nbytes"] > 1 << 16 and not b.engine.store.contains("c")
-        del b.peers.recv  # the link is still in step: a clean transfer follows, stored byte-exact
-        sent, got = _both(lambda: a.execute(SendCapsule("c", "pair")), lambda: b.execute(ReceiveCapsule("pair")))
-        assert got["name"] == "c" and b.execute(ExportCapsule("c")).blob == a.execute(ExportCapsule("c")).blob
-        # each half says where its time went, for the migration benchmark's breakdown
-        assert list(sent["phases_ms"]) == ["pack", "manifest", "answer", "send", "digest"]
-        assert list(got["phases_ms"]) == ["manifest", "check", "answer", "recv", "digest", "store"]
-        assert all(v >= 0 for v in [*sent["phases_ms"].values(), *got["phases_ms"].values()])
-        # a sender that cannot send tells the receiver, which stores nothing and fails at once
-        sent, got = _both(lambda: a.execute(SendCapsule("missing", "pair")),
-                          lambda: b.execute(ReceiveCapsule("pair")))
-        assert isinstance(sent, UnknownCapsuleError) and isinstance(got, CapsuleError) and "missing" in str(got)
-        assert not b.engine.store.contains("missing")
-        # a peer that never shows up: PeerConnect fails within its timeout instead of hanging the worker
-        t0 = time.monotonic()
-        with pytest.raises(PeerLinkError):
-            b.execute(PeerConnect("lonely", 0, 1, "127.0.0.1", free_port(), 1.0))
-        assert time.monotonic() - t0 < 10
-    finally:
-        a.scheduler.stop(), b.scheduler.stop()
-        a.peers.close_all(), b.peers.close_all()
