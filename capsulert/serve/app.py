@@ -23,19 +23,20 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsulert.capsule_store import validate_name
 from capsulert.errors import CapsuleRTError, DuplicateCapsuleError, QueueFullError, UnknownCapsuleError
 from capsulert.serve.chat import ChatTemplate
+from capsulert.serve.fastroute import fast_route
 from capsulert.serve.generation import RESERVED_PREFIX, Plan, Run
 from capsulert.serve.http_errors import INVALID, ApiError, ErrorKind, describe, error_body, kind_of
 from capsulert.serve.metrics import ServerMetrics, capsulert_lines
 from capsulert.serve.plans import Limits, chat_logprobs, chat_plan, completion_logprobs, completion_plan
 from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest
 from capsulert.serve.responses import Shape
-from capsulert.serve.streaming import DONE, sse
+from capsulert.serve.streaming import DONE, EventStream, sse
 from capsulert.serve.tenants import Tenants
 from capsulert.serve.tokens import TokenText
 
@@ -44,6 +45,10 @@ if TYPE_CHECKING:
     from capsulert.orchestrator.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
+
+# FastAPI's OpenTelemetry spans and metrics: off, and not even looked up per request (the server keeps its
+# own metrics, metrics.py)
+NO_TELEMETRY = {"tracing": False, "metrics": False, "logs": False}
 
 
 class Admission:
@@ -76,25 +81,38 @@ class ServerState:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="capsulert", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="capsulert", docs_url=None, redoc_url=None, openapi_url=None, telemetry=NO_TELEMETRY)
     _install_error_handlers(app)
 
-    async def tenant(authorization: str | None = Header(None)) -> "Namespace":  # async: no threadpool hop
+    def namespace(authorization: str | None) -> "Namespace":
         return state.orchestrator.namespace(state.tenants.namespace_for(authorization))
+
+    async def tenant(authorization: str | None = Header(None)) -> "Namespace":  # async: no threadpool hop
+        return namespace(authorization)
+
+    def tenant_of(request: Request) -> dict:  # `tenant` for fast_route: the same header, the same refusals
+        return {"ns": namespace(request.headers.get("authorization"))}
+
+    def generation_route(path: str, model: type):
+        def add(endpoint):
+            app.router.add_api_route(path, endpoint, methods=["POST"],
+                                     route_class_override=fast_route(model, "body", tenant_of))
+            return endpoint
+        return add
 
     @app.get("/v1/models")
     async def models(ns: "Namespace" = Depends(tenant)) -> dict:
         return {"object": "list", "data": [{"id": state.limits.model_name, "object": "model", "created": 0,
                                             "owned_by": "capsulert"}]}
 
-    @app.post("/v1/completions")
+    @generation_route("/v1/completions", CompletionRequest)
     async def completions(body: CompletionRequest, ns: "Namespace" = Depends(tenant)) -> Response:
         t0 = time.perf_counter()
         plan = _measured(state, "completions", t0, lambda: completion_plan(body, state.limits, state.tokens))
         shape = _shape(state, False, completion_logprobs(body), body.return_token_ids)
         return await _respond(state, "completions", ns, plan, shape, body.stream, body.include_usage, t0)
 
-    @app.post("/v1/chat/completions")
+    @generation_route("/v1/chat/completions", ChatCompletionRequest)
     async def chat_completions(body: ChatCompletionRequest, ns: "Namespace" = Depends(tenant)) -> Response:
         t0 = time.perf_counter()
         plan = _measured(state, "chat", t0, lambda: chat_plan(body, state.limits, state.tokens, state.template))
@@ -161,7 +179,7 @@ async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, 
         # such capsule, a prompt past max_seq, a full server) is still an HTTP status; and a started
         # generator is always finalized (its sessions closed) even if the response never iterates it
         await events.__anext__()
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return EventStream(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     entered = False
     try:
         if plan.snapshot_as is not None:
@@ -200,7 +218,7 @@ async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, s
             started = True
             yield b""
             async for chunk in run.stream():
-                yield sse(shape.chunk(chunk, chunk.index not in sent, sent.get(chunk.index, 0)))
+                yield shape.chunk_event(chunk, chunk.index not in sent, sent.get(chunk.index, 0))
                 sent[chunk.index] = sent.get(chunk.index, 0) + len(chunk.text)
                 if chunk.final is not None:
                     finals.append(chunk.final)

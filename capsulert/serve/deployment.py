@@ -34,7 +34,7 @@ class CapsuleServer:
         from capsulert.orchestrator.orchestrator import Orchestrator
         from capsulert.serve.app import Admission, ServerState, build_app
         from capsulert.serve.chat import ChatTemplate
-        from capsulert.serve.metrics import RayMetrics
+        from capsulert.serve.metrics import Deferred, RayMetrics
         from capsulert.serve.options import model_dir, vocab_size
         from capsulert.serve.plans import Limits
         from capsulert.serve.tenants import Tenants
@@ -48,7 +48,7 @@ class CapsuleServer:
             path = model_dir(opts.engine)
             tokens = TokenText.load(path, vocab_size(opts.engine))
             eos = _eos_text(path, tokens)
-            metrics = RayMetrics()
+            metrics = Deferred(RayMetrics())
             self.state = ServerState(
                 orchestrator=self.orchestrator, tenants=tenants,
                 limits=Limits(opts.model_name, opts.engine.max_seq, opts.largest_n), tokens=tokens,

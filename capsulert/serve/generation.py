@@ -117,6 +117,20 @@ class _Group:
 _END = object()  # a streamed choice is complete
 
 
+# asyncio.gather, without a task per awaitable when there is one (most requests: one prompt, one choice)
+async def _each(aws: list) -> list:
+    return [await aws[0]] if len(aws) == 1 else await asyncio.gather(*aws)
+
+
+async def _settled(aws: list) -> list:  # asyncio.gather(*aws, return_exceptions=True)
+    if len(aws) != 1:
+        return await asyncio.gather(*aws, return_exceptions=True)
+    try:
+        return [await aws[0]]
+    except Exception as e:
+        return [e]
+
+
 class Run:
     """The sessions of one request, from start to close (an async context manager: closing is certain)."""
 
@@ -139,7 +153,7 @@ class Run:
             p.cancel()  # a client that went away: each stream interrupts its generate
         await asyncio.gather(*self._pumps, return_exceptions=True)
         sessions = [s for g in self.groups if g is not None for s in g.sessions]
-        for r in await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True):
+        for r in await _settled([s.close() for s in sessions]):
             if isinstance(r, BaseException):
                 log.debug("closing a session failed: %s: %s", type(r).__name__, r)
 
@@ -147,8 +161,7 @@ class Run:
     async def start(self) -> None:
         """Open or restore every prompt's session; for n > 1 append the prompts and fork."""
         # every start settles before an error propagates: a session opened after close() ran would leak
-        outcomes = await asyncio.gather(*(self._start(i, prompt) for i, prompt in enumerate(self.plan.prompts)),
-                                        return_exceptions=True)
+        outcomes = await _settled([self._start(i, prompt) for i, prompt in enumerate(self.plan.prompts)])
         for r in outcomes:
             if isinstance(r, BaseException):
                 raise r
@@ -197,14 +210,14 @@ class Run:
 
     # ------------------------------------------------------------------ generate
     async def generate(self) -> tuple[list[Choice], Usage]:
-        per_group = await asyncio.gather(*(self._generate(i, g) for i, g in enumerate(self.groups)))
+        per_group = await _each([self._generate(i, g) for i, g in enumerate(self.groups)])
         choices = [c for group in per_group for c in group]
         return choices, self.usage(choices)
 
     async def _generate(self, i: int, group: _Group) -> list[Choice]:
         plan = self.plan
-        results = await asyncio.gather(*(s.turn(self._prompt(i), plan.max_tokens, plan.params(j))
-                                         for j, s in enumerate(group.sessions)))
+        results = await _each([s.turn(self._prompt(i), plan.max_tokens, plan.params(j))
+                               for j, s in enumerate(group.sessions)])
         group.prompt_tokens = results[0].length - len(results[0])
         if not group.prefilled:  # n = 1: the turn's own prefill
             group.cached_tokens += results[0].cached_tokens

@@ -8,6 +8,7 @@ import logging
 import time
 
 from capsulert.errors import ConfigError
+from capsulert.serve.streaming import CANCELS_ON_DISCONNECT
 
 log = logging.getLogger(__name__)
 ACCESS_LOG = logging.getLogger("capsulert.serve.access")  # ServerOptions.access_log
@@ -51,6 +52,9 @@ class DirectIngress:
                 task.result()  # its error
                 raise RuntimeError(f"the HTTP server on {host}:{port} did not start")
             await asyncio.sleep(0.01)
+        # uvicorn picks httptools when installed; the loop is the replica's (uvloop under Ray)
+        log.debug("HTTP server on %s:%d: %s, %s", host, port, config.http_protocol_class.__name__,
+                  type(asyncio.get_running_loop()).__module__)
         return cls(server, task)
 
     def check(self) -> None:
@@ -94,15 +98,22 @@ class CancelOnDisconnect:
                             scope["path"], status[0] or "-", (time.perf_counter() - t0) * 1e3)
 
     async def _call(self, scope, receive, send) -> None:
+        # the handler runs in this task (no task of its own, no asyncio.wait per request); the watcher cancels
+        # this task when the client goes before the response is complete
+        scope[CANCELS_ON_DISCONNECT] = True
+        me = asyncio.current_task()
         inbox: asyncio.Queue = asyncio.Queue()
-        gone = complete = False
+        gone = complete = cancelled = False
 
         async def watch() -> None:  # reads ahead: the request's body, then (only) the disconnect
-            nonlocal gone
+            nonlocal gone, cancelled
             while not gone:
                 message = await receive()
                 gone = message["type"] == "http.disconnect"
                 inbox.put_nowait(message)
+            if not complete:
+                cancelled = True
+                me.cancel()
 
         async def app_receive():
             if gone and inbox.empty():
@@ -115,22 +126,16 @@ class CancelOnDisconnect:
                 complete = True
             await send(message)
 
-        handler = asyncio.ensure_future(self.app(scope, app_receive, app_send))
         watcher = asyncio.ensure_future(watch())
         try:
-            await asyncio.wait((handler, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if not handler.done() and gone and not complete:
-                handler.cancel()
-                try:
-                    await handler
-                except asyncio.CancelledError:
-                    if asyncio.current_task().cancelling():
-                        raise
-                return
-            await handler
+            await self.app(scope, app_receive, app_send)
+        except asyncio.CancelledError:
+            if not cancelled or me.uncancel() > 0:  # cancelled by someone else too (the server stops)
+                raise
+            cancelled = False
         finally:
+            if cancelled:  # the handler swallowed our cancellation: it is spent
+                me.uncancel()
             watcher.cancel()
             if watcher.done() and not watcher.cancelled() and watcher.exception() is not None:
                 log.debug("reading a request failed: %s", watcher.exception())
-            if not handler.done():  # we are cancelled ourselves (the server stops)
-                handler.cancel()

@@ -10,11 +10,19 @@ Concatenated over a choice's chunks, they are the same list as the non-streamed 
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 from capsulert.serve.generation import Choice, Chunk, Made, Usage
+from capsulert.serve.streaming import sse
 from capsulert.serve.tokens import TokenText
+
+# what sse() writes for each part of a chunk (json.dumps, compact, ensure_ascii=False)
+_string = json.encoder.encode_basestring
+_number = int.__repr__
+_encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 FINISH_REASON = {"eos": "stop", "stop_token": "stop", "stop_string": "stop", "interrupted": "stop",
                  "length": "length", "max_seq": "length"}
@@ -87,6 +95,31 @@ class Shape:
         out = self._head(self._object + ".chunk" if self.chat else self._object)
         out["choices"] = [d]
         return out
+
+    @cached_property
+    def _event_head(self) -> str:
+        """A stream event up to its choice's index: the same for every chunk of the response."""
+        obj = self._object + ".chunk" if self.chat else self._object
+        return (f'data: {{"id":{_string(self.id)},"object":{_string(obj)},"created":{_number(self.created)},'
+                f'"model":{_string(self.model)},"choices":[{{"index":')
+
+    def chunk_event(self, ch: Chunk, first: bool, offset: int) -> bytes:
+        """sse(self.chunk(ch, first, offset)), byte for byte, written from the stream's head instead of a dict
+        encoded whole: every byte of it is per token."""
+        if type(ch.text) is not str:
+            return sse(self.chunk(ch, first, offset))
+        lp = "null"
+        if self.logprobs is not None and ch.tokens:
+            lp = _encoder.encode(self._logprobs(ch.tokens, ch.logprobs, ch.top_logprobs, offset))
+        if self.chat:
+            delta = '"delta":{"role":"assistant","content":' if first else '"delta":{"content":'
+            text = delta + _string(ch.text) + "}"
+        else:
+            text = '"text":' + _string(ch.text)
+        finish = "null" if ch.final is None else _string(FINISH_REASON.get(ch.final.stop_reason, "stop"))
+        ids = ',"token_ids":[' + ",".join(map(_number, ch.tokens)) + "]" if self.return_token_ids else ""
+        return (self._event_head + _number(ch.index) + "," + text + ',"logprobs":' + lp + ',"finish_reason":' + finish
+                + ids + "}]}\n\n").encode("utf-8")
 
     def tail_chunk(self, usage: Usage | None, capsule: Made | None) -> dict:
         """The last chunk: no choices, the usage (stream_options.include_usage) and the capsule made."""
