@@ -101,3 +101,18 @@ def test_the_manifest_carries_the_metadata_and_refuses_what_does_not_check_out()
         manifest_meta(head, tokens[:-2])
     with pytest.raises(ValueError):
         decode_manifest(b"\xff\xff\x00\x00not json")
+
+
+@pytest.mark.parametrize("change", ["a negative token", "another token"])
+def test_a_manifest_whose_token_ids_changed_is_refused(change):
+    meta = CapsuleMeta.build(name="m", tokens=list(range(1000, 1300)), grid_pos=256, fingerprint="fp",
+                             layout_version=1, prefill_chunk=128, nbytes=1, decoded_from=300)
+    head, tokens = decode_manifest(encode_manifest(meta, None, [], 0))
+    assert manifest_meta(head, tokens) == meta
+    wire = bytearray(tokens)
+    if change == "a negative token":
+        wire[4 * 7 + 3] |= 0x80
+    else:
+        wire[4 * 7] ^= 1
+    with pytest.raises(CorruptCapsuleError, match="negative" if change == "a negative token" else "token_digest"):
+        manifest_meta(head, bytes(wire))
