@@ -3,7 +3,10 @@ official openai client (async), and the same requests through the async API for 
 
 Each request mirrors what the server does for it (capsulert/serve/generation.py), the same calls to the
 worker, so the difference is the HTTP path (client, HTTP server, FastAPI, JSON / SSE; plus Ray Serve's
-proxy with ServerOptions.direct_ingress=False) and nothing else:
+proxy with ServerOptions.direct_ingress=False) and nothing else. Both paths run at once, each with a worker
+of its own on the same device (the server's, and an orchestrator of this process), and the one-at-a-time
+requests alternate between them (API, HTTP, API, ...), so drift over time (clocks, other load) falls on
+both alike; the concurrent sweeps run one path after the other.
 - streamed: restore the agent's capsule, then append its turn + stream the tokens as one streamed turn,
   close (`completions.create(stream=True, capsule=...)`);
 - whole: restore, then append + generate as one turn, close (`completions.create(capsule=...)`).
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import statistics
 import time
 
 from common import OUT_DIR, log, machine_info, percentile, print_table, write_json
@@ -120,17 +124,6 @@ async def concurrent(agent, target, names, turns, gen: int) -> dict:
             "itl_ms": [x for o in outs for x in o["itl_ms"]], "tokens": [o["tokens"] for o in outs]}
 
 
-async def one_at_a_time(agent, target, names, turns, gen: int, requests: int) -> tuple[list[float], list[list[int]]]:
-    """`requests` requests one after another (round robin over the agents): wall times (ms) and tokens."""
-    walls, tokens = [], []
-    for i in range(requests):
-        k = i % len(names)
-        out = await agent(target, names[k], turns[k], gen)
-        walls.append(out["wall_ms"])
-        tokens.append(out["tokens"])
-    return walls, tokens
-
-
 # ------------------------------------------------------------------------------------------------ main
 def workload(args, n: int) -> tuple[list[list[int]], list[list[int]]]:
     """n contexts and n turns of random token ids (the same as bench/serving.py's)."""
@@ -142,16 +135,18 @@ def workload(args, n: int) -> tuple[list[list[int]], list[list[int]]]:
     return contexts, turns
 
 
-async def measure(agents: dict, target, names, turns, args) -> dict:
-    """One warm-up request per path, then the one-at-a-time latencies and the concurrent sweep."""
-    out = {"latency_ms": {}, "tokens": {}, "sweep": {}}
-    for path, agent in agents.items():
-        await agent(target, names[0], turns[0], args.gen)
-        out["latency_ms"][path], out["tokens"][path] = await one_at_a_time(agent, target, names, turns, args.gen,
-                                                                            args.requests)
-    for n in args.ns:
-        log(f"  N={n}")
-        out["sweep"][n] = await concurrent(agents["stream"], target, names[:n], turns[:n], args.gen)
+async def alternate(paths: dict, names, turns, gen: int, requests: int) -> dict:
+    """`requests` requests per path, one at a time, alternating between the paths (after one warm-up
+    request each): {path: (wall times in ms, tokens)}."""
+    for agent, target in paths.values():
+        await agent(target, names[0], turns[0], gen)
+    out = {p: ([], []) for p in paths}
+    for i in range(requests):
+        k = i % len(names)
+        for p, (agent, target) in paths.items():
+            res = await agent(target, names[k], turns[k], gen)
+            out[p][0].append(res["wall_ms"])
+            out[p][1].append(res["tokens"])
     return out
 
 
@@ -167,24 +162,32 @@ async def main_http(args) -> int:
     contexts, turns = workload(args, n_max)
     names = [f"agent{i}" for i in range(n_max)]
 
-    log(f"async API: {n_max} capsules of {args.context} tokens")
-    orch = await Orchestrator.start(dict(engine=engine_cfg, num_workers=1, call_timeout_s=3600,
-                                         torch_threads=args.threads))
-    try:
-        for name, ctx in zip(names, contexts):
-            s = await orch.open(ctx)
-            await s.snapshot(name)
-            await s.close()
-        api = await measure({"stream": api_stream, "whole": api_whole}, orch, names, turns, args)
-    finally:
-        await orch.close()
-
     log("HTTP: capsulert serve + openai client")
     url = start_server(engine_cfg, args.threads, max_inflight=max(256, 2 * n_max))
+    api = {"latency_ms": {}, "tokens": {}, "sweep": {}}
+    http = {"latency_ms": {}, "tokens": {}, "sweep": {}}
     try:
         cl = client(url)
         await make_capsules(cl, contexts)
-        http = await measure({"stream": http_stream, "whole": http_whole}, cl, names, turns, args)
+        log(f"async API: its own worker, {n_max} capsules of {args.context} tokens")
+        orch = await Orchestrator.start(dict(engine=engine_cfg, num_workers=1, call_timeout_s=3600,
+                                             torch_threads=args.threads))
+        try:
+            for name, ctx in zip(names, contexts):
+                s = await orch.open(ctx)
+                await s.snapshot(name)
+                await s.close()
+            for path, (on_api, on_http) in {"stream": (api_stream, http_stream), "whole": (api_whole, http_whole)}.items():
+                got = await alternate({"api": (on_api, orch), "http": (on_http, cl)}, names, turns, args.gen,
+                                      args.requests)
+                (api["latency_ms"][path], api["tokens"][path]), (http["latency_ms"][path], http["tokens"][path]) = \
+                    got["api"], got["http"]
+            for n in args.ns:
+                log(f"  N={n}")
+                api["sweep"][n] = await concurrent(api_stream, orch, names[:n], turns[:n], args.gen)
+                http["sweep"][n] = await concurrent(http_stream, cl, names[:n], turns[:n], args.gen)
+        finally:
+            await orch.close()
         await cl.close()
     finally:
         stop_server()
@@ -194,9 +197,14 @@ async def main_http(args) -> int:
     for n in args.ns:
         assert http["sweep"][n]["tokens"] == api["sweep"][n]["tokens"], f"N={n}: HTTP tokens differ"
 
+    # the overhead per request: the median of the paired differences (each HTTP request against the API
+    # request just before it), and the difference of the two p50s
+    paired = {p: statistics.median(h - a for a, h in zip(api["latency_ms"][p], http["latency_ms"][p]))
+              for p in ("stream", "whole")}
     latency = [{"request": path, "api_p50_ms": percentile(api["latency_ms"][path], 50),
                 "http_p50_ms": percentile(http["latency_ms"][path], 50),
                 "overhead_p50_ms": percentile(http["latency_ms"][path], 50) - percentile(api["latency_ms"][path], 50),
+                "paired_overhead_p50_ms": paired[path],
                 "api_p99_ms": percentile(api["latency_ms"][path], 99),
                 "http_p99_ms": percentile(http["latency_ms"][path], 99)} for path in ("stream", "whole")]
     sweep = [{"n": n, "api_tokens_per_s": api["sweep"][n]["tokens_per_s"],
