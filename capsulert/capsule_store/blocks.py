@@ -244,14 +244,20 @@ class Parts:
             out.update({name: self.state[b] for name, b in self.refs.state_names.items()})  # type: ignore[index]
         return out
 
+    def pieces(self) -> tuple[dict[str, list[torch.Tensor]], int]:
+        """Each capsule tensor as the pieces the store holds it in (views: its KV blocks then its tail, or
+        the one tensor), and the dimension block pieces join on."""
+        out = {name: [t] for name, t in self.own_view().items()}
+        if not self.blocks:
+            return out, 0
+        for name in self.refs.specs:  # type: ignore[union-attr]
+            out[name] = [b[name] for b in self.blocks] + [self.own[name]]
+        return out, self.refs.token_dim  # type: ignore[union-attr]
+
     def full(self) -> dict[str, torch.Tensor]:
         """The capsule's tensors as one piece each (blocks and tail concatenated: a copy when blocked)."""
-        out = self.own_view()
-        if not self.blocks:
-            return out
-        for name in self.refs.specs:  # type: ignore[union-attr]
-            out[name] = torch.cat([b[name] for b in self.blocks] + [self.own[name]], dim=self.refs.token_dim)  # type: ignore[union-attr]
-        return out
+        pieces, dim = self.pieces()
+        return {name: ps[0] if len(ps) == 1 else torch.cat(ps, dim=dim) for name, ps in pieces.items()}
 
 
 def split(meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor], layout: BlockLayout | None,

@@ -67,15 +67,6 @@ def pack_into(data: torch.Tensor, specs: list, pieces: Mapping[str, Sequence[tor
             torch.cat(list(parts), dim=dim, out=view)
 
 
-def pack_tensors(tensors: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list]:
-    """The tensors copied into one contiguous uint8 buffer on `device` (no trailer), and their specs."""
-    pieces = {k: [t] for k, t in tensors.items()}
-    specs, size = layout(pieces, 0)
-    buf = torch.empty(size, dtype=torch.uint8, device=device)
-    pack_into(buf, specs, pieces, 0)
-    return buf, specs
-
-
 def tensor_views(buf: torch.Tensor, specs: list) -> dict[str, torch.Tensor]:
     """The tensors a packed buffer holds, as views of it (no copy)."""
     out = {}

@@ -38,7 +38,7 @@ class CapsuleTransfers:
         with ExitStack() as reading:  # the capsule's read reference, held until its bytes are packed
             try:
                 meta, parts, _ = reading.enter_context(self.engine.store.reading_parts(r.name, r.namespace))
-                pieces, dim = capsule_pieces(parts)
+                pieces, dim = parts.pieces()
                 specs, size = layout(pieces, dim)
                 buf = torch.empty(size + TRAILER, dtype=torch.uint8, device=self.engine.device)
                 manifest = encode_manifest(meta, parts.origin, specs, size)
@@ -162,18 +162,6 @@ class Phases:
         now = time.perf_counter()
         self.ms[phase] = round((now - self._last) * 1e3, 3)
         self._last = now
-
-
-def capsule_pieces(parts) -> tuple[dict[str, list[torch.Tensor]], int]:
-    """The pieces of each tensor of a capsule as the store holds it (store Parts: own tensors, KV blocks,
-    grid state), and the dimension its block pieces join on: what Parts.full() would concatenate, left in
-    pieces for pack_into to copy each straight into the packed buffer."""
-    pieces = {name: [t] for name, t in parts.own_view().items()}
-    if not parts.blocks:
-        return pieces, 0
-    for name in parts.refs.specs:
-        pieces[name] = [b[name] for b in parts.blocks] + [parts.own[name]]
-    return pieces, parts.refs.token_dim
 
 
 def _event(device: torch.device):

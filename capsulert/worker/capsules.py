@@ -53,11 +53,10 @@ GRID_STATE = (("ssm", "ssm_grid"), ("conv", "conv_grid"))
 @dataclass(frozen=True)
 class Replay:
     """What a restored replay capsule's session still has to re-run: `prefill` from its grid point through
-    the prefill path, then `decode` one token per step; `decoded_from` is the session's after that."""
+    the prefill path, then `decode` one token per step."""
 
     prefill: tuple[int, ...]
     decode: tuple[int, ...]
-    decoded_from: int
 
 
 def numerics_origin(engine: "Engine") -> str:
@@ -121,18 +120,17 @@ class CapsuleVerbs:
                 "its tokens (restored from a capsule of other numerics, or carried across a weight update), so "
                 "re-running its tokens would not rebuild it; snapshot it with mode='full'")
         match = self._shared_state(session, namespace, G) if mode == "replay" else PrefixMatch()
-        R = match.grid or G
-        if mode == "full" or R == P:  # nothing to re-run (on the grid, no shared state below): whole
+        if mode == "full" or (match.grid or G) == P:  # nothing to re-run (on the grid, no shared state below)
             return self._put(session, name, namespace, tier, pin, canonical, self._views(session.slot, P, G), None)
-        if R == G:
-            return self._put(session, name, namespace, tier, pin, canonical, self._grid_views(session.slot, G), G)
-        try:
-            with self.store.reading_prefix(match, count=False) as (meta, parts):
-                views = self._grid_views(session.slot, R)
-                views.update(zip(("ssm", "conv"), self._state_of(meta, parts.own_view())))
-                return self._put(session, name, namespace, tier, pin, canonical, views, R)
-        except UnknownCapsuleError:  # the shared state left the store since the lookup: keep the own one
-            return self._put(session, name, namespace, tier, pin, canonical, self._grid_views(session.slot, G), G)
+        if match.grid and match.grid < G:
+            try:
+                with self.store.reading_prefix(match, count=False) as (meta, parts):
+                    views = self._grid_views(session.slot, match.grid)
+                    views.update(zip(("ssm", "conv"), self._state_of(meta, parts.own_view())))
+                    return self._put(session, name, namespace, tier, pin, canonical, views, match.grid)
+            except UnknownCapsuleError:  # the shared state left the store since the lookup: keep the own one
+                pass
+        return self._put(session, name, namespace, tier, pin, canonical, self._grid_views(session.slot, G), G)
 
     def _shared_state(self, session: "Session", namespace: str, G: int) -> PrefixMatch:
         """The deepest grid checkpoint on the session's path, at most replay_max_prefill tokens before G,
@@ -240,7 +238,7 @@ class CapsuleVerbs:
         if not replay:
             return tier, None
         A = meta.decoded_from
-        return tier, Replay(meta.tokens[P:A], meta.tokens[A:], A)  # type: ignore[arg-type, misc]
+        return tier, Replay(meta.tokens[P:A], meta.tokens[A:])  # type: ignore[misc]
 
     def _block_pairs(self, slot: int, parts: Parts, first: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(slot rows, block rows) of the KV of blocks first.. of a capsule's parts."""
@@ -285,12 +283,9 @@ class CapsuleVerbs:
         G = P // eng.chunk * eng.chunk
         if G == 0:
             return False
-        st = eng.state
-        views = {"kv_k": st.kv_k[:, slot, :G], "kv_v": st.kv_v[:, slot, :G]}
+        views = self._grid_views(slot, G)  # on the grid the grid checkpoint is the live state
         if P == G:
-            views.update(ssm=st.ssm[:, slot], conv=st.conv[:, slot], last_hidden=st.last_hidden[slot])
-        else:
-            views.update(ssm=st.ssm_grid[:, slot], conv=st.conv_grid[:, slot])
+            views["last_hidden"] = eng.state.last_hidden[slot]
         meta = CapsuleMeta.build(name="prefix", namespace=namespace, tokens=session.tokens[:G], grid_pos=G,
                                  fingerprint=eng.fingerprint, layout_version=LAYOUT_VERSION, prefill_chunk=eng.chunk,
                                  nbytes=sum(t.numel() * t.element_size() for t in views.values()),

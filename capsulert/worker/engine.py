@@ -504,7 +504,8 @@ class Engine:
     def _replay(self, items: list[tuple[Session, Replay]]) -> None:
         """Rebuild restored replay capsules past their grid point (worker/capsules.py): the prefilled tokens
         through the prefill path, then the decoded ones one step at a time, the sessions batched together
-        (bitwise what each gets alone: batch invariance)."""
+        (bitwise what each gets alone: batch invariance). Each session's decoded_from ends where the
+        capsule's was: _extend sets it, decode steps leave it."""
         for s, r in items:
             if r.prefill:
                 self._extend(s, list(r.prefill))
@@ -512,5 +513,3 @@ class Engine:
             step = [(s, r.decode[i]) for s, r in items if i < len(r.decode)]
             for group in self.decode_groups(step):
                 self.decode([s for s, _ in group], [t for _, t in group])
-        for s, r in items:
-            s.decoded_from = r.decoded_from

@@ -9,8 +9,17 @@ from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.errors import CapsuleError, CorruptCapsuleError
 from capsulert.orchestrator import packed_capsule
 from capsulert.orchestrator.packed_capsule import (ALIGN, TRAILER, buffer_digest, decode_manifest, encode_manifest,
-                                                   layout, manifest_meta, pack_into, pack_tensors, seal, tensor_views,
+                                                   layout, manifest_meta, pack_into, seal, tensor_views,
                                                    unseal)
+
+
+def pack_tensors(tensors: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list]:
+    """The tensors packed into one buffer on `device` (no trailer), and their specs."""
+    pieces = {k: [t] for k, t in tensors.items()}
+    specs, size = layout(pieces, 0)
+    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    pack_into(buf, specs, pieces, 0)
+    return buf, specs
 
 
 def test_pack_and_views_round_trip_every_dtype_and_the_empty_capsule():

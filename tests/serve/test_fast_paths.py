@@ -87,10 +87,18 @@ def app(default_model_dir):
     return CancelOnDisconnect(build_app(state))
 
 
+def _scope(path: str, headers: list) -> dict:
+    """An ASGI scope of a POST to `path`."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "root_path": "", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000), "headers": headers}
+
+
+JSON_WITH_KEY = [(b"content-type", b"application/json"), (b"authorization", f"Bearer {KEY}".encode())]
+
+
 async def _call(app, path: str, body: bytes, headers: list) -> tuple[int, bytes]:
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000), "headers": headers}
+    scope = _scope(path, headers)
     messages, done, status, out = [{"type": "http.request", "body": body, "more_body": False}], asyncio.Event(), [], []
 
     async def receive():
@@ -186,10 +194,7 @@ def test_a_stream_ends_with_its_done_event_in_one_message(app):
     sent = []
 
     async def main():
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
-                                                                   (b"authorization", f"Bearer {KEY}".encode())]}
+        scope = _scope("/v1/completions", JSON_WITH_KEY)
         messages = [{"type": "http.request", "body": raw, "more_body": False}]
 
         async def receive():
@@ -213,10 +218,7 @@ def test_a_client_that_goes_away_mid_stream_ends_it(app):
     sent, left = [], []
 
     async def main():
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
-                                                                   (b"authorization", f"Bearer {KEY}".encode())]}
+        scope = _scope("/v1/completions", JSON_WITH_KEY)
         messages = [{"type": "http.request", "body": raw, "more_body": False}]
 
         async def receive():
