@@ -12,12 +12,12 @@ import time
 import numpy as np
 import pytest
 import pytest_asyncio
-import ray
 
 from capsulert.errors import CapsuleError, ConfigError, PeerLinkError, UnknownCapsuleError, WorkerLost
 from capsulert.orchestrator import Orchestrator
 from capsulert.worker.verbs import (Append, Close, ExportCapsule, ListCapsules, ReceiveCapsule, Restore, SendCapsule,
                                     Turn)
+from tests.orchestrator.processes import kill_and_wait
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")
 PROMPT = "A capsule moves between workers over a link of their own, byte for byte, and nothing else moves. " * 3
@@ -185,7 +185,7 @@ async def test_a_peer_that_dies_fails_the_transfer_fast_and_its_restart_gets_a_n
     assert await orch.migrate("rs-a", 1, via="device") == "device"
     pids, key = orch.pool.links[(0, 1)]
     view = orch.placement()
-    ray.kill(orch.workers[1].handle, no_restart=False)
+    await kill_and_wait(pids[1])  # gone before the migration starts: a kill lands some time after it is sent
     t0 = time.monotonic()
     with pytest.raises(WorkerLost):  # the receiver died: the sender's half is not left waiting for it
         await orch.migrate("rs-b", 1, via="device")

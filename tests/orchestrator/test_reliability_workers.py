@@ -6,7 +6,6 @@ One two-worker orchestrator with max_restarts=1; the tests run in order: worker 
 """
 import asyncio
 import os
-import signal
 import time
 
 import pytest
@@ -15,6 +14,7 @@ import pytest_asyncio
 from capsulert.errors import DiskDirInUseError, WorkerLost
 from capsulert.orchestrator import Orchestrator
 from capsulert.worker.engine import Engine
+from tests.orchestrator.processes import kill_and_wait
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 PROMPT = "A worker may die between two calls; the next call should not be the one that pays for it. "
@@ -28,19 +28,6 @@ async def orch_rw(ray_session, engine_cfg, tmp_path_factory):
                                       call_timeout_s=TIMEOUT, max_restarts=1, torch_threads=1))
     yield o
     await o.close()
-
-
-async def kill_and_wait(pid: int) -> None:
-    """SIGKILL a worker process and wait until it is gone (the worker is idle: no call is running)."""
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"worker pid {pid} did not die")
 
 
 async def test_a_second_orchestrator_or_engine_on_its_disk_dir_is_refused(orch_rw, engine_cfg):

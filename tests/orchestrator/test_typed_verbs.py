@@ -7,7 +7,6 @@ import inspect
 
 import pytest
 import pytest_asyncio
-import ray
 
 from capsulert.capsule_store.capsule import CapsuleRef
 from capsulert.errors import InvalidRequestError, WorkerLost
@@ -18,6 +17,7 @@ from capsulert.worker import verbs
 from capsulert.worker.async_engine import AsyncEngine
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.verbs import GenerateResult, ListCapsules, Open, Request, Snapshot, Stats, Turn
+from tests.orchestrator.processes import kill_and_wait
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 PROMPT = "A typed request goes through every layer unchanged, and one handler runs it. "
@@ -156,7 +156,7 @@ async def test_a_pin_persists_the_same_through_every_entry_point(orch_tv, make_e
     # continuing a live session equals restoring its capsule
     before = [await x.append_generate(" go", 4, NOEOS) for x in (via_session, via_namespace, raw)]
 
-    ray.kill(orch.workers[0].handle, no_restart=False)  # the worker restarts and reloads what was pinned
+    await kill_and_wait(via_session.pid)  # the worker restarts and reloads what was pinned
     after = [await orch.restore_append_generate("pin-a", " go", 4, NOEOS),  # waits for the restart
              await acme.restore_append_generate("pin-b", " go", 4, NOEOS),
              await orch.call(0, Turn(None, "pin-c", " go", 4, NOEOS, "tv-pins", close=True))]

@@ -6,6 +6,7 @@ from safetensors.torch import load_file
 
 from capsulert.errors import StaleCapsuleError, WeightUpdateError
 from capsulert.worker.sampler import SamplingParams
+from tests.orchestrator.processes import kill_and_wait
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 PROMPT = "The policy reads the board and chooses a move. "
@@ -40,8 +41,6 @@ async def test_update_weights_on_every_worker_and_rebuild(orch, engine_cfg, defa
 
 
 async def test_a_restarted_worker_takes_the_last_update_again(orch, engine_cfg, default_model_dir):
-    import ray
-
     from capsulert.worker.engine import Engine
     from capsulert.worker.verbs import Close, Generate, Open
 
@@ -60,7 +59,7 @@ async def test_a_restarted_worker_takes_the_last_update_again(orch, engine_cfg, 
     assert versions == [before["weights_version"] + 1] * len(orch.workers)
     want = await generate_on_worker0()
 
-    ray.kill(orch.workers[0].handle, no_restart=False)  # Ray starts a new process with the configured weights
+    await kill_and_wait(before["pid"])  # Ray starts a new process with the configured weights
     got = await generate_on_worker0()  # waits for the restart
     after = (await orch.health())[0]
     assert after["pid"] != before["pid"] and after["weights_version"] == versions[0]
