@@ -10,6 +10,10 @@ both alike; the concurrent sweeps run one path after the other.
 - streamed: restore the agent's capsule, then append its turn + stream the tokens as one streamed turn,
   close (`completions.create(stream=True, capsule=...)`);
 - whole: restore, then append + generate as one turn, close (`completions.create(capsule=...)`).
+The one-at-a-time requests also go through a third path, the same HTTP requests from a plain httpx client
+(JSON in, JSON or SSE lines out, no openai client): HTTP minus raw is what the openai client itself costs
+(building the request, parsing the answer into its types), raw minus API what the server and the transport
+cost.
 """
 from __future__ import annotations
 
@@ -92,6 +96,39 @@ async def http_whole(cl, name: str, turn: list[int], gen: int) -> dict:
     return {"tokens": r.choices[0].model_extra["token_ids"], "wall_ms": (time.perf_counter() - t0) * 1e3}
 
 
+def raw_client(base_url: str):
+    import httpx
+
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    return httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits)
+
+
+def _body(name: str, turn: list[int], gen: int, stream: bool) -> dict:
+    return {"model": MODEL, "prompt": turn, "max_tokens": gen, "temperature": 0, "stream": stream,
+            "capsule": name, "ignore_eos": True, "return_token_ids": True}
+
+
+async def raw_stream(rc, name: str, turn: list[int], gen: int) -> dict:
+    import json
+
+    t0 = time.perf_counter()
+    tokens = []
+    async with rc.stream("POST", "/completions", json=_body(name, turn, gen, True)) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    tokens += c.get("token_ids") or []
+    return {"tokens": tokens, "wall_ms": (time.perf_counter() - t0) * 1e3}
+
+
+async def raw_whole(rc, name: str, turn: list[int], gen: int) -> dict:
+    t0 = time.perf_counter()
+    r = await rc.post("/completions", json=_body(name, turn, gen, False))
+    r.raise_for_status()
+    return {"tokens": r.json()["choices"][0]["token_ids"], "wall_ms": (time.perf_counter() - t0) * 1e3}
+
+
 async def api_stream(orch, name: str, turn: list[int], gen: int) -> dict:
     t0 = time.perf_counter()
     s = await orch.restore(name)
@@ -166,8 +203,9 @@ async def main_http(args) -> int:
     url = start_server(engine_cfg, args.threads, max_inflight=max(256, 2 * n_max))
     api = {"latency_ms": {}, "tokens": {}, "sweep": {}}
     http = {"latency_ms": {}, "tokens": {}, "sweep": {}}
+    raw = {"latency_ms": {}, "tokens": {}}
     try:
-        cl = client(url)
+        cl, rc = client(url), raw_client(url)
         await make_capsules(cl, contexts)
         log(f"async API: its own worker, {n_max} capsules of {args.context} tokens")
         orch = await Orchestrator.start(dict(engine=engine_cfg, num_workers=1, call_timeout_s=3600,
@@ -177,11 +215,12 @@ async def main_http(args) -> int:
                 s = await orch.open(ctx)
                 await s.snapshot(name)
                 await s.close()
-            for path, (on_api, on_http) in {"stream": (api_stream, http_stream), "whole": (api_whole, http_whole)}.items():
-                got = await alternate({"api": (on_api, orch), "http": (on_http, cl)}, names, turns, args.gen,
-                                      args.requests)
-                (api["latency_ms"][path], api["tokens"][path]), (http["latency_ms"][path], http["tokens"][path]) = \
-                    got["api"], got["http"]
+            for path, (on_api, on_http, on_raw) in {"stream": (api_stream, http_stream, raw_stream),
+                                                    "whole": (api_whole, http_whole, raw_whole)}.items():
+                got = await alternate({"api": (on_api, orch), "http": (on_http, cl), "raw": (on_raw, rc)}, names,
+                                      turns, args.gen, args.requests)
+                for side, key in ((api, "api"), (http, "http"), (raw, "raw")):
+                    side["latency_ms"][path], side["tokens"][path] = got[key]
             for n in args.ns:
                 log(f"  N={n}")
                 api["sweep"][n] = await concurrent(api_stream, orch, names[:n], turns[:n], args.gen)
@@ -189,22 +228,28 @@ async def main_http(args) -> int:
         finally:
             await orch.close()
         await cl.close()
+        await rc.aclose()
     finally:
         stop_server()
 
     for path in ("stream", "whole"):  # the server answers exactly what the async API does
         assert http["tokens"][path] == api["tokens"][path], f"{path}: HTTP tokens differ from the async API's"
+        assert raw["tokens"][path] == api["tokens"][path], f"{path}: raw HTTP tokens differ from the async API's"
     for n in args.ns:
         assert http["sweep"][n]["tokens"] == api["sweep"][n]["tokens"], f"N={n}: HTTP tokens differ"
 
     # the overhead per request: the median of the paired differences (each HTTP request against the API
     # request just before it), and the difference of the two p50s
-    paired = {p: statistics.median(h - a for a, h in zip(api["latency_ms"][p], http["latency_ms"][p]))
-              for p in ("stream", "whole")}
+    def paired_ms(minus: dict, side: dict, p: str) -> float:
+        return statistics.median(h - a for a, h in zip(minus["latency_ms"][p], side["latency_ms"][p]))
+
+    paired = {p: paired_ms(api, http, p) for p in ("stream", "whole")}
     latency = [{"request": path, "api_p50_ms": percentile(api["latency_ms"][path], 50),
                 "http_p50_ms": percentile(http["latency_ms"][path], 50),
                 "overhead_p50_ms": percentile(http["latency_ms"][path], 50) - percentile(api["latency_ms"][path], 50),
                 "paired_overhead_p50_ms": paired[path],
+                "server_paired_p50_ms": paired_ms(api, raw, path),  # plain httpx client minus the API
+                "client_paired_p50_ms": paired_ms(raw, http, path),  # the openai client minus plain httpx
                 "api_p99_ms": percentile(api["latency_ms"][path], 99),
                 "http_p99_ms": percentile(http["latency_ms"][path], 99)} for path in ("stream", "whole")]
     sweep = [{"n": n, "api_tokens_per_s": api["sweep"][n]["tokens_per_s"],
