@@ -7,9 +7,9 @@ proxy with ServerOptions.direct_ingress=False) and nothing else. Both paths run 
 of its own on the same device (the server's, and an orchestrator of this process), and the one-at-a-time
 requests alternate between them (API, HTTP, API, ...), so drift over time (clocks, other load) falls on
 both alike; the concurrent sweeps run one path after the other.
-- streamed: restore the agent's capsule, then append its turn + stream the tokens as one streamed turn,
-  close (`completions.create(stream=True, capsule=...)`);
-- whole: restore, then append + generate as one turn, close (`completions.create(capsule=...)`).
+- streamed: restore the agent's capsule, append its turn, stream the tokens and close, in one request to the
+  worker (`restore_append_stream`; `completions.create(stream=True, capsule=...)`);
+- whole: the same, not streamed (`restore_append_generate`; `completions.create(capsule=...)`).
 The one-at-a-time requests also go through a third path, the same HTTP requests from a plain httpx client
 (JSON in, JSON or SSE lines out, no openai client): HTTP minus raw is what the openai client itself costs
 (building the request, parsing the answer into its types), raw minus API what the server and the transport
@@ -131,14 +131,12 @@ async def raw_whole(rc, name: str, turn: list[int], gen: int) -> dict:
 
 async def api_stream(orch, name: str, turn: list[int], gen: int) -> dict:
     t0 = time.perf_counter()
-    s = await orch.restore(name)
     stamps, tokens = [], []
-    async for ev in s.stream_turn(turn, gen, PARAMS):
+    async for ev in orch.restore_append_stream(name, turn, gen, PARAMS):
         if isinstance(ev, FinalEvent):
             continue
         stamps.append(time.perf_counter())
         tokens.append(ev.token)
-    await s.close()
     end = time.perf_counter()
     itl = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
     return {"ttft_ms": (stamps[0] - t0) * 1e3, "itl_ms": itl, "tokens": tokens, "wall_ms": (end - t0) * 1e3}
@@ -146,9 +144,7 @@ async def api_stream(orch, name: str, turn: list[int], gen: int) -> dict:
 
 async def api_whole(orch, name: str, turn: list[int], gen: int) -> dict:
     t0 = time.perf_counter()
-    s = await orch.restore(name)
-    res = await s.turn(turn, gen, PARAMS)
-    await s.close()
+    res = await orch.restore_append_generate(name, turn, gen, PARAMS)
     return {"tokens": list(res), "wall_ms": (time.perf_counter() - t0) * 1e3}
 
 

@@ -2,7 +2,7 @@
 
 `orch.namespace("acme")` returns one; the Orchestrator itself is the handle of namespace "default".
 A handle exposes every session and capsule verb (open, restore, fork, restore_append_generate,
-generate, capsules, promote, demote, delete, migrate; the schedulers best_of_n, tree_search and
+restore_append_stream, generate, capsules, promote, demote, delete, migrate; the schedulers best_of_n, tree_search and
 EpisodeDriver accept a handle wherever they accept the orchestrator). Capsules live in the handle's
 namespace: sessions opened through it snapshot into it, and it cannot list, restore, fork, promote,
 demote or delete another namespace's capsules: names are looked up in its own namespace only (a name
@@ -16,14 +16,16 @@ stats, health, namespace): those are the operator's, on the Orchestrator.
 from __future__ import annotations
 
 import asyncio
+from typing import AsyncIterator
 
 from capsulert.errors import InvalidRequestError, SessionClosedError
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, sampling_params, samplings_arg, tokens_arg
-from capsulert.orchestrator.remote_session import RemoteSession
+from capsulert.orchestrator.remote_session import RemoteSession, next_call_id
 from capsulert.orchestrator.router import CapsuleRouter
 from capsulert.orchestrator.worker_pool import WorkerPool
-from capsulert.worker.verbs import Detokenize, Fork, GenerateResult, Open, Restore, SessionInfo, Tokenize, Turn
+from capsulert.worker.verbs import (Detokenize, FinalEvent, Fork, GenerateResult, Interrupt, Open, Restore, SessionInfo,
+                                    TokenEvent, Tokenize, Turn)
 
 
 class Namespace(CapsuleRouter):
@@ -77,15 +79,45 @@ class Namespace(CapsuleRouter):
         nothing) and generate: one Turn request, the same verb as RemoteSession.restore_append_generate
         (which rolls an existing session back in place instead), with the same GenerateResult. The new
         session is closed afterwards; with keep=True it stays open and (session, result) is returned."""
-        name, n = name_arg(name), int_arg(max_new_tokens, "max_new_tokens", 0)
-        suffix = None if suffix is None else tokens_arg(suffix, "suffix")
-        request = Turn(None, name, suffix, n, sampling_params(sampling), self.ns, close=not keep)
-        w, res = await self._on_holder(name, request, timeout=timeout)
+        request = self._restore_turn(name, suffix, max_new_tokens, sampling, keep)
+        w = await self._serving_worker(name)
+        call_id = next_call_id()
+        try:
+            res = await self.pool.call(w, request, timeout=timeout, call_id=call_id)
+        except asyncio.CancelledError:
+            if not keep:  # the caller went away: its generate stops at the next token, its session is closed
+                self.pool.send(w, Interrupt(None, call_id))
+            raise
         if not keep:
             return res
         s = self._session(w, res)
         s.stop_reason = res.stop_reason
         return s, res
+
+    async def restore_append_stream(self, name: str, suffix, max_new_tokens: int, sampling=None
+                                    ) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """restore_append_generate() as a stream, in one request: restore capsule `name` into a new session,
+        append `suffix` and generate, yielding a TokenEvent per token and then a FinalEvent; the session is
+        closed when the generate ends. Closing the iterator (or cancelling its consumer) stops the generate
+        at the next token boundary. A refusal (no such capsule, a suffix past max_seq) is raised by the
+        first step of the iteration."""
+        request = self._restore_turn(name, suffix, max_new_tokens, sampling, keep=False)
+        w = await self._serving_worker(name)
+        await self.pool.check(w)
+        call_id, finished = next_call_id(), False
+        try:
+            async for event in self.pool.stream(w, request, call_id):
+                finished = isinstance(event, FinalEvent)
+                yield event
+        finally:
+            if not finished:
+                self.pool.send(w, Interrupt(None, call_id))
+
+    def _restore_turn(self, name: str, suffix, max_new_tokens: int, sampling, keep: bool) -> Turn:
+        """The Turn that restores `name` into a new session, appends and generates, its arguments checked."""
+        name, n = name_arg(name), int_arg(max_new_tokens, "max_new_tokens", 0)
+        suffix = None if suffix is None else tokens_arg(suffix, "suffix")
+        return Turn(None, name, suffix, n, sampling_params(sampling), self.ns, close=not keep)
 
     async def generate(self, sessions: list[RemoteSession], max_new_tokens: int, sampling=None) -> list:
         """Generate for several sessions at once: each is its own request, and each worker's step scheduler

@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 _call_ids = itertools.count(random.getrandbits(32) << 16)
 
 
+def next_call_id() -> int:
+    """A call id unique in this process (what an Interrupt names; a stream's key in the event feed)."""
+    return next(_call_ids)
+
+
 class RemoteSession:
     def __init__(self, owner: "Namespace", worker: int, sid: int, length: int, restored_from: str | None = None):
         self.owner, self.pool = owner, owner.pool
@@ -87,7 +92,7 @@ class RemoteSession:
         async with self._lock:
             await self._settle()
             await self.pool.check(self.worker)
-            yield next(_call_ids)
+            yield next_call_id()
 
     async def _gen(self, request: Generate | Turn, timeout: float | None) -> GenerateResult:
         async with self._generating() as call_id:

@@ -302,8 +302,12 @@ class WorkerCore(CapsuleTransfers):
     def _interrupt(self, r: Interrupt, call_id) -> bool:
         if r.call_id is not None:
             self.calls.interrupt(r.call_id)
-        else:
+        elif r.session is not None:
             self.calls.interrupt_session(r.session)
+        else:
+            raise InvalidRequestError("an Interrupt names a session, a call or both")
+        if r.session is None:
+            return False
         try:
             self.scheduler.session(r.session)
         except SessionClosedError:

@@ -184,6 +184,8 @@ class WorkerPool:
             handle = self.workers[w].handle
             reader = self.feeds[w] = FeedReader(w, lambda: send_stream(handle, Feed()))
         events = reader.subscribe(call_id)
+        worker = self.workers[w]
+        worker.pending += 1  # in flight until its last event, as a call is until its reply
         try:
             await self.call(w, Streamed(request, call_id))  # submitted: a refusal raises here, typed
             while True:
@@ -198,6 +200,7 @@ class WorkerPool:
                         self.workers[w].stale = True
                     raise value
         finally:
+            worker.pending -= 1
             reader.unsubscribe(call_id)
 
     async def each(self, request: Request) -> list[dict]:

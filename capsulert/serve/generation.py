@@ -6,7 +6,9 @@ A request is one or more prompts (a batch), each answered by n choices. Per prom
   request's namespace, so the worker serves the longest cached grid prefix of it from that namespace's
   prefix cache (`usage.prompt_tokens_details.cached_tokens` counts those tokens too);
 - n = 1: one `turn` (append the prompt + generate in one request to the worker's step scheduler, which
-  interleaves the prefill with every other session's decode), or `stream_turn` when streamed;
+  interleaves the prefill with every other session's decode), or `stream_turn` when streamed; from a
+  capsule, with nothing to keep (no snapshot_as), the restore, the turn and the close are one request
+  (`restore_append_generate` / `restore_append_stream`: one round trip to the worker instead of three);
 - n > 1: the prompt is appended first and snapshotted once as a private fork point, forked into n sessions
   on one worker and the fork point deleted, and the n branches generate concurrently, so the worker's step
   scheduler decodes them in one batch. Branch j samples with seed + j (a request's choices differ, and
@@ -22,6 +24,7 @@ import asyncio
 import logging
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -34,7 +37,6 @@ from capsulert.worker.verbs import FinalEvent, GenerateResult
 if TYPE_CHECKING:
     from capsulert.capsule_store.capsule import CapsuleRef
     from capsulert.orchestrator.namespace import Namespace
-    from capsulert.orchestrator.remote_session import RemoteSession
     from capsulert.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -158,8 +160,18 @@ class Run:
                 log.debug("closing a session failed: %s: %s", type(r).__name__, r)
 
     # ------------------------------------------------------------------ start
+    @property
+    def one_request(self) -> bool:
+        """One prompt, one choice, from a capsule, nothing kept: the worker restores it into a session of its
+        own, appends, generates and closes that session in one request (no session of this Run)."""
+        p = self.plan
+        return p.capsule is not None and p.n == 1 and len(p.prompts) == 1 and p.snapshot_as is None
+
     async def start(self) -> None:
         """Open or restore every prompt's session; for n > 1 append the prompts and fork."""
+        if self.one_request:
+            self.groups[0] = _Group([], 0)
+            return
         # every start settles before an error propagates: a session opened after close() ran would leak
         outcomes = await _settled([self._start(i, prompt) for i, prompt in enumerate(self.plan.prompts)])
         for r in outcomes:
@@ -172,11 +184,8 @@ class Run:
             session = await self.ns.open()
         else:
             t0 = time.perf_counter()
-            try:
+            with self._lookup():
                 session = await self.ns.restore(self.plan.capsule)
-            except UnknownCapsuleError:
-                self.metrics.capsule_lookup(hit=False)
-                raise
             self.metrics.capsule_lookup(hit=True, restore_s=time.perf_counter() - t0, tier=session.restored_from)
         # registered at once, so the session is closed whatever follows
         group = self.groups[i] = _Group([session], session.length)
@@ -216,12 +225,34 @@ class Run:
 
     async def _generate(self, i: int, group: _Group) -> list[Choice]:
         plan = self.plan
-        results = await _each([s.turn(self._prompt(i), plan.max_tokens, plan.params(j))
-                               for j, s in enumerate(group.sessions)])
-        group.prompt_tokens = results[0].length - len(results[0])
-        if not group.prefilled:  # n = 1: the turn's own prefill
-            group.cached_tokens += results[0].cached_tokens
+        if self.one_request:
+            with self._lookup():
+                results = [await self.ns.restore_append_generate(plan.capsule, self._prompt(i), plan.max_tokens,
+                                                                 plan.params(0))]
+        else:
+            results = await _each([s.turn(self._prompt(i), plan.max_tokens, plan.params(j))
+                                   for j, s in enumerate(group.sessions)])
+        self._took(i, results[0])
         return [Choice.of(i * plan.n + j, r) for j, r in enumerate(results)]
+
+    def _took(self, i: int, res: GenerateResult) -> None:
+        """Prompt i's generate ended: its usage, and the capsule lookup of a one-request Run."""
+        group = self.groups[i]
+        group.prompt_tokens = res.length - len(res)
+        if self.one_request:  # the capsule's tokens were restored by the same request
+            group.cached_tokens += group.prompt_tokens - len(self.plan.prompts[i])
+            self.metrics.capsule_lookup(hit=True, restore_s=res.restore_s, tier=res.restored_from)
+        if not group.prefilled:  # n = 1: the turn's own prefill
+            group.cached_tokens += res.cached_tokens
+
+    @contextmanager
+    def _lookup(self):
+        """A one-request Run's capsule lookup that finds no capsule counts as a miss."""
+        try:
+            yield
+        except UnknownCapsuleError:
+            self.metrics.capsule_lookup(hit=False)
+            raise
 
     async def keep(self) -> "Made | None":
         """Snapshot the end state as the plan's `snapshot_as` (one prompt, n = 1); what was made."""
@@ -240,16 +271,22 @@ class Run:
     async def begin_stream(self) -> None:
         """Start every choice's stream and wait for each one's first event (its first token, or its
         refusal): an error up to then is raised here, before anything of the response is sent."""
-        loop = asyncio.get_running_loop()
+        loop, plan = asyncio.get_running_loop(), self.plan
+        if self.one_request:
+            streams = [(0, 0, self.ns.restore_append_stream(plan.capsule, self._prompt(0), plan.max_tokens,
+                                                            plan.params(0)))]
+        else:
+            streams = [(i, j, s.stream_turn(self._prompt(i), plan.max_tokens, plan.params(j)))
+                       for i, g in enumerate(self.groups) for j, s in enumerate(g.sessions)]
         firsts = []
-        for i, g in enumerate(self.groups):
-            for j, s in enumerate(g.sessions):
-                first = loop.create_future()
-                firsts.append(first)
-                self._pumps.append(asyncio.create_task(self._pump(i, j, s, first)))
-        for r in await asyncio.gather(*firsts, return_exceptions=True):
-            if isinstance(r, BaseException):
-                raise r
+        for i, j, events in streams:
+            first = loop.create_future()
+            firsts.append(first)
+            self._pumps.append(asyncio.create_task(self._pump(i, j, events, first)))
+        with self._lookup():
+            for r in await asyncio.gather(*firsts, return_exceptions=True):
+                if isinstance(r, BaseException):
+                    raise r
 
     async def stream(self) -> AsyncIterator[Chunk]:
         """Chunks of every choice as their tokens arrive (choices interleaved); ends when all are done."""
@@ -263,20 +300,17 @@ class Run:
             else:
                 yield item
 
-    async def _pump(self, i: int, j: int, session: "RemoteSession", first: asyncio.Future) -> None:
-        plan, index, queue = self.plan, i * self.plan.n + j, self._queue
-        params = plan.params(j)
+    async def _pump(self, i: int, j: int, events: AsyncIterator, first: asyncio.Future) -> None:
+        index, queue = i * self.plan.n + j, self._queue
         # the worker's events never show text a stop string may start: nothing more to hold back here
         held, pending = HeldText(), PendingTokens()
         try:
-            async for ev in session.stream_turn(self._prompt(i), plan.max_tokens, params):
+            async for ev in events:
                 if not first.done():
                     first.set_result(None)
                 if isinstance(ev, FinalEvent):
                     res = ev.result
-                    self.groups[i].prompt_tokens = res.length - len(res)
-                    if not self.groups[i].prefilled:
-                        self.groups[i].cached_tokens += res.cached_tokens
+                    self._took(i, res)
                     queue.put_nowait(Chunk(index, held.finish(res.text), *pending.take(), final=Choice.of(index, res)))
                     continue
                 if self.first_token_at is None:

@@ -72,6 +72,7 @@ class _Job:
     stream: DecodeStream | None = None
     cancelled: bool = False
     restored_from: str | None = None  # the tier its restore read the capsule from
+    restore_s: float | None = None  # and the time that restore took here
     cached_tokens: int = 0  # tokens its appends restored from the prefix cache instead of prefilling
     bar: Bar = field(default_factory=NullBar)  # a long prefill's progress, one chunk piece per update
 
@@ -265,13 +266,14 @@ class StepScheduler:
     def _restore(self, job: _Job, name: str, namespace: str) -> None:
         """Restore capsule `name` into the job's session in place, or into a new one when it has none; the
         tier it was read from goes to the job's reply."""
-        eng = self.engine
+        eng, t0 = self.engine, time.perf_counter()
         if job.session is None:
             restored = eng.restore_sessions(name, 1, namespace, wait_s=0)
             job.session = self._adopt(restored.sessions[0])
             job.restored_from = restored.tier
         else:
             job.restored_from = eng.restore_into(self._session(job.session), name, namespace)
+        job.restore_s = time.perf_counter() - t0
 
     def _next_phase(self, job: _Job) -> None:
         """Enter the job's next phase, or finish it."""
@@ -308,7 +310,7 @@ class StepScheduler:
         r, s = job.request, self._sessions.get(job.session)
         if job.stream is not None:
             res: GenerateResult = job.stream.result
-            res.session, res.restored_from = job.session, job.restored_from
+            res.session, res.restored_from, res.restore_s = job.session, job.restored_from, job.restore_s
             res.cached_tokens = job.cached_tokens
             res.length = len(s.tokens) if s is not None else res.length
             if isinstance(r, Turn) and r.close and s is not None:

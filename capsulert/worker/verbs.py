@@ -368,8 +368,10 @@ class Detokenize(ControlRequest):
 @dataclass(frozen=True)
 class Interrupt(ControlRequest):
     """Stop the generate of call `call_id` on `session` at its next token boundary (tokens committed); an
-    interrupt may overtake the call it names. The reply says whether the session exists."""
-    session: int
+    interrupt may overtake the call it names. The reply says whether the session exists. A call that opens
+    its own session (a Turn restoring into a new one) is named by `call_id` alone (session None; the reply
+    is then False): its caller never learns the session's id."""
+    session: int | None
     call_id: Any = None
 
 
@@ -417,11 +419,12 @@ class GenerateResult(list):
       (EngineConfig.prefix_cache);
     - `restored_from`: when the request restored a capsule (a Turn with `restore`), the tier it was read
       from: "gpu" (device memory), "host" or "disk", where the restore found it (before the promotion the
-      read may make); None when it restored nothing."""
+      read may make); None when it restored nothing; `restore_s`: the seconds the worker spent on that
+      restore (None without one)."""
 
     def __init__(self, tokens=(), logprobs=None, top_logprobs=None, stop_reason: str | None = None,
                  text: str | None = None, length: int = 0, session: int | None = None, weights_version: int = 0,
-                 restored_from: str | None = None, cached_tokens: int = 0):
+                 restored_from: str | None = None, cached_tokens: int = 0, restore_s: float | None = None):
         super().__init__(tokens)
         self.logprobs: list[float] = list(logprobs or [])
         self.top_logprobs: list[list[tuple[int, float]]] = list(top_logprobs or [])
@@ -432,6 +435,7 @@ class GenerateResult(list):
         self.weights_version = weights_version
         self.restored_from = restored_from
         self.cached_tokens = cached_tokens
+        self.restore_s = restore_s
 
     @property
     def tokens(self) -> list[int]:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from capsulert.errors import SequenceTooLongError
+from capsulert.errors import SequenceTooLongError, UnknownCapsuleError
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.verbs import FinalEvent, TokenEvent
 
@@ -124,3 +124,66 @@ async def test_restores_report_the_tier_they_read_from(orch):
         await b.close()
     await s.close()
     await orch.delete("tiers")
+
+
+async def _settled_worker(orch, sessions: int) -> dict:
+    """The worker's stats once it holds `sessions` sessions again (a stopped one-request call closed its own)."""
+    for _ in range(500):
+        stats = (await orch.stats())[0]
+        if stats["sessions"] == sessions:
+            return stats
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the worker still holds {stats['sessions']} sessions, not {sessions}")
+
+
+async def test_a_one_request_stream_equals_restore_then_streaming_turn_and_closes_its_session(orch, fresh):
+    params = SamplingParams(temperature=0.7, seed=5, ignore_eos=True, logprobs=2)
+    s = await orch.open(PROMPT)
+    await s.snapshot("one-req")
+    await s.close()
+    held = (await orch.stats())[0]["sessions"]
+    one = [ev async for ev in orch.restore_append_stream("one-req", " Then the tide turned.", 9, params)]
+    r = await orch.restore("one-req")
+    split = [ev async for ev in r.stream_turn(" Then the tide turned.", 9, params)]
+    await r.close()
+    assert one[:-1] == split[:-1] and one[-1].result == split[-1].result
+    res = one[-1].result
+    assert (res.logprobs, res.top_logprobs, res.text) == (split[-1].result.logprobs, split[-1].result.top_logprobs,
+                                                          split[-1].result.text)
+    assert res.restored_from == "gpu" and res.restore_s > 0 and res.session is None
+    assert (await orch.stats())[0]["sessions"] == held  # the request's own session is closed
+    whole = await orch.restore_append_generate("one-req", " Then the tide turned.", 9, params)
+    assert whole == res and whole.logprobs == res.logprobs and whole.restore_s > 0
+    ref = fresh.open()
+    ref.append(PROMPT + " Then the tide turned.")
+    assert res == ref.generate(9, params)
+    with pytest.raises(UnknownCapsuleError):  # a refusal comes out of the first step
+        async for _ in orch.restore_append_stream("no-such-capsule", None, 4):
+            pass
+    await orch.delete("one-req")
+
+
+async def test_a_one_request_call_stops_when_its_caller_goes_away(orch):
+    """Closing a one-request stream, or cancelling a one-request generate, interrupts the worker's generate
+    by its call id alone (the caller never learns the session): it stops at the next token and closes."""
+    s = await orch.open(PROMPT)
+    await s.snapshot("one-stop")
+    await s.close()
+    held = (await orch.stats())[0]["sessions"]
+    before = (await orch.stats())[0]["decoded_tokens"]
+    got = []
+    async for ev in orch.restore_append_stream("one-stop", None, 600, NOEOS):
+        got.append(ev)
+        if len(got) == 3:
+            break
+    after = await _settled_worker(orch, held)
+    assert 3 <= after["decoded_tokens"] - before < 600
+    task = asyncio.ensure_future(orch.restore_append_generate("one-stop", None, 600, NOEOS))
+    while (await orch.stats())[0]["decoded_tokens"] - after["decoded_tokens"] < 3:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    last = await _settled_worker(orch, held)
+    assert 3 <= last["decoded_tokens"] - after["decoded_tokens"] < 600
+    await orch.delete("one-stop")

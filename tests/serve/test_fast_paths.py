@@ -59,12 +59,38 @@ class _SlowSession(_Session):
         type(self).closed += 1
 
 
+class _SlowStream:
+    """A one-request stream (restore, turn and close in one request) that streams its first token, then waits;
+    counts the streams that ended unfinished (their generate interrupted)."""
+    stopped = 0
+
+    @classmethod
+    async def events(cls):
+        try:
+            yield TokenEvent(OUT[0][0], -0.5, OUT[0][1], 0)
+            await asyncio.sleep(3600)
+        finally:
+            cls.stopped += 1
+
+
 class _Namespace:
+    calls: list[str] = []  # the verbs the server used, in order
+
     async def open(self):
+        self.calls.append("open")
         return _Session()
 
     async def restore(self, name):
+        self.calls.append("restore")
         return _SlowSession() if name == "slow" else _Session()
+
+    async def restore_append_generate(self, name, suffix, max_new_tokens, sampling=None):
+        self.calls.append("restore_append_generate")
+        return _result()
+
+    def restore_append_stream(self, name, suffix, max_new_tokens, sampling=None):
+        self.calls.append("restore_append_stream")
+        return _SlowStream.events() if name == "slow" else _Session().stream_turn(suffix, max_new_tokens, sampling)
 
     async def fork(self, name, n):
         return [_Session() for _ in range(n)]
@@ -211,11 +237,13 @@ def test_a_stream_ends_with_its_done_event_in_one_message(app):
     assert all(m["more_body"] for m in bodies[:-1]) and len(bodies) == len(OUT) + 2  # a chunk a token + the final
 
 
-def test_a_client_that_goes_away_mid_stream_ends_it(app):
-    """The replica's own server: the request is cancelled at once, its sessions closed, its task not left
-    cancelled."""
-    raw = json.dumps({"model": "m", "prompt": [5], "capsule": "slow", "stream": True}).encode()
+@pytest.mark.parametrize("prompt", [[5], [[5], [6]]], ids=["one-request", "sessions"])
+def test_a_client_that_goes_away_mid_stream_ends_it(app, prompt):
+    """The replica's own server: the request is cancelled at once, its generates stopped (a one-request
+    stream closed unfinished, or each restored session closed), its task not left cancelled."""
+    raw = json.dumps({"model": "m", "prompt": prompt, "capsule": "slow", "stream": True}).encode()
     sent, left = [], []
+    stopped, closed = _SlowStream.stopped, _SlowSession.closed
 
     async def main():
         scope = _scope("/v1/completions", JSON_WITH_KEY)
@@ -235,7 +263,30 @@ def test_a_client_that_goes_away_mid_stream_ends_it(app):
     asyncio.run(main())
     events = [m["body"] for m in sent if m["type"] == "http.response.body"]
     assert events[0].startswith(b'data: {"id":"cmpl-') and b"[DONE]" not in b"".join(events)
-    assert _SlowSession.closed == 1 and left == [0]
+    if prompt == [5]:
+        assert (_SlowStream.stopped - stopped, _SlowSession.closed - closed) == (1, 0) and left == [0]
+    else:
+        assert (_SlowStream.stopped - stopped, _SlowSession.closed - closed) == (0, 2) and left == [0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_from_a_capsule_is_one_request_to_the_worker(app, stream):
+    """One prompt, one choice, from a capsule, nothing kept: restore, turn and close are one request (no
+    restore of a session of its own, nothing to close)."""
+    raw = json.dumps({"model": "m", "prompt": [5], "capsule": "agent0", "stream": stream}).encode()
+    _Namespace.calls.clear()
+    status, body = asyncio.run(_call(app, "/v1/completions", raw, JSON_WITH_KEY))
+    text = "".join(x for _, x in OUT)
+    if stream:
+        chunks = [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: {")]
+        assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
+    else:
+        assert status == 200 and json.loads(body)["choices"][0]["text"] == text
+    assert _Namespace.calls == ["restore_append_stream" if stream else "restore_append_generate"]
+    _Namespace.calls.clear()  # more than one prompt: a session per prompt
+    raw = json.dumps({"model": "m", "prompt": [[5], [6]], "capsule": "agent0", "stream": stream}).encode()
+    assert asyncio.run(_call(app, "/v1/completions", raw, JSON_WITH_KEY))[0] == 200
+    assert _Namespace.calls == ["restore", "restore"]
 
 
 # ------------------------------------------------------------------------------------------ disconnects

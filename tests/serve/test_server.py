@@ -296,7 +296,7 @@ def test_metrics_count_requests_and_tokens(server):
         names = {line.split("{")[0] for line in text.splitlines() if line and not line.startswith("#")}
         want = {"ray_capsulert_requests_total", "ray_capsulert_generated_tokens_total",
                 "ray_capsulert_ttft_seconds_count", "ray_capsulert_capsule_lookups_total",
-                "ray_capsulert_capsule_hits_total"}
+                "ray_capsulert_capsule_hits_total", "ray_capsulert_restore_seconds_count"}
         if want <= names or time.monotonic() > deadline:
             break
         time.sleep(0.5)
