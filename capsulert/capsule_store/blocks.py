@@ -28,6 +28,7 @@ import json
 import sys
 from array import array
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping, Sequence
 
 import torch
@@ -66,9 +67,10 @@ def chain_seed(namespace: str, fingerprint: str, layout_version: int, rows: int,
 def chain_keys(seed: bytes, tokens: Sequence[int], rows: int, n: int | None = None) -> list[str]:
     """The keys of the first n blocks (default: every complete block) of `tokens`."""
     n = len(tokens) // rows if n is None else n
+    data, step = _token_bytes(tokens[:n * rows]), 4 * rows  # encoded once, not per block
     keys, prev = [], seed
     for i in range(n):
-        prev = hashlib.sha256(prev + _token_bytes(tokens[i * rows:(i + 1) * rows])).digest()
+        prev = hashlib.sha256(prev + data[i * step:(i + 1) * step]).digest()
         keys.append(prev.hex())
     return keys
 
@@ -111,12 +113,12 @@ class BlockRefs:
         """Every block the capsule references: its KV blocks, then its grid-state block."""
         return self.keys + ((self.state,) if self.state is not None else ())
 
-    @property
+    @cached_property  # asked once per block by every plan and tier move
     def block_nbytes(self) -> int:
         """Bytes of one KV block."""
         return _spec_nbytes(self.specs)
 
-    @property
+    @cached_property
     def state_nbytes(self) -> int:
         return _spec_nbytes(self.state_specs) if self.state is not None else 0
 
@@ -276,10 +278,11 @@ def split(meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor], layout: BlockL
         t = tensors.get(name)
         if t is None or t.dim() <= dim or t.shape[dim] != P:
             return whole
-    blocks = tuple({name: tensors[name].narrow(dim, i * rows, rows) for name in layout.tensors} for i in range(n))
+    # every block and the tail of a tensor in one split (views), not one narrow each
+    pieces = {name: tensors[name].split([rows] * n + [P - n * rows], dim) for name in layout.tensors}
+    blocks = tuple({name: pieces[name][i] for name in layout.tensors} for i in range(n))
     own = dict(tensors)
-    for name in layout.tensors:
-        own[name] = tensors[name].narrow(dim, n * rows, P - n * rows)
+    own.update({name: ps[n] for name, ps in pieces.items()})
     # a capsule shorter than a block references none, but still records its origin (restoring it gives
     # a session whose state is canonical for that origin)
     specs = {name: TensorSpec(tuple(rows if d == dim else x for d, x in enumerate(tensors[name].shape)),

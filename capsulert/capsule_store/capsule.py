@@ -214,7 +214,7 @@ class CapsuleMeta:
             arr = array("i", tokens)  # TypeError for non-integers, OverflowError beyond int32
         except (TypeError, OverflowError) as e:
             raise ValueError(f"tokens must be ints in [0, 2**31 - 1]: {e}") from None
-        if arr and max(arr.tobytes()[3::4] if sys.byteorder == "little" else arr.tobytes()[0::4]) >= 0x80:
+        if not (arr.tobytes()[3::4] if sys.byteorder == "little" else arr.tobytes()[0::4]).isascii():  # all < 0x80
             raise ValueError("tokens must be ints in [0, 2**31 - 1]: a token is negative")  # the int32 sign bit
         toks = tuple(arr)
         return cls(name=name, namespace=namespace, boundary=len(toks), grid_pos=grid_pos,

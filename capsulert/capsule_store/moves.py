@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.capsule_store.disk import StagedWrite, fsync_dir, read_capsule_parts, stage_capsule
 from capsulert.capsule_store.plan import Entry, Key, Plan
 from capsulert.capsule_store.tiers import MEMORY_TIERS, RANK, TierCore, pkey
-from capsulert.capsule_store.transfer import copy_tensors
+from capsulert.capsule_store.transfer import Run, copy_tensors
 from capsulert.errors import BudgetExceededError
 from capsulert.policies.base import TIERS
 
@@ -53,15 +53,18 @@ class Moves(TierCore):
         self._prefix_counters = dict(kept=0, evicted=0)
 
     # -- copies -----------------------------------------------------------------------------------
-    def _copy(self, tensors: Mapping[str, torch.Tensor], tier: str, *, wait=None, copy_stream: bool = True):
+    def _copy(self, tensors: Mapping[str, torch.Tensor], tier: str, *, wait=None, copy_stream: bool = True,
+              runs: Sequence[Run] = ()):
         dev = self.device if tier == "gpu" else torch.device("cpu")
         return copy_tensors(tensors, dev, pin=tier == "host" and self._pin_host, wait=wait,
-                            stream=self._stream if copy_stream else None)
+                            stream=self._stream if copy_stream else None, runs=runs)
 
     def _materialize(self, e: Entry, tier: str, own: Mapping[str, torch.Tensor], own_wait: Any, blocks: BlockBytes,
-                     *, copy_stream: bool = True) -> None:
+                     *, copy_stream: bool = True, whole: Mapping[str, torch.Tensor] | None = None) -> None:
         """Copy e's own tensors into memory tier `tier` and reference its blocks there, copying (from
-        `blocks`) those the tier lacks: one grouped copy."""
+        `blocks`) those the tier lacks: one grouped copy. `whole`: the tensors split() cut `own` and `blocks`
+        from (a put); when the tier lacks every KV block, each block tensor is copied as one run (its
+        blocks and its tail in one op) instead of one copy per block."""
         pool = self._pools[tier]
         missing = [k for k in e.block_keys if pool.get(k) is None]
         flat, waits = {f"/{n}": t for n, t in own.items()}, [own_wait]
@@ -69,7 +72,10 @@ class Moves(TierCore):
             tensors, ev = blocks[k]
             flat.update({f"{k}/{n}": t for n, t in tensors.items()})
             waits.append(ev)
-        copied, ev = self._copy(flat, tier, wait=waits, copy_stream=copy_stream)
+        refs, runs = e.blocks, []
+        if whole is not None and refs is not None and refs.keys and all(pool.get(k) is None for k in refs.keys):
+            runs = [(whole[n], refs.token_dim, [f"{k}/{n}" for k in refs.keys] + [f"/{n}"]) for n in refs.specs]
+        copied, ev = self._copy(flat, tier, wait=waits, copy_stream=copy_stream, runs=runs)
         e.tensors, e.event = {n: copied[f"/{n}"] for n in own}, ev
         for k in missing:
             tensors = {n: copied[f"{k}/{n}"] for n in e.blocks.specs_of(k)}  # type: ignore[union-attr]

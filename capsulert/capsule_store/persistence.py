@@ -203,7 +203,7 @@ class Persistence(BackgroundWrites):
                     raise
             else:  # on the current stream: ordered after the work that wrote the caller's tensors
                 self._materialize(e, tier, parts.own, None, {k: (b, None) for k, b in parts.by_key().items()},
-                                  copy_stream=False)
+                                  copy_stream=False, whole=tensors)
         except BaseException:
             if staged is not None:
                 staged.discard()

@@ -183,7 +183,7 @@ def manifest_meta(head: dict, tokens: bytes) -> CapsuleMeta:
         raise CorruptCapsuleError("a transfer manifest's metadata is malformed")
     # int32 by construction: the token checks left are the sign and the digest, both on the raw bytes (in C;
     # CapsuleMeta's own checks walk the ids as Python objects, ~1 ms for 16k tokens, on the receiver's path)
-    if tokens and max(tokens[3::4]) >= 0x80:  # the wire's int32 are little-endian: byte 3 holds the sign
+    if not tokens[3::4].isascii():  # the wire's int32 are little-endian: byte 3 holds the sign (< 0x80: ascii)
         raise CorruptCapsuleError("a transfer manifest's metadata is invalid: a token is negative")
     if token_digest_of_bytes(tokens) != fields["token_digest"]:
         raise CorruptCapsuleError("a transfer manifest's metadata is invalid: token_digest does not match tokens")

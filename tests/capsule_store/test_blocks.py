@@ -70,6 +70,29 @@ def test_shared_prefix_is_held_once_and_counted_by_reference():
     assert st["gpu"]["bytes"] == 0 and st["blocks"]["gpu"] == 0
 
 
+def test_a_put_of_new_blocks_copies_each_block_tensor_in_one_op(monkeypatch):
+    """A put whose blocks the tier lacks copies each block tensor, its blocks and its tail, in one split copy
+    (on CUDA one kernel, not one per block), each block still into memory of its own (freed on its own); a
+    put that shares blocks copies only its own pieces."""
+    calls, real = [], torch.split_with_sizes_copy
+
+    def spy(src, sizes, dim, out):
+        calls.append((list(sizes), dim))
+        return real(src, sizes, dim, out=out)
+
+    monkeypatch.setattr(torch, "split_with_sizes_copy", spy)
+    s = store()
+    _, ta = put(s, "a", SHARED + tokens(5, 1))
+    assert calls == [([ROWS] * 5 + [5], 1)]
+    held = [r.tensors["kv"] for r in s._pools["gpu"].records.values()]
+    assert len({t.data_ptr() for t in held}) == 5
+    assert all(t.untyped_storage().nbytes() == t.nbytes == ROWS * ROW_BYTES for t in held)
+    calls.clear()
+    _, tb = put(s, "b", SHARED + tokens(13, 2))
+    assert calls == []
+    assert exact(s.get("a")[1], ta) and exact(s.get("b")[1], tb)
+
+
 def test_capsules_of_other_origins_or_namespaces_share_nothing():
     s = store()
     put(s, "a", SHARED)
