@@ -20,9 +20,7 @@ def copy_tensors(tensors: Mapping[str, torch.Tensor], device: torch.device, *, p
     tensors[names] are, in order, the consecutive pieces of `src` along `dim` that make all of it (a capsule
     tensor cut into blocks); each piece is still copied into a tensor of its own, but a contiguous `src` on
     the copies' device is copied in one op (on CUDA one kernel) instead of one copy per piece."""
-    # empty_like: half the CPU time of torch.empty(t.shape, dtype=...), once per block tensor
-    dst = {k: torch.empty_like(t, device=device, pin_memory=pin, memory_format=torch.contiguous_format)
-           for k, t in tensors.items()}
+    dst = {k: torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin) for k, t in tensors.items()}
     srcs = list(tensors.values())
     if not srcs:
         return dst, None
