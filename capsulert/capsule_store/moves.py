@@ -72,8 +72,8 @@ class Moves(TierCore):
             tensors, ev = blocks[k]
             flat.update({f"{k}/{n}": t for n, t in tensors.items()})
             waits.append(ev)
-        refs, runs = e.blocks, []
-        if whole is not None and refs is not None and refs.keys and all(pool.get(k) is None for k in refs.keys):
+        refs, runs, lacking = e.blocks, [], set(missing)
+        if whole is not None and refs is not None and refs.keys and lacking.issuperset(refs.keys):
             runs = [(whole[n], refs.token_dim, [f"{k}/{n}" for k in refs.keys] + [f"/{n}"]) for n in refs.specs]
         copied, ev = self._copy(flat, tier, wait=waits, copy_stream=copy_stream, runs=runs)
         e.tensors, e.event = {n: copied[f"/{n}"] for n in own}, ev

@@ -16,6 +16,7 @@ stats, health, namespace): those are the operator's, on the Orchestrator.
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from typing import AsyncIterator
 
 from capsulert.errors import InvalidRequestError, SessionClosedError
@@ -104,14 +105,10 @@ class Namespace(CapsuleRouter):
         request = self._restore_turn(name, suffix, max_new_tokens, sampling, keep=False)
         w = await self._serving_worker(name)
         await self.pool.check(w)
-        call_id, finished = next_call_id(), False
-        try:
-            async for event in self.pool.stream(w, request, call_id):
-                finished = isinstance(event, FinalEvent)
+        # closing this closes the pool's stream at once, which interrupts an unfinished generate
+        async with aclosing(self.pool.stream(w, request, next_call_id())) as events:
+            async for event in events:
                 yield event
-        finally:
-            if not finished:
-                self.pool.send(w, Interrupt(None, call_id))
 
     def _restore_turn(self, name: str, suffix, max_new_tokens: int, sampling, keep: bool) -> Turn:
         """The Turn that restores `name` into a new session, appends and generates, its arguments checked."""

@@ -163,16 +163,12 @@ class RemoteSession:
 
     async def _stream(self, request: Generate | Turn) -> AsyncIterator[TokenEvent | FinalEvent]:
         async with self._generating() as call_id:
-            finished = False
-            try:
-                async for event in self.pool.stream(self.worker, request, call_id):
+            # closing this closes the pool's stream at once, which interrupts an unfinished generate
+            async with aclosing(self.pool.stream(self.worker, request, call_id)) as events:
+                async for event in events:
                     if isinstance(event, FinalEvent):
-                        finished = True
                         self._take(event.result)
                     yield event
-            finally:
-                if not finished:
-                    self._interrupt(call_id)  # stops at the next token, tokens committed
 
     async def append_generate(self, tokens_or_text, max_new_tokens: int, sampling=None, *,
                               timeout: float | None = None) -> GenerateResult:

@@ -24,8 +24,8 @@ from capsulert.errors import CapsuleRTError, ConfigError, WorkerLost
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.event_feed import FeedReader
 from capsulert.orchestrator.worker_actor import send, send_stream
-from capsulert.worker.verbs import (BATCHABLE, Batch, Feed, FinalEvent, ListCapsules, PeerAddress, PeerConnect, Ping,
-                                    Request, Stats, Streamed, TokenEvent, UpdateWeights)
+from capsulert.worker.verbs import (BATCHABLE, Batch, Feed, FinalEvent, Interrupt, ListCapsules, PeerAddress,
+                                    PeerConnect, Ping, Request, Stats, Streamed, TokenEvent, UpdateWeights)
 
 if TYPE_CHECKING:
     from capsulert.orchestrator.remote_session import RemoteSession
@@ -178,13 +178,15 @@ class WorkerPool:
     async def stream(self, w: int, request: Request, call_id) -> AsyncIterator[TokenEvent | FinalEvent]:
         """The events of a streamed Generate or Turn on worker w, through the worker's event feed (one Ray
         stream per worker for every generate it streams: event_feed.py); `call_id` (unique, as
-        RemoteSession's are) keys its events and is what an Interrupt names. Call `check(w)` first."""
+        RemoteSession's are) keys its events and is what an Interrupt names. Call `check(w)` first. A stream
+        that ends before its FinalEvent (closed, cancelled, or failed) interrupts its generate: it stops at the
+        next token boundary, its tokens committed."""
         reader = self.feeds.get(w)
         if reader is None or not reader.open:
             handle = self.workers[w].handle
             reader = self.feeds[w] = FeedReader(w, lambda: send_stream(handle, Feed()))
         events = reader.subscribe(call_id)
-        worker = self.workers[w]
+        worker, finished = self.workers[w], False
         worker.pending += 1  # in flight until its last event, as a call is until its reply
         try:
             await self.call(w, Streamed(request, call_id))  # submitted: a refusal raises here, typed
@@ -193,13 +195,16 @@ class WorkerPool:
                 if kind == "event":
                     yield value
                 elif kind == "done":
+                    finished = True
                     yield FinalEvent(value)
                     return
                 else:
                     if isinstance(value, WorkerLost):
-                        self.workers[w].stale = True
+                        worker.stale = True
                     raise value
         finally:
+            if not finished:  # by call id alone: a Turn that opened its own session has no id known here
+                self.send(w, Interrupt(None, call_id))
             worker.pending -= 1
             reader.unsubscribe(call_id)
 

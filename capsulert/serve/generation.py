@@ -247,7 +247,7 @@ class Run:
 
     @contextmanager
     def _lookup(self):
-        """A one-request Run's capsule lookup that finds no capsule counts as a miss."""
+        """A capsule lookup (a restore, or a one-request Run's call) that finds no capsule counts as a miss."""
         try:
             yield
         except UnknownCapsuleError:

@@ -107,6 +107,9 @@ async def test_method_names_are_refused_at_every_layer(orch_tv, engine_cfg, tmp_
                 core.execute(bad)
         with pytest.raises(InvalidRequestError):
             next(core.stream(Open(PROMPT)))  # noqa: B018
+        with pytest.raises(InvalidRequestError, match="names a session, a call or both"):
+            core.execute(verbs.Interrupt(None, None))  # it would name every call not on a session yet
+        assert core.execute(verbs.Interrupt(None, "a call")) is False  # by call id alone: no session to report
     finally:
         core.scheduler.stop()
 

@@ -215,23 +215,23 @@ def test_pydantic_json_reads_bodies_as_json_loads_does(raw):
 
 
 # ----------------------------------------------------------------------------------------- event stream
+async def _stream_call(app, raw: bytes, sent: list, after_body) -> None:
+    """POST `raw` to /v1/completions; the messages the app sends go to `sent`, and once the body is read the
+    app's receive waits on `after_body()` (what the client does next)."""
+    messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else await after_body()
+
+    async def send(m):
+        sent.append(m)
+    await app(_scope("/v1/completions", JSON_WITH_KEY), receive, send)
+
+
 def test_a_stream_ends_with_its_done_event_in_one_message(app):
     raw = json.dumps(BODIES[3]).encode()
     sent = []
-
-    async def main():
-        scope = _scope("/v1/completions", JSON_WITH_KEY)
-        messages = [{"type": "http.request", "body": raw, "more_body": False}]
-
-        async def receive():
-            if messages:
-                return messages.pop(0)
-            await asyncio.sleep(3600)
-
-        async def send(m):
-            sent.append(m)
-        await app(scope, receive, send)
-    asyncio.run(main())
+    asyncio.run(_stream_call(app, raw, sent, lambda: asyncio.sleep(3600)))
     bodies = [m for m in sent if m["type"] == "http.response.body"]
     assert bodies[-1] == {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
     assert all(m["more_body"] for m in bodies[:-1]) and len(bodies) == len(OUT) + 2  # a chunk a token + the final
@@ -245,20 +245,13 @@ def test_a_client_that_goes_away_mid_stream_ends_it(app, prompt):
     sent, left = [], []
     stopped, closed = _SlowStream.stopped, _SlowSession.closed
 
+    async def leave():  # after the first event
+        while not any(m["type"] == "http.response.body" and m["body"] for m in sent):
+            await asyncio.sleep(0.01)
+        return {"type": "http.disconnect"}
+
     async def main():
-        scope = _scope("/v1/completions", JSON_WITH_KEY)
-        messages = [{"type": "http.request", "body": raw, "more_body": False}]
-
-        async def receive():
-            if messages:
-                return messages.pop(0)
-            while not any(m["type"] == "http.response.body" and m["body"] for m in sent):
-                await asyncio.sleep(0.01)
-            return {"type": "http.disconnect"}  # after the first event
-
-        async def send(m):
-            sent.append(m)
-        await asyncio.wait_for(app(scope, receive, send), 10)
+        await asyncio.wait_for(_stream_call(app, raw, sent, leave), 10)
         left.append(asyncio.current_task().cancelling())
     asyncio.run(main())
     events = [m["body"] for m in sent if m["type"] == "http.response.body"]
