@@ -16,6 +16,7 @@ bench/out/capsules.png (TTFT vs prefix length, log-log) and prints a markdown ta
     python bench/capsules.py --device cpu            # 512 ... 8192
     python bench/capsules.py --quick                 # 512, 1024; 1 repeat
     python bench/capsules.py --device cuda --model /models/Qwen3.5-9B --lengths 2048,4096,8192,16384
+    python bench/capsules.py --off-grid --prefill-chunk 1024   # turns that end anywhere (ratios to the first)
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ from common import OUT_DIR, cuda_sync, log, machine_info, median, plot_lines, pr
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192)
 QUICK_LENGTHS = (512, 1024)
+# capsule ends on and off the 64-token grid and the old 1024 one: resuming should cost the same everywhere
+OFF_GRID_LENGTHS = (2048, 2049, 2560, 3000, 3071, 4096, 4500)
 CHUNK = 256
 
 COLUMNS = [
@@ -48,6 +51,7 @@ COLUMNS = [
     ("hf_kept_ms", "HF prefix-kept ms"),
     ("hf_cold_vs_ours", "HF cold/ours cold"),
     ("hf_kept_vs_ours", "HF kept/ours capsule"),
+    ("capsule_vs_first", "capsule/first"),
     ("bitwise", "bitwise exact"),
 ]
 
@@ -68,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",") if x],
                    help=f"comma-separated prefix lengths (default {','.join(map(str, DEFAULT_LENGTHS))})")
     p.add_argument("--quick", action="store_true", help=f"lengths {QUICK_LENGTHS}, 1 repeat")
+    p.add_argument("--off-grid", action="store_true", help=f"lengths {OFF_GRID_LENGTHS}")
+    p.add_argument("--prefill-chunk", type=int, default=CHUNK, help="the longest prefill piece (multiple of 64)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 3; --quick 1)")
     p.add_argument("--suffix", type=int, default=32, help="suffix tokens appended after the prefix")
     p.add_argument("--threads", type=int, default=None,
@@ -76,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=OUT_DIR, help="output directory (capsules.json, capsules.png)")
     args = p.parse_args(argv)
     if args.lengths is None:
-        args.lengths = list(QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
+        args.lengths = list(OFF_GRID_LENGTHS if args.off_grid else QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
     if args.threads is None:
@@ -250,10 +256,11 @@ def main(argv=None) -> int:
     from capsulert.worker.engine import Engine
 
     lengths = sorted(set(args.lengths))
-    max_seq = -(-(max(lengths) + max(args.suffix, CHUNK)) // CHUNK) * CHUNK
-    log(f"engine: model={args.model} device={args.device} slots=4 max_seq={max_seq} prefill_chunk={CHUNK} "
+    chunk = args.prefill_chunk
+    max_seq = -(-(max(lengths) + max(args.suffix, chunk)) // chunk) * chunk
+    log(f"engine: model={args.model} device={args.device} slots=4 max_seq={max_seq} prefill_chunk={chunk} "
         f"threads={torch.get_num_threads()}")
-    engine = Engine.from_config(model=args.model, device=args.device, slots=4, max_seq=max_seq, prefill_chunk=CHUNK)
+    engine = Engine.from_config(model=args.model, device=args.device, slots=4, max_seq=max_seq, prefill_chunk=chunk)
     ids = corpus_tokens(engine, max(lengths) + args.suffix)
     hf = None
     if not args.skip_hf:
@@ -266,6 +273,7 @@ def main(argv=None) -> int:
     rows = []
     for P in lengths:
         rows.append(bench_length(P, args, engine, hf, ids))
+        rows[-1]["capsule_vs_first"] = rows[-1]["ours_capsule_ms"] / rows[0]["ours_capsule_ms"]
 
     info = machine_info(args.device)
     info["loadavg_1_5_15_start"] = info_start.get("loadavg_1_5_15")
@@ -274,7 +282,7 @@ def main(argv=None) -> int:
         "command": "python " + " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv))),
         "machine": info,
         "config": {"model": args.model, "device": args.device, "dtype": str(engine.dtype).replace("torch.", ""),
-                   "slots": 4, "max_seq": max_seq, "prefill_chunk": CHUNK, "suffix": args.suffix,
+                   "slots": 4, "max_seq": max_seq, "prefill_chunk": chunk, "suffix": args.suffix,
                    "repeats": args.repeats, "warmup": 1, "threads": torch.get_num_threads(),
                    "statistic": "median", "fingerprint": engine.fingerprint,
                    "hf_logits_to_keep": 1},

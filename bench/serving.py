@@ -135,6 +135,25 @@ def hf_seconds_per_session(engine_cfg: dict, contexts, turns, gen: int, sessions
 
 
 async def main(args) -> int:
+    """One run per --contexts value (one --context otherwise); with several, the ratio of their throughputs."""
+    contexts = args.contexts or [args.context]
+    by_context = {}
+    for ctx in contexts:
+        args.context = ctx
+        by_context[ctx] = await run(args)
+    if len(contexts) > 1:
+        base = contexts[0]
+        ratios = [dict(n=r["n"], **{f"tokens_per_s@{c}": by_context[c][i]["tokens_per_s"] for c in contexts},
+                       **{f"ratio {c}/{base}": by_context[c][i]["tokens_per_s"] / r["tokens_per_s"] for c in contexts[1:]})
+                  for i, r in enumerate(by_context[base])]
+        print(f"\nend-to-end tokens/s by context length (a turn ending off the grid should cost what one on it does)\n")
+        print_table(ratios, list(ratios[0]))
+        write_json(OUT_DIR / "serving_contexts.json", {"machine": machine_info(args.device), "args": vars(args),
+                                                        "rows": ratios})
+    return 0
+
+
+async def run(args) -> list[dict]:
     torch.set_num_threads(args.threads)
     chunk = args.prefill_chunk
     max_seq = -(-(args.context + args.turn + args.gen + 1) // chunk) * chunk
@@ -211,7 +230,7 @@ async def main(args) -> int:
         curves["HF transformers, per session"] = [r["hf_tokens_per_s"] for r in rows]
     plot_lines(OUT_DIR / f"serving{'' if tag == '_w1' else tag}.png", [r["n"] for r in rows], curves, "concurrent sessions N",
                "aggregate decode tokens/s", logx=True, logy=True, title=f"serving, {args.device}")
-    return 0
+    return rows
 
 
 def parse_args(argv=None):
@@ -220,6 +239,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--ns", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--context", type=int, default=3000)
+    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+                    help="run once per context length and print the ratio of their throughputs (e.g. 2048 3000)")
     ap.add_argument("--turn", type=int, default=32)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prefill-chunk", type=int, default=1024)

@@ -19,7 +19,7 @@ def write(directory, name, namespace="default", n_tokens=5, fingerprint="fp-test
     tensors = {"kv_k": torch.arange(12, dtype=torch.float32).reshape(3, 4), "pos": torch.tensor([n_tokens])}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     meta = CapsuleMeta.build(name=name, namespace=namespace, tokens=range(n_tokens), grid_pos=0,
-                             fingerprint=fingerprint, layout_version=1, prefill_chunk=64, nbytes=nbytes)
+                             fingerprint=fingerprint, layout_version=1, grid=64, nbytes=nbytes)
     return write_capsule(directory, meta, tensors)
 
 

@@ -1,6 +1,6 @@
 """Prefix blocks: how a capsule's KV rows are cut into shared, content-addressed blocks.
 
-A block holds `rows` token rows (rows = the capsule's prefill_chunk) of each block tensor (the attention
+A block holds `rows` token rows (rows = the capsule's grid) of each block tensor (the attention
 KV, cut along its token dimension). Block i of a capsule covers tokens [i*rows, (i+1)*rows) and its key is
 a chained sha256: key(i) = sha256(key(i-1) || tokens of block i), key(-1) = sha256 of a seed naming the
 namespace, the model fingerprint (weights version included), the layout version, rows and the *origin*
@@ -81,8 +81,8 @@ def state_key(last_key: str) -> str:
 
 
 def keys_for(meta: CapsuleMeta, origin: str, n: int) -> list[str]:
-    seed = chain_seed(meta.namespace, meta.fingerprint, meta.layout_version, meta.prefill_chunk, origin)
-    return chain_keys(seed, meta.tokens, meta.prefill_chunk, n)
+    seed = chain_seed(meta.namespace, meta.fingerprint, meta.layout_version, meta.grid, origin)
+    return chain_keys(seed, meta.tokens, meta.grid, n)
 
 
 @dataclass(frozen=True)
@@ -268,9 +268,9 @@ def split(meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor], layout: BlockL
     the store has no layout, its origin is unknown, or it does not have the layout's shape. Its state at
     the grid point becomes the grid-state block when the layout names it and the capsule covers a block."""
     whole = Parts(dict(tensors))
-    if layout is None or origin is None or meta.prefill_chunk < 1:
+    if layout is None or origin is None or meta.grid < 1:
         return whole
-    rows, dim, P = meta.prefill_chunk, layout.token_dim, meta.held
+    rows, dim, P = meta.grid, layout.token_dim, meta.held
     n = P // rows
     if meta.held_grid != n * rows:
         return whole

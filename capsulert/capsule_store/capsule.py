@@ -123,12 +123,12 @@ class CapsuleMeta:
     name: str
     namespace: str
     boundary: int  # P: tokens covered
-    grid_pos: int  # G <= P: the last grid point (multiple of prefill_chunk) at or before P
+    grid_pos: int  # G <= P: the last grid point (multiple of grid) at or before P
     tokens: tuple[int, ...]
     token_digest: str
     fingerprint: str
     layout_version: int
-    prefill_chunk: int
+    grid: int  # canonical state and prefix blocks every `grid` tokens (the engine's GRID)
     nbytes: int
     created_at: float
     recompute_cost_s: float
@@ -154,12 +154,12 @@ class CapsuleMeta:
                 not set(map(type, toks)) <= {int} or min(toks) < 0 or max(toks) > _INT32_MAX):
             raise ValueError("tokens must be ints in [0, 2**31 - 1]")
         object.__setattr__(self, "tokens", tuple(toks))
-        for f in ("boundary", "grid_pos", "layout_version", "prefill_chunk", "nbytes"):
+        for f in ("boundary", "grid_pos", "layout_version", "grid", "nbytes"):
             v = getattr(self, f)
             if not _is_int(v) or v < 0:
                 raise ValueError(f"{f} must be an int >= 0, got {v!r}")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.grid < 1:
+            raise ValueError(f"grid must be >= 1, got {self.grid}")
         if self.boundary != len(self.tokens):
             raise ValueError(f"boundary {self.boundary} != number of tokens {len(self.tokens)}")
         if self.grid_pos > self.boundary:
@@ -169,7 +169,7 @@ class CapsuleMeta:
             raise ValueError(f"decoded_from must be None or an int in [grid_pos, boundary], got {self.decoded_from!r}")
         if self.replay_from is not None and (
                 not _is_int(self.replay_from) or not 0 <= self.replay_from <= self.grid_pos
-                or self.replay_from % self.prefill_chunk or self.replay_from == self.boundary):
+                or self.replay_from % self.grid or self.replay_from == self.boundary):
             raise ValueError(f"replay_from must be None or a grid point below boundary and <= grid_pos, "
                              f"got {self.replay_from!r}")
         if self.replay_from is not None and self.decoded_from is None:
@@ -198,11 +198,11 @@ class CapsuleMeta:
     @property
     def held_grid(self) -> int:
         """The last grid point at or before `held`: where its KV blocks end and its grid state is."""
-        return self.held // self.prefill_chunk * self.prefill_chunk
+        return self.held // self.grid * self.grid
 
     @classmethod
     def build(cls, *, name: str, namespace: str = "default", tokens: Any, grid_pos: int,
-              fingerprint: str, layout_version: int, prefill_chunk: int, nbytes: int,
+              fingerprint: str, layout_version: int, grid: int, nbytes: int,
               recompute_cost_s: float = 0.0, created_at: float | None = None,
               decoded_from: int | None = None, replay_from: int | None = None) -> "CapsuleMeta":
         """Convenience constructor: fills boundary, token_digest and created_at. Any integers (numpy and
@@ -219,7 +219,7 @@ class CapsuleMeta:
         toks = tuple(arr)
         return cls(name=name, namespace=namespace, boundary=len(toks), grid_pos=grid_pos,
                    tokens=toks, token_digest=token_digest(arr), fingerprint=fingerprint,
-                   layout_version=layout_version, prefill_chunk=prefill_chunk, nbytes=nbytes,
+                   layout_version=layout_version, grid=grid, nbytes=nbytes,
                    created_at=time.time() if created_at is None else created_at,
                    recompute_cost_s=recompute_cost_s, decoded_from=decoded_from, replay_from=replay_from,
                    tokens_checked=True)
@@ -245,6 +245,10 @@ class CapsuleMeta:
             raise CorruptCapsuleError(f"capsule metadata is not valid JSON: {e}") from None
         if not isinstance(d, dict):
             raise CorruptCapsuleError("capsule metadata must be a JSON object")
+        if "prefill_chunk" in d and "grid" not in d:
+            # layout 2 kept its state on the prefill-chunk grid under this name: read it as what it was, so
+            # the capsule is listed and its restore refused by the layout check, never misread
+            d["grid"] = d.pop("prefill_chunk")
         fields = {f.name for f in dataclasses.fields(cls)}
         if not fields - set(OPTIONAL_FIELDS) <= set(d) <= fields:
             missing, extra = sorted(fields - set(d)), sorted(set(d) - fields)

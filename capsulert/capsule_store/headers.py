@@ -154,7 +154,7 @@ def _block_refs(path: Path, md: dict, meta: CapsuleMeta, header: dict, fmt: str)
     if refs.state is not None and (not refs.keys or refs.state != state_key(refs.keys[-1])
                                    or set(refs.state_names) & set(header)):
         raise _corrupt(path, "its grid-state block does not derive from its last block, or its file holds that state too")
-    if refs.rows != meta.prefill_chunk or refs.grid != meta.held_grid or refs.grid > meta.held:
+    if refs.rows != meta.grid or refs.grid != meta.held_grid or refs.grid > meta.held:
         raise _corrupt(path, f"its {len(refs.keys)} blocks of {refs.rows} rows do not match its grid point {meta.grid_pos}")
     if list(refs.keys) != keys_for(meta, refs.origin, len(refs.keys)):
         raise _corrupt(path, "its block keys do not derive from its tokens (altered header?)")

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from capsulert.kernels import fused
-from capsulert.kernels.attention import attention_ref, write_kv_ref
+from capsulert.kernels.attention import attention_ref, tiled_attention_ref, write_kv_ref
 from capsulert.kernels.conv import causal_conv1d_ref, causal_conv1d_step_ref
 from capsulert.kernels.gated_delta import chunk_gated_delta_rule_ref
 
@@ -22,7 +22,10 @@ from capsulert.kernels.gated_delta import chunk_gated_delta_rule_ref
 class KernelSet:
     name: str
     write_kv: Callable
-    attention: Callable
+    attention: Callable  # decode: one query a slot, batch-invariant
+    # prefill: a query row's bits do not depend on how many queries share the piece or on kv_len
+    # (split-invariant prefill: the state at every 64-token grid point is the same whatever the pieces)
+    prefill_attention: Callable
     conv_prefill: Callable
     conv_step: Callable
     gated_delta_prefill: Callable
@@ -70,6 +73,7 @@ def reference_kernels() -> KernelSet:
         name="reference",
         write_kv=write_kv_ref,
         attention=attention_ref,
+        prefill_attention=tiled_attention_ref,
         conv_prefill=conv_prefill_ref,
         conv_step=conv_step_ref,
         gated_delta_prefill=gated_delta_prefill_ref,
@@ -108,7 +112,7 @@ def _fla_prefill():
 
 def cuda_kernels(use_fla: bool = True) -> KernelSet:
     """Triton kernels of ours (+ fla's chunked prefill when installed and asked for)."""
-    from capsulert.kernels.triton_attention import attention
+    from capsulert.kernels.triton_attention import attention, prefill_attention
     from capsulert.kernels.triton_conv import conv_step
     from capsulert.kernels import triton_fused
 
@@ -117,6 +121,7 @@ def cuda_kernels(use_fla: bool = True) -> KernelSet:
         name="triton+fla" if fla else "triton",
         write_kv=write_kv_ref,
         attention=attention,
+        prefill_attention=prefill_attention,
         conv_prefill=conv_prefill_ref,
         conv_step=conv_step,
         gated_delta_prefill=fla or gated_delta_prefill_ref,

@@ -169,15 +169,20 @@ _PARTIAL_BYTES_CAP = 64 << 20
 
 
 def _launch_config(B: int, T: int, Hq: int, Hkv: int, D: int, kv_len: int, device: torch.device,
-                   fp32: bool = False) -> dict:
+                   fp32: bool = False, split_invariant: bool = False) -> dict:
     """Block sizes and split count from shapes only (never from device values), so a captured graph holds one
     fixed launch. Measured on one H200 (bf16, Hq=16, Hkv=4, D=256): decode keeps BM = 16 rows; prefill chunks
     use BM = 128 rows, BN = 64, 8 warps, 2 stages, and about one program per SM (heavier tiles run one per SM:
     T=256 over 16k keys went 263 -> 391 TFLOP/s going from 9 splits to 4). fp32 inputs (IEEE dots, twice the
-    bytes per tile) use half the rows and keys per tile so the tiles still fit in shared memory."""
+    bytes per tile) use half the rows and keys per tile so the tiles still fit in shared memory.
+
+    split_invariant (prefill): a row's bits must not depend on the piece it is computed in, so the tile shape
+    is the one of the longest pieces whatever T is, and there is one split (a split's key range follows the
+    block's last query, which moves with the piece): every row folds its keys in BN tiles from 0 in order."""
     G = Hq // Hkv
     GP = triton.next_power_of_2(G)
-    BT = min(triton.next_power_of_2(T), max(1, (64 if fp32 else 128) // GP))
+    BT_max = max(1, (64 if fp32 else 128) // GP)
+    BT = BT_max if split_invariant else min(triton.next_power_of_2(T), BT_max)
     BT = max(BT, triton.cdiv(16, GP))
     BM = BT * GP
     BN = 32 if (fp32 and D >= 128) else 64
@@ -193,13 +198,16 @@ def _launch_config(B: int, T: int, Hq: int, Hkv: int, D: int, kv_len: int, devic
     splits = max(1, min(target // base, triton.cdiv(kv_len, BN), 64))
     per_split_bytes = T * Hq * (D + 1) * 4  # per row
     splits = max(1, min(splits, _PARTIAL_BYTES_CAP // per_split_bytes))
+    if split_invariant:
+        splits = 1
     return dict(G=G, GP=GP, BT=BT, BN=BN, n_tblocks=n_tblocks, splits=splits, num_warps=num_warps,
                 num_stages=num_stages)
 
 
-def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float) -> torch.Tensor:
+def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, split_invariant: bool = False) -> torch.Tensor:
     """q [B, T, Hq, D]; kv_k, kv_v [num_slots, max_seq, Hkv, D]; slots, start int [B] on the device;
-    kv_len a static (Python int) bound on the keys read. Returns [B, T, Hq, D] in q's dtype."""
+    kv_len a static (Python int) bound on the keys read. Returns [B, T, Hq, D] in q's dtype.
+    split_invariant: a row's bits do not depend on T or kv_len (prefill on the 64-token grid)."""
     B, T, Hq, D = q.shape
     Hkv = kv_k.shape[2]
     assert kv_k.dim() == 4 and kv_v.shape == kv_k.shape and kv_k.shape[3] == D
@@ -211,7 +219,7 @@ def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float) -> torch.T
         return o
     assert kv_len >= 1
     ieee = q.dtype == torch.float32 or kv_k.dtype == torch.float32
-    cfg = _launch_config(B, T, Hq, Hkv, D, kv_len, q.device, fp32=ieee)
+    cfg = _launch_config(B, T, Hq, Hkv, D, kv_len, q.device, fp32=ieee, split_invariant=split_invariant)
     S = cfg["splits"]
     if S > 1:
         lse = torch.empty(B * T * Hq * S, dtype=torch.float32, device=q.device)
@@ -239,3 +247,8 @@ def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float) -> torch.T
             num_warps=4 if D >= 128 else 2,
         )
     return o
+
+
+def prefill_attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float) -> torch.Tensor:
+    """attention() with rows independent of the piece they are computed in (split-invariant prefill)."""
+    return attention(q, kv_k, kv_v, slots, start, kv_len, scale, split_invariant=True)

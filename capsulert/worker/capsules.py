@@ -2,10 +2,10 @@
 
 A capsule of a session of length P holds the slot's complete state: KV rows [0, P), the live recurrent and
 conv state at P, the last hidden state at P, and the token ids [0, P); off the grid it also holds the grid
-checkpoint (recurrent and conv state at G = floor(P / prefill_chunk) * prefill_chunk; on the grid it equals
+checkpoint (recurrent and conv state at G = floor(P / 64) * 64, the engine's grid; on the grid it equals
 the live state). Restore writes those bytes back, so a restored session is the original one: generate
 continues exactly as it would have, and the next append re-runs [G, P) with the new tokens from the grid
-checkpoint on the chunk grid a cold prefill uses, so restore + append equals a cold prefill bitwise.
+checkpoint on the grid a cold prefill keeps, so restore + append equals a cold prefill bitwise.
 
 The store cuts a capsule's KV rows [0, G) into prefix blocks, and its recurrent and conv state at G into a
 grid-state block, shared with every capsule (and prefix-cache entry) of the same prefix
@@ -112,7 +112,7 @@ class CapsuleVerbs:
             raise CapsuleError("an empty session has no state to snapshot; append a prompt first")
         eng = self.engine
         P = len(session.tokens)
-        G = P // eng.chunk * eng.chunk
+        G = P // eng.grid * eng.grid
         canonical = self.prefix.canonical(session)
         if mode == "replay" and (not canonical or session.decoded_from is None):
             raise UnsupportedStateModeError(
@@ -137,7 +137,7 @@ class CapsuleVerbs:
         whose state the store holds (any capsule or prefix entry of this numerics in the namespace)."""
         eng = self.engine
         after = max(G - eng.config.replay_max_prefill, 1) - 1
-        return self.store.match_prefix(namespace, eng.fingerprint, session.tokens, eng.chunk, after=after, count=False)
+        return self.store.match_prefix(namespace, eng.fingerprint, session.tokens, eng.grid, after=after, count=False)
 
     @staticmethod
     def _state_of(meta: CapsuleMeta, own: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,10 +152,10 @@ class CapsuleVerbs:
             name=name,
             namespace=namespace,
             tokens=session.tokens,
-            grid_pos=P // eng.chunk * eng.chunk,
+            grid_pos=P // eng.grid * eng.grid,
             fingerprint=eng.fingerprint,
             layout_version=LAYOUT_VERSION,
-            prefill_chunk=eng.chunk,
+            grid=eng.grid,
             nbytes=sum(t.numel() * t.element_size() for t in views.values()),
             recompute_cost_s=eng._prefill_s_per_token * P,
             decoded_from=session.decoded_from,
@@ -186,10 +186,10 @@ class CapsuleVerbs:
             raise IncompatibleCapsuleError(
                 f"capsule {meta.name!r} was made by model {meta.fingerprint[:16]}…, this engine runs {eng.fingerprint[:16]}…"
             )
-        if meta.layout_version != LAYOUT_VERSION or meta.prefill_chunk != eng.chunk:
+        if meta.layout_version != LAYOUT_VERSION or meta.grid != eng.grid:
             raise IncompatibleCapsuleError(
-                f"capsule {meta.name!r} has layout v{meta.layout_version} / prefill_chunk {meta.prefill_chunk}; "
-                f"this engine uses v{LAYOUT_VERSION} / {eng.chunk}"
+                f"capsule {meta.name!r} has layout v{meta.layout_version} / grid {meta.grid}; "
+                f"this engine uses v{LAYOUT_VERSION} / {eng.grid}"
             )
         if meta.boundary > eng.config.max_seq:
             raise IncompatibleCapsuleError(f"capsule {meta.name!r} holds {meta.boundary} tokens > max_seq {eng.config.max_seq}")
@@ -224,7 +224,7 @@ class CapsuleVerbs:
             dst = self._grid_views(slot, G) if replay else self._views(slot, P, G)
             own = parts.own_view()
             for k in BLOCK_TENSORS:  # the rows past its blocks
-                dst[k] = dst[k][:, len(parts.blocks) * eng.chunk:]
+                dst[k] = dst[k][:, len(parts.blocks) * eng.grid:]
             pairs += [(dst[k], own[k]) for k in dst]
             if P == G:  # at the grid point the live state is the grid checkpoint
                 live = (st.ssm, st.conv) if replay else (st.ssm_grid, st.conv_grid)
@@ -242,7 +242,7 @@ class CapsuleVerbs:
 
     def _block_pairs(self, slot: int, parts: Parts, first: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(slot rows, block rows) of the KV of blocks first.. of a capsule's parts."""
-        st, C = self.engine.state, self.engine.chunk
+        st, C = self.engine.state, self.engine.grid
         pairs = []
         for i in range(first, len(parts.blocks)):
             rows = slice(i * C, (i + 1) * C)
@@ -256,13 +256,13 @@ class CapsuleVerbs:
         last hidden state when it has one; the session then holds tokens[:match.grid]. False when the
         checkpoint left the store meanwhile (nothing written)."""
         eng, slot = self.engine, session.slot
-        start = len(session.tokens) // eng.chunk * eng.chunk
+        start = len(session.tokens) // eng.grid * eng.grid
         try:
             with self.store.reading_prefix(match, start) as (meta, parts):
                 st, own = eng.state, parts.own_view()
                 on_grid = meta.held == meta.held_grid
                 ssm, conv = self._state_of(meta, own)
-                pairs = self._block_pairs(slot, parts, start // eng.chunk)
+                pairs = self._block_pairs(slot, parts, start // eng.grid)
                 pairs += [(st.ssm[:, slot], ssm), (st.conv[:, slot], conv),
                           (st.ssm_grid[:, slot], ssm), (st.conv_grid[:, slot], conv)]
                 if on_grid and "last_hidden" in own:
@@ -280,14 +280,14 @@ class CapsuleVerbs:
         [0, G), the recurrent and conv state at G and, when the session stands on G, its last hidden state."""
         eng, slot = self.engine, session.slot
         P = len(session.tokens)
-        G = P // eng.chunk * eng.chunk
+        G = P // eng.grid * eng.grid
         if G == 0:
             return False
         views = self._grid_views(slot, G)  # on the grid the grid checkpoint is the live state
         if P == G:
             views["last_hidden"] = eng.state.last_hidden[slot]
         meta = CapsuleMeta.build(name="prefix", namespace=namespace, tokens=session.tokens[:G], grid_pos=G,
-                                 fingerprint=eng.fingerprint, layout_version=LAYOUT_VERSION, prefill_chunk=eng.chunk,
+                                 fingerprint=eng.fingerprint, layout_version=LAYOUT_VERSION, grid=eng.grid,
                                  nbytes=sum(t.numel() * t.element_size() for t in views.values()),
                                  recompute_cost_s=eng._prefill_s_per_token * G)
         return self.store.keep_prefix(meta, views)

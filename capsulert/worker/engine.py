@@ -1,10 +1,13 @@
 """Engine: owns the model, the state set, the capsule store and the slots; runs every verb.
 
-Prefill runs on a global chunk grid (chunks start at multiples of prefill_chunk); an append re-runs the
-tokens since the slot's last grid point from its grid checkpoint, so appends split anywhere and a cold
-prefill give bitwise the same logits and state. Decode steps several slots at once; when decode reaches a
-grid point the crossed chunk is re-derived through the prefill path, so the state at every grid point is the
-one a cold prefill computes, whatever produced the tokens (canonical grid state).
+Canonical grid state on the 64-token grid (GRID, the gated delta rule's chunk): the slot keeps its recurrent
+and conv state at its last grid point G = floor(len / 64) * 64, and an append re-runs the < 64 tokens since
+G with the new ones. Prefill is split-invariant (every op gives a row the same bits whatever piece it is
+computed in, kernels/), and pieces start on the grid, so appends split anywhere, prefill pieces of any size
+and a cold prefill give bitwise the same state at every grid point and the same logits. `prefill_chunk` is
+only the longest piece (speed): a prefill is cut at its multiples and at the new grid point. Decode steps
+several slots at once; when decode reaches a grid point the last 64 tokens are re-derived through the prefill
+path, so the state at every grid point is the one a cold prefill computes, whatever produced the tokens.
 
 Long work shows a progress bar on a terminal (EngineConfig.progress, capsulert/progress.py): loading the
 weights, capturing the graphs, and a prefill of more than LONG_PREFILL_CHUNKS chunks in one call.
@@ -20,7 +23,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from pydantic import ValidationError
 
-from capsulert.model_config import ModelConfig
+from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK
+from capsulert.model_config import FULL, ModelConfig
 from capsulert.progress import progress_bar
 from capsulert.errors import (
     ConfigError,
@@ -46,6 +50,20 @@ RANDOM_PREFIX = "random:"  # model="random:<architecture yaml>": deterministic r
 MAX_DECODE_BATCH = 64
 # a prefill of more chunks than this in one call shows a progress bar (when bars are on)
 LONG_PREFILL_CHUNKS = 4
+# canonical state is kept at every multiple of the gated delta rule's chunk: the finest grid at which the
+# chunked prefill can stop and resume bitwise
+GRID = GATED_DELTA_CHUNK
+
+
+def prefill_pieces(start: int, end: int, chunk: int, grid: int = GRID) -> list[tuple[int, int]]:
+    """[start, end) cut at the multiples of `chunk` and at end's grid point: every piece starts on the grid
+    (when start does), none is longer than chunk, and the last grid point is a piece boundary, so the state
+    there can be kept and the tokens past it are always computed in the same piece."""
+    cuts = set(range((start // chunk + 1) * chunk, end, chunk))
+    if start < end // grid * grid < end:
+        cuts.add(end // grid * grid)
+    bounds = [start, *sorted(cuts), end]
+    return list(zip(bounds, bounds[1:]))
 
 
 class Restored(NamedTuple):
@@ -63,6 +81,11 @@ class Engine:
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.model_weights = weights
         cuda = self.device.type == "cuda"
+        if cuda:
+            from capsulert.worker.numerics import check_split_invariant_gemm, configure_cuda
+
+            configure_cuda()
+            check_split_invariant_gemm(self.probe_weight(weights, model_cfg))
         self.model = HybridModel(model_cfg, weights, self._kernels(config),
                                  decode_rows=MAX_DECODE_BATCH if cuda else None, rowwise=not cuda)
         self.tokenizer = tokenizer
@@ -72,7 +95,8 @@ class Engine:
         # generate stops at these unless SamplingParams.ignore_eos (config.json + generation_config.json)
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else (
             () if model_cfg.eos_token_id is None else (model_cfg.eos_token_id,))
-        self.chunk = config.prefill_chunk
+        self.chunk = config.prefill_chunk  # the longest prefill piece
+        self.grid = GRID  # where canonical state is kept (capsules, prefix blocks, re-runs)
         # one extra scratch slot absorbs the padding rows of captured graphs; KV keeps a chunk of slack
         # rows because a padded prefill chunk writes (ignored) KV past the last real token
         self.scratch_slot = config.slots
@@ -91,8 +115,18 @@ class Engine:
             from capsulert.worker.graphs import GraphPlans, decode_buckets
 
             buckets = decode_buckets(config.decode_batches, min(config.slots, MAX_DECODE_BATCH))
-            self.graphs = GraphPlans(self.model, self.state, self.scratch_slot, config.max_seq, self.chunk, buckets)
+            self.graphs = GraphPlans(self.model, self.state, self.scratch_slot, config.max_seq, self.chunk, buckets, self.grid)
             self.graphs.capture(progress=config.progress)
+
+    @staticmethod
+    def probe_weight(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+        """A projection whose GEMM split-K would choose first (the attention output projection, else the
+        first linear-attention output projection): the probe of check_split_invariant_gemm."""
+        for i, kind in enumerate(cfg.layer_types):
+            name = f"model.layers.{i}.self_attn.o_proj.weight" if kind == FULL else f"model.layers.{i}.linear_attn.out_proj.weight"
+            if name in weights:
+                return weights[name]
+        return weights["model.embed_tokens.weight"]
 
     def _kernels(self, config: EngineConfig):
         from capsulert.kernels import ops
@@ -118,6 +152,10 @@ class Engine:
             raise ConfigError(f"invalid engine config: {e.error_count()} error(s): "
                               + "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
         device = config.torch_device()
+        if device.type == "cuda":
+            from capsulert.worker.numerics import configure_cuda
+
+            configure_cuda()  # before the first CUDA GEMM: the libraries read it once
         dtype = config.torch_dtype(device)
         if config.model.startswith(RANDOM_PREFIX):
             return cls._random(config, device, dtype)
@@ -247,28 +285,27 @@ class Engine:
         return min(self.config.max_seq, -(-end // self.chunk) * self.chunk)
 
     def _run_prefill(self, slot: int, tokens: list[int], start: int) -> None:
-        """Run tokens at positions [start, start+len) on the chunk grid; the slot's live state must be at start."""
+        """Run tokens at positions [start, start+len) in prefill pieces (prefill_pieces); the slot's live state
+        must be at start. The state at the last grid point reached becomes the slot's grid checkpoint."""
         if self.graphs is None:
             slots = torch.tensor([slot], device=self.device)
             ids = torch.tensor(tokens, device=self.device)
-        a, end = start, start + len(tokens)
-        chunks = (end - 1) // self.chunk - start // self.chunk + 1
+        end = start + len(tokens)
+        pieces = prefill_pieces(start, end, self.chunk, self.grid)
         # a bar only for long prefills: a short one ends before any bar would show
-        bar = progress_bar(chunks, "capsulert: prefill", unit="chunk",
-                           progress=self.config.progress if chunks > LONG_PREFILL_CHUNKS else False)
+        bar = progress_bar(len(pieces), "capsulert: prefill", unit="chunk",
+                           progress=self.config.progress if len(pieces) > LONG_PREFILL_CHUNKS else False)
         # on CUDA the chunks are queued at once: a drawn bar waits for each, or it would fill before the work
         pace = not bar.disable and self.device.type == "cuda"
         t0 = time.perf_counter()
         with bar:
-            while a < end:
-                b = min((a // self.chunk + 1) * self.chunk, end)
+            for a, b in pieces:
                 if self.graphs is not None:
                     self.graphs.prefill(slot, tokens[a - start:b - start])
                 else:
                     self.model.forward(self.state, slots, ids[None, a - start:b - start], self._kv_len(b))
-                if b % self.chunk == 0:
+                if b % self.grid == 0:
                     self.state.save_grid(slot)
-                a = b
                 if pace:
                     torch.cuda.synchronize(self.device)
                 bar.update()
@@ -296,7 +333,7 @@ class Engine:
 
     def _extend(self, session: Session, new: list[int]) -> None:
         P = len(session.tokens)
-        G = P // self.chunk * self.chunk
+        G = P // self.grid * self.grid
         if P != G:  # re-run [G, P) with the new tokens from the grid checkpoint, as a cold prefill does
             self.state.load_grid(session.slot)
             self.state.pos[session.slot] = G
@@ -390,22 +427,36 @@ class Engine:
             # kv_len is a shape: the same for every batch, so attention's launch never depends on the batch
             self.model.forward(self.state, slots, ids, self.config.max_seq, decode=True)
             logits = self.model.logits(self.state, slots)
+        crossed = []
         for r, (s, t) in enumerate(zip(sessions, tokens)):
             s.tokens.append(t)
-            if len(s.tokens) % self.chunk == 0:
-                self._rederive_grid_point(s)
-                logits[r] = self.model.logits(self.state, self._slot_ids([s]))[0]
+            if len(s.tokens) % self.grid == 0:
+                crossed.append(r)
+        if crossed:
+            self._rederive_grid_points([sessions[r] for r in crossed])
+            for r, row in zip(crossed, self.logits_rows([sessions[r] for r in crossed])):
+                logits[r] = row
         return logits
 
-    def _rederive_grid_point(self, session: Session) -> None:
-        """Decode just reached grid point G: re-run the chunk [G - chunk, G) through the prefill path from
+    def _rederive_grid_points(self, sessions: list[Session]) -> None:
+        """Decode just reached grid point G of each session: re-run [G - GRID, G) through the prefill path from
         the previous grid checkpoint, so the slot's KV rows, recurrent and conv state and last hidden state at
-        G are bitwise those of a cold prefill of tokens[:G] (canonical grid state)."""
-        G = len(session.tokens)
-        self.state.load_grid(session.slot)
-        self.state.pos[session.slot] = G - self.chunk
-        self._run_prefill(session.slot, session.tokens[G - self.chunk:G], G - self.chunk)
-        session.decoded_from = G
+        G are bitwise those of a cold prefill of tokens[:G] (canonical grid state). The sessions that cross in
+        one step re-derive together, one batched prefill of GRID tokens each (split-invariant prefill: a row's
+        bits do not depend on the other rows)."""
+        for group in self.decode_groups(sessions):
+            for s in group:
+                self.state.load_grid(s.slot)
+                self.state.pos[s.slot] = len(s.tokens) - self.grid
+            rows = [s.tokens[-self.grid:] for s in group]
+            if self.graphs is not None:
+                self.graphs.prefill_rows([s.slot for s in group], rows)
+            else:
+                ids = torch.tensor(rows, device=self.device)
+                self.model.forward(self.state, self._slot_ids(group), ids, self._kv_len(max(len(s.tokens) for s in group)))
+            for s in group:
+                self.state.save_grid(s.slot)
+                s.decoded_from = len(s.tokens)
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, weights, *, rebuild_pinned: bool = False, version: int | None = None) -> int:

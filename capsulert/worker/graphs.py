@@ -4,7 +4,9 @@ A plan reads its inputs from static buffers (token ids, slot ids, valid lengths)
 `state.pos`, so one captured graph serves every slot and every position. Prefill of n tokens replays the
 graph of the smallest bucket >= n with the tail marked as padding; a decode batch of b sessions replays
 the graph of the smallest batch bucket >= b, padding rows pointing at the scratch slot. Capture shows a
-progress bar over the shapes warmed up and captured on a terminal (capsulert/progress.py).
+progress bar over the shapes warmed up and captured on a terminal (capsulert/progress.py). Sessions whose
+decode reaches a grid point in one step re-derive it together: a prefill of `grid` tokens for each of b
+slots replays the (prefill, b, grid) graph of the decode batch bucket.
 """
 from __future__ import annotations
 
@@ -45,8 +47,9 @@ def prefill_buckets(prefill_chunk: int, smallest: int = 16) -> list[int]:
 
 class GraphPlans:
     def __init__(self, model: HybridModel, state: StateSet, scratch_slot: int, max_seq: int,
-                 prefill_chunk: int, decode_batches: tuple[int, ...]):
+                 prefill_chunk: int, decode_batches: tuple[int, ...], grid: int):
         self.model, self.state, self.scratch = model, state, scratch_slot
+        self.grid = grid
         self.max_seq = max_seq
         self.prefill_sizes = prefill_buckets(prefill_chunk)
         self.decode_batches = tuple(sorted(decode_batches))
@@ -79,6 +82,7 @@ class GraphPlans:
         terminal)."""
         keys = [ShapeKey("decode", b, 1) for b in self.decode_batches]
         keys += [ShapeKey("prefill", 1, t) for t in self.prefill_sizes] if prefill else []
+        keys += [ShapeKey("prefill", b, self.grid) for b in self.decode_batches if b > 1] if prefill else []
         with progress_bar(2 * len(keys), "capsulert: CUDA graphs", progress=progress, unit="shape") as bar:
             self._capture(keys, bar)
         log.info("captured %d CUDA graphs in %.1f s (warm-up of every shape %.1f s)", len(keys), self.capture_s,
@@ -138,6 +142,19 @@ class GraphPlans:
         self.slots[0] = slot
         self.valid[0] = n
         self.graphs[ShapeKey("prefill", 1, T)].replay()
+
+    def prefill_rows(self, slots: list[int], rows: list[list[int]]) -> None:
+        """`grid` tokens for each slot at once (the grid points decode reached); padding rows run in the
+        scratch slot."""
+        n, T = len(slots), self.grid
+        B = next((b for b in self.decode_batches if b >= n), None)
+        if B is None or any(len(r) != T for r in rows):
+            raise ValueError(f"a batched prefill takes at most {self.decode_batches[-1]} rows of {T} tokens")
+        pad = B - n
+        self.tokens[:B, :T].copy_(torch.tensor(rows + [[0] * T] * pad), non_blocking=True)
+        self.slots[:B].copy_(torch.tensor(slots + [self.scratch] * pad), non_blocking=True)
+        self.valid[:B].fill_(T)
+        self.graphs[ShapeKey("prefill", B, T)].replay()
 
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         """One token for each slot; returns the next-token logits block (row r for slots[r]; the graph's

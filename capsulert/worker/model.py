@@ -118,7 +118,7 @@ class HybridModel:
             w = layer.w
             h, x = add_rms_norm(h, delta, w["input_layernorm.weight"], eps)
             if layer.kind == FULL:
-                x = self._attention(layer, x, state, slots, start, kv_len, rope)
+                x = self._attention(layer, x, state, slots, start, kv_len, rope, decode)
             else:
                 x = self._gated_delta_net(layer, x, state, slots, decode, valid)
             h, x = add_rms_norm(h, x, w["post_attention_layernorm.weight"], eps)
@@ -145,7 +145,7 @@ class HybridModel:
         return F.linear(h, self.lm_head).float()
 
     # ------------------------------------------------------------------ mixers
-    def _attention(self, layer, x, state, slots, start, kv_len, rope):
+    def _attention(self, layer, x, state, slots, start, kv_len, rope, decode: bool):
         cfg, w = self.cfg, layer.w
         R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
         B = slots.shape[0]
@@ -160,7 +160,8 @@ class HybridModel:
         v = v.view(R, T, -1, D)
         kv_k, kv_v = state.kv_k[layer.state_index], state.kv_v[layer.state_index]
         self.kernels.write_kv(kv_k, kv_v, slots, start, k[:B], v[:B])
-        o = self.kernels.attention(q[:B], kv_k, kv_v, slots, start, kv_len, D**-0.5)
+        attend = self.kernels.attention if decode else self.kernels.prefill_attention
+        o = attend(q[:B], kv_k, kv_v, slots, start, kv_len, D**-0.5)
         o = pad_rows(o, R).reshape(R, T, -1) * torch.sigmoid(gate)
         return F.linear(o, w["self_attn.o_proj.weight"])
 

@@ -80,17 +80,17 @@ class PrefixCache:
         """Restore the longest cached grid prefix of tokens + new into the slot; the tokens left to prefill.
         Plans the checkpoints this append keeps."""
         t = self._serving(session)
-        P, chunk = len(session.tokens), self.engine.chunk
+        P, grid = len(session.tokens), self.engine.grid
         end = P + len(new)
         if t is None or t.planned >= end:
             return new
         full = session.tokens + new
         match = self.verbs.store.match_prefix(t.namespace, self.engine.fingerprint, full,  # type: ignore[arg-type]
-                                              chunk, after=P // chunk * chunk)
+                                              grid, after=P // grid * grid)
         if match.grid and self.verbs.restore_prefix(session, match, full):
             new = full[match.grid:]
         start = len(session.tokens)
-        points = {match.shared, end // chunk * chunk} - set(match.checkpoints)
+        points = {match.shared, end // grid * grid} - set(match.checkpoints)
         t.keep = sorted(p for p in points if start < p <= end)
         t.planned = end
         return new

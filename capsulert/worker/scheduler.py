@@ -341,7 +341,7 @@ class StepScheduler:
                     end = min(P + len(job.prefill), (P // chunk + 1) * chunk)  # cut at the next grid point
                     piece, job.prefill = job.prefill[:end - P], job.prefill[end - P:]
                     self.engine.append(s, piece)
-                    budget -= end - P // chunk * chunk
+                    budget -= end - P // self.engine.grid * self.engine.grid  # with the re-run past the grid point
                     job.bar.update()
                 if not job.prefill:
                     job.prefill = None

@@ -4,8 +4,8 @@ Allocated once when the engine starts and never re-allocated, resized or replace
 them in place, snapshot/restore copy between them and capsules. Data pointers are stable for the life of
 the engine (tested), which is what lets captured CUDA graphs and capsules refer to them.
 
-`ssm_grid` / `conv_grid` hold the recurrent and conv state of each slot at its last prefill-grid point
-G = floor(len / prefill_chunk) * prefill_chunk. Appends re-run the tokens [G, len) from there, so a prefill
+`ssm_grid` / `conv_grid` hold the recurrent and conv state of each slot at its last grid point
+G = floor(len / 64) * 64 (engine.GRID). Appends re-run the tokens [G, len) from there, so a prefill
 split on the grid, a restore + append, and a cold prefill all run the same kernels on the same shapes.
 """
 from __future__ import annotations
@@ -16,7 +16,9 @@ import torch
 
 from capsulert.model_config import ModelConfig
 
-LAYOUT_VERSION = 2  # 2: capsules hold the live state at P and KV [0, P), plus the grid checkpoint off the grid
+# 3: as 2 (the live state at P, KV [0, P), plus the grid checkpoint off the grid) on the 64-token grid; 2 kept
+# its grid checkpoint and prefix blocks every prefill_chunk tokens
+LAYOUT_VERSION = 3
 
 
 @dataclass(frozen=True)

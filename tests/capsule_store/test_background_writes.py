@@ -35,7 +35,7 @@ NB = tensor_nbytes(tensors(0))
 def put(s, name, seed, **kw):
     t = tensors(seed)
     s.put(CapsuleMeta.build(name=name, tokens=[1, 2, 3], grid_pos=0, fingerprint=FP, layout_version=LAYOUT,
-                            prefill_chunk=8, nbytes=NB), t, **kw)
+                            grid=8, nbytes=NB), t, **kw)
     return t
 
 

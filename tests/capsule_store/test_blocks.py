@@ -33,7 +33,7 @@ def capsule(name: str, toks: list[int], ns: str = "default"):
     t = {"kv": kv_for(toks), "state": torch.full((16,), float(len(toks)))}
     nbytes = sum(x.numel() * x.element_size() for x in t.values())
     meta = CapsuleMeta.build(name=name, namespace=ns, tokens=toks, grid_pos=len(toks) // ROWS * ROWS, fingerprint=FP,
-                             layout_version=LAYOUT, prefill_chunk=ROWS, nbytes=nbytes, recompute_cost_s=0.01 * len(toks))
+                             layout_version=LAYOUT, grid=ROWS, nbytes=nbytes, recompute_cost_s=0.01 * len(toks))
     return meta, t
 
 

@@ -16,7 +16,7 @@ from capsulert.errors import CorruptCapsuleError, InvalidCapsuleNameError
 
 def make_meta(**kw):
     args = dict(name="sys-prompt_v1.2", namespace="default", tokens=[5, 6, 7, 8], grid_pos=0,
-                fingerprint="fp0", layout_version=1, prefill_chunk=64, nbytes=16, recompute_cost_s=0.5)
+                fingerprint="fp0", layout_version=1, grid=64, nbytes=16, recompute_cost_s=0.5)
     args.update(kw)
     return CapsuleMeta.build(**args)
 
@@ -71,7 +71,7 @@ def _mutate(**changes):
     _mutate(tokens=[5, 6, 7, 2**31]), _mutate(tokens=[5, 6, 7, 8.0]),
     _mutate(token_digest="00" * 32), _mutate(token_digest="XYZ"),
     _mutate(fingerprint=""), _mutate(fingerprint=3), _mutate(layout_version=-1),
-    _mutate(prefill_chunk=0), _mutate(nbytes=-1), _mutate(created_at=-1.0), _mutate(created_at="now"),
+    _mutate(grid=0), _mutate(nbytes=-1), _mutate(created_at=-1.0), _mutate(created_at="now"),
     _mutate(recompute_cost_s=-0.1), _mutate(checksum="zz"), _mutate(checksum="AB" * 32),
     _mutate(name="../x"), _mutate(namespace=""), _mutate(name=7),
     _mutate(recompute_cost_s=float("nan")), _mutate(created_at=float("inf")),

@@ -65,7 +65,7 @@ MAKE_SRC = textwrap.dedent("""
              "pos": torch.tensor([i], dtype=torch.int32)}
         toks = torch.randint(0, 50000, (40 + i,), generator=g).tolist()
         meta = CapsuleMeta.build(name=f"cap-{i:03d}", namespace="crash", tokens=toks, grid_pos=32,
-                                 fingerprint=%r, layout_version=%r, prefill_chunk=32,
+                                 fingerprint=%r, layout_version=%r, grid=32,
                                  nbytes=tensor_nbytes(t), created_at=1000.0 + i)
         return meta, t
 """ % (FP, LAYOUT))

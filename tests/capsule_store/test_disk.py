@@ -33,7 +33,7 @@ def assert_exact(a, b):
 
 def meta_for(tensors, name="secret-capsule", **kw):
     args = dict(name=name, namespace="ns", tokens=list(range(100, 140)), grid_pos=32, fingerprint="fp0",
-                layout_version=3, prefill_chunk=32, nbytes=tensor_nbytes(tensors), recompute_cost_s=0.01)
+                layout_version=3, grid=32, nbytes=tensor_nbytes(tensors), recompute_cost_s=0.01)
     args.update(kw)
     return CapsuleMeta.build(**args)
 

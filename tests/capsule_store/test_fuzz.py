@@ -61,7 +61,7 @@ def _orig_tensors():
 
 ORIG = _orig_tensors()
 _META = CapsuleMeta.build(name=NAME, namespace=NS, tokens=list(range(1000, 1040)), grid_pos=32,
-                          fingerprint=FP, layout_version=LAYOUT, prefill_chunk=32,
+                          fingerprint=FP, layout_version=LAYOUT, grid=32,
                           nbytes=tensor_nbytes(ORIG), recompute_cost_s=0.25, created_at=1.7e9)
 FILE_NAME = capsule_file_name(NS, NAME)
 
@@ -366,7 +366,7 @@ def meta_case(draw, base):
             d["checksum"] = draw(st.one_of(hexes, st.just(c.upper()), st.just(c[:-1]), st.just(""), st.just(c + "0"),
                                            st.just(c[:-1] + ("0" if c[-1:] != "0" else "1")), json_value))
         elif kind == "numbers":
-            d[draw(st.sampled_from(["created_at", "recompute_cost_s", "nbytes", "prefill_chunk", "boundary",
+            d[draw(st.sampled_from(["created_at", "recompute_cost_s", "nbytes", "grid", "boundary",
                                     "layout_version"]))] = draw(st.one_of(
                 st.floats(allow_nan=True, allow_infinity=True), st.integers(-2**70, 2**70),
                 st.sampled_from([10**400, -(10**400), 2**64, 0, -1, True, "1", None])))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from capsulert.worker.engine import GRID
 from capsulert.capsule_store import (CapsuleMeta, CapsuleStore, capsule_file_name, read_capsule_origin,
                                      write_capsule_with_meta)
 from capsulert.capsule_store import inspect as inspect_dir
@@ -20,7 +21,7 @@ from capsulert.errors import CorruptCapsuleError
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.state import LAYOUT_VERSION
 
-CHUNK = 128  # the make_engine fixture's prefill_chunk
+CHUNK = GRID  # canonical state and prefix blocks every 64 tokens, whatever the prefill_chunk (128 here)
 
 
 def toks(n: int, seed: int) -> list[int]:
@@ -259,7 +260,7 @@ def capsule(name: str, t: list[int]):
     if G != len(t):
         tensors["st_grid"] = torch.full((16,), float(sum(t[:G]) % 997))
     nbytes = sum(x.numel() * x.element_size() for x in tensors.values())
-    meta = CapsuleMeta.build(name=name, tokens=t, grid_pos=G, fingerprint=FP, layout_version=1, prefill_chunk=ROWS,
+    meta = CapsuleMeta.build(name=name, tokens=t, grid_pos=G, fingerprint=FP, layout_version=1, grid=ROWS,
                              nbytes=nbytes)
     return meta, tensors
 

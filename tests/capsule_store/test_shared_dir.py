@@ -33,7 +33,7 @@ def tensors(seed):
 
 def meta(name, t):
     return CapsuleMeta.build(name=name, tokens=list(range(5)), grid_pos=0, fingerprint=FP, layout_version=LAYOUT,
-                             prefill_chunk=8, nbytes=tensor_nbytes(t))
+                             grid=8, nbytes=tensor_nbytes(t))
 
 
 def store(disk_dir=None, **budgets):

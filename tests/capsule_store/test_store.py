@@ -71,7 +71,7 @@ NB = tensor_nbytes(tensors(0))  # 128 bytes per capsule
 
 def meta(name, t, ns="default", fp=FP, layout=LAYOUT, nbytes=None):
     return CapsuleMeta.build(name=name, namespace=ns, tokens=list(range(10)), grid_pos=8, fingerprint=fp,
-                             layout_version=layout, prefill_chunk=8, nbytes=tensor_nbytes(t) if nbytes is None else nbytes,
+                             layout_version=layout, grid=8, nbytes=tensor_nbytes(t) if nbytes is None else nbytes,
                              recompute_cost_s=0.1)
 
 

@@ -92,7 +92,7 @@ def random_tensors(rng: random.Random, gen: torch.Generator) -> dict[str, torch.
 def make_meta(name: str, tensors: dict[str, torch.Tensor], rng: random.Random) -> CapsuleMeta:
     n_tok = rng.randint(1, 24)
     return CapsuleMeta.build(name=name, namespace=NS, tokens=[rng.randrange(4096) for _ in range(n_tok)],
-                             grid_pos=n_tok // 8 * 8, fingerprint=FP, layout_version=LAYOUT, prefill_chunk=8,
+                             grid_pos=n_tok // 8 * 8, fingerprint=FP, layout_version=LAYOUT, grid=8,
                              nbytes=tensor_nbytes(tensors), recompute_cost_s=round(rng.uniform(0.0, 2.0), 4))
 
 

@@ -39,7 +39,7 @@ def temp_file(directory, name, writer, age_s=0.0):
 def one_capsule(directory):
     t = {"x": torch.arange(6, dtype=torch.float32)}
     meta = CapsuleMeta.build(name="whole", tokens=[1, 2], grid_pos=0, fingerprint=FP, layout_version=LAYOUT,
-                             prefill_chunk=8, nbytes=tensor_nbytes(t))
+                             grid=8, nbytes=tensor_nbytes(t))
     return write_capsule(directory, meta, t)
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from capsulert.kernels.attention import attention_ref, write_kv_ref
+from capsulert.kernels.attention import attention_ref, tiled_attention_ref, write_kv_ref
 from capsulert.kernels.conv import causal_conv1d_ref, causal_conv1d_step_ref
 from capsulert.kernels.gated_delta import (
     chunk_gated_delta_rule_ref,
@@ -101,3 +101,27 @@ def test_attention_over_static_kv_matches_causal_sdpa(shape):
         ref = F.scaled_dot_product_attention(q[b].transpose(0, 1), keys, vals, attn_mask=mask)
         torch.testing.assert_close(out[b], ref.transpose(0, 1), rtol=1e-5, atol=1e-5)
         assert torch.equal(kv_k[slots[b], start[b]:start[b] + T], k[b])
+
+
+PREFILL_ATTN_SHAPES = {"gqa2-d64": (4, 2, 64), "gqa4-d32": (8, 2, 32), "mqa-d128": (4, 1, 128)}
+
+
+@pytest.mark.parametrize("shape", PREFILL_ATTN_SHAPES.values(), ids=PREFILL_ATTN_SHAPES.keys())
+def test_tiled_prefill_attention_matches_sdpa_and_is_split_invariant(shape):
+    """Prefill attention (CPU): close to the SDPA reference, and a query row's bits do not depend on the
+    piece it is computed in (its length, its start on or off the 64 grid, the key bound) or on the batch."""
+    Hq, Hkv, D = shape
+    g = torch.Generator().manual_seed(3)
+    kv_k = torch.randn(3, 768, Hkv, D, generator=g)
+    kv_v = torch.randn(3, 768, Hkv, D, generator=g)
+    q = torch.randn(1, 640, Hq, D, generator=g)
+    one = torch.tensor([1])
+    full = tiled_attention_ref(q, kv_k, kv_v, one, torch.tensor([0]), 640, 0.1)
+    torch.testing.assert_close(full, attention_ref(q, kv_k, kv_v, one, torch.tensor([0]), 640, 0.1), rtol=1e-5, atol=1e-5)
+    for a, n, kv_len in [(0, 1, 64), (0, 3, 768), (64, 40, 128), (64, 64, 640), (128, 256, 384), (600, 40, 640),
+                         (5, 70, 768)]:
+        part = tiled_attention_ref(q[:, a:a + n], kv_k, kv_v, one, torch.tensor([a]), kv_len, 0.1)
+        assert torch.equal(part, full[:, a:a + n]), (a, n, kv_len)
+    two = tiled_attention_ref(torch.cat([q[:, 64:128], q[:, 64:128]]), kv_k, kv_v, torch.tensor([1, 2]),
+                              torch.tensor([64, 64]), 640, 0.1)
+    assert torch.equal(two[0], full[0, 64:128])

@@ -93,7 +93,7 @@ def test_the_seal_catches_a_changed_byte_anywhere_and_tells_a_failed_pack_apart(
 
 def test_the_manifest_carries_the_metadata_and_refuses_what_does_not_check_out():
     meta = CapsuleMeta.build(name="m", namespace="ns", tokens=list(range(1000, 1300)), grid_pos=256,
-                             fingerprint="model:x", layout_version=1, prefill_chunk=128, nbytes=4096)
+                             fingerprint="model:x", layout_version=1, grid=128, nbytes=4096)
     wire = encode_manifest(meta, "origin-1", [["kv", "float32", [1024], 0]], 4096)
     head, tokens = decode_manifest(wire)
     assert head["origin"] == "origin-1" and head["nbytes"] == 4096 and len(tokens) == 4 * 300
@@ -115,7 +115,7 @@ def test_the_manifest_carries_the_metadata_and_refuses_what_does_not_check_out()
 @pytest.mark.parametrize("change", ["a negative token", "another token"])
 def test_a_manifest_whose_token_ids_changed_is_refused(change):
     meta = CapsuleMeta.build(name="m", tokens=list(range(1000, 1300)), grid_pos=256, fingerprint="fp",
-                             layout_version=1, prefill_chunk=128, nbytes=1, decoded_from=300)
+                             layout_version=1, grid=128, nbytes=1, decoded_from=300)
     head, tokens = decode_manifest(encode_manifest(meta, None, [], 0))
     assert manifest_meta(head, tokens) == meta
     wire = bytearray(tokens)

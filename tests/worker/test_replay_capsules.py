@@ -11,11 +11,12 @@ import asyncio
 import pytest
 import torch
 
+from capsulert.worker.engine import GRID
 from capsulert.capsule_store import CapsuleMeta
 from capsulert.errors import IncompatibleCapsuleError, UnsupportedStateModeError
 from capsulert.worker.sampler import SamplingParams
 
-CHUNK = 128  # the make_engine fixture's prefill_chunk
+CHUNK = GRID  # canonical state and prefix blocks every 64 tokens, whatever the prefill_chunk (128 here)
 SAMPLED = SamplingParams(temperature=0.9, seed=7)
 
 
@@ -209,7 +210,7 @@ def _snap(s, name: str, mode: str = "full") -> tuple[str]:
 
 def test_meta_records_how_the_state_was_made_and_reads_files_without_it():
     base = dict(name="m", tokens=list(range(300)), grid_pos=256, fingerprint="fp", layout_version=1,
-                prefill_chunk=128, nbytes=1)
+                grid=64, nbytes=1)
     old = CapsuleMeta.build(**base)
     assert "decoded_from" not in old.to_json() and "replay" not in old.to_json()  # read by older builds as before
     assert CapsuleMeta.from_json(old.to_json()) == old and old.held == 300 and old.held_grid == 256

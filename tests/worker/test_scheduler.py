@@ -91,7 +91,7 @@ async def test_stream_is_ordered_complete_and_cancellable(make_engine, corpus):
         ref.append(corpus[:40])
         full = ref.generate(committed + 4, NOEOS)
         assert full[:3] == got, f"streamed {got}, one generate {full[:3]}"
-        crossed = (40 + committed) // aeng.engine.chunk
+        crossed = (40 + committed) // aeng.engine.grid
         assert full[committed:] == more.tokens, (
             f"after {committed} committed tokens (grid points crossed: {crossed}), the next generate gave "
             f"{more.tokens} where one generate gives {full[committed:]}")

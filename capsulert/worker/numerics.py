@@ -1,0 +1,48 @@
+"""Process-wide CUDA numerics the exactness contract relies on, set in one place.
+
+Split-invariant prefill (canonical state on the 64-token grid) needs every GEMM row to get the same bits
+whatever the number of rows it is computed with. On the H200 (torch 2.11, bf16) that holds for every 9B
+weight shape when cuBLASLt is preferred with a 1-byte workspace (no split-K): with the default cuBLAS
+workspace the k/v, o_proj and down projections split K for some row counts and a row's bits change
+(bench/RESULTS.md). fla's chunked gated delta rule must not take its
+length-dependent SM90 path. Both are read by the libraries once, when CUDA work starts, so they are set
+here before the engine touches the device, and checked once the engine stands (check_split_invariant_gemm):
+a process that ran CUDA GEMMs before with other settings gets a ConfigError, never silently other bits.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from capsulert.errors import ConfigError
+
+CUDA_ENV = {"CUBLASLT_WORKSPACE_SIZE": "1", "FLA_FLASH_QLA": "0"}
+
+
+def configure_cuda() -> None:
+    """Set the CUDA numerics before the first CUDA GEMM of the process (idempotent). A value the user set
+    otherwise is refused: it would break the exactness contract."""
+    for key, want in CUDA_ENV.items():
+        have = os.environ.get(key)
+        if have is not None and have != want:
+            raise ConfigError(f"{key}={have} is set; capsulert's exactness contract needs {key}={want} on CUDA "
+                              "(unset it or set it to that value)")
+        os.environ[key] = want
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+
+
+def check_split_invariant_gemm(weight: torch.Tensor, rows: int = 1024) -> None:
+    """Rows of a GEMM over a piece equal the same rows of one `rows`-row GEMM (the property split-invariant
+    prefill needs), on `weight`'s device and dtype; ConfigError otherwise."""
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype, generator=g)
+    full = F.linear(x, weight)
+    for a, m in ((0, 1), (64, 40), (64, 64), (512, 256)):
+        if not torch.equal(F.linear(x[a:a + m], weight), full[a:a + m]):
+            raise ConfigError(
+                f"GEMM rows on {weight.device} depend on the number of rows computed with them ({m} rows at {a} "
+                f"vs one {rows}-row GEMM): split-invariant prefill needs cuBLASLt with a 1-byte workspace, read "
+                "when the process's first CUDA GEMM runs. Start the engine before any other CUDA work in the "
+                "process, or export CUBLASLT_WORKSPACE_SIZE=1 and TORCH_BLAS_PREFER_CUBLASLT=1 before it starts")

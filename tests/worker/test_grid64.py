@@ -1,0 +1,151 @@
+"""Canonical state on the 64-token grid, whatever the prefill pieces: split-invariant prefill (pieces of
+any size that start on the grid give bitwise the same state at every grid point and the same logits), a
+capsule or session that ends anywhere re-runs fewer than 64 tokens, and decode that crosses grid points in a
+batch re-derives them together, bitwise as alone."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from capsulert.capsule_store.capsule import CapsuleMeta
+from capsulert.errors import IncompatibleCapsuleError
+from capsulert.worker.engine import GRID, prefill_pieces
+from capsulert.worker.sampler import SamplingParams
+
+NOEOS = SamplingParams(ignore_eos=True)
+
+
+def toks(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 4096, (n,), generator=g).tolist()
+
+
+def state_of(eng, s) -> dict[str, torch.Tensor]:
+    """The slot's complete state (copies): KV rows [0, P), live and grid recurrent/conv state, last hidden."""
+    P, st = len(s.tokens), eng.state
+    return {"kv_k": st.kv_k[:, s.slot, :P].clone(), "kv_v": st.kv_v[:, s.slot, :P].clone(),
+            "ssm": st.ssm[:, s.slot].clone(), "conv": st.conv[:, s.slot].clone(),
+            "ssm_grid": st.ssm_grid[:, s.slot].clone(), "conv_grid": st.conv_grid[:, s.slot].clone(),
+            "last_hidden": st.last_hidden[s.slot].clone(), "pos": st.pos[s.slot].clone()}
+
+
+def assert_same(a: dict, b: dict, what: str) -> None:
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
+@pytest.mark.parametrize("start,end,chunk,want", [
+    (0, 300, 128, [(0, 128), (128, 256), (256, 300)]),
+    (0, 200, 1024, [(0, 192), (192, 200)]),
+    (192, 200, 1024, [(192, 200)]),
+    (64, 1100, 1024, [(64, 1024), (1024, 1088), (1088, 1100)]),
+    (0, 256, 128, [(0, 128), (128, 256)]),
+    (128, 130, 128, [(128, 130)]),
+], ids=["chunks+tail", "grid-cut", "tail-only", "from-grid", "on-grid", "short"])
+def test_prefill_pieces_start_on_the_grid_and_cut_at_the_last_grid_point(start, end, chunk, want):
+    assert prefill_pieces(start, end, chunk) == want
+
+
+def test_prefill_in_any_pieces_gives_the_same_state_at_every_grid_point(make_engine):
+    """Cold prefill of tokens[:G] (pieces of the prefill chunk) vs the same tokens appended in pieces of 64 and
+    in random 64-aligned and unaligned appends: bitwise the same complete state and logits, at every G."""
+    big, small = make_engine(prefill_chunk=256, slots=3), make_engine(prefill_chunk=64, slots=3)
+    t = toks(640, 1)
+    rng = random.Random(0)
+    for G in range(GRID, 641, GRID):
+        ref = big.open()
+        want_logits = ref.append(t[:G]).clone()
+        want = state_of(big, ref)
+        ref.close()
+        for eng, how in ((small, "pieces of 64"), (big, "random appends")):
+            s = eng.open()
+            if how == "random appends":
+                cuts = sorted(rng.sample(range(1, G), min(3, G - 1)))
+                for a, b in zip([0] + cuts, cuts + [G]):
+                    got_logits = s.append(t[a:b])
+            else:
+                got_logits = s.append(t[:G])
+            assert torch.equal(got_logits, want_logits), f"G={G} {how}: logits"
+            assert_same(want, state_of(eng, s), f"G={G} {how}")
+            s.close()
+
+
+@pytest.mark.parametrize("P", [130, 191, 192, 250, 383])
+def test_a_capsule_anywhere_reruns_fewer_than_64_tokens(make_engine, P, monkeypatch):
+    eng = make_engine(prefill_chunk=128)
+    t = toks(P + 32, 2)
+    s = eng.open()
+    s.append(t[:P])
+    s.snapshot("c")
+    s.close()
+    cold = eng.open()
+    want = cold.append(t).clone()
+    want_state = state_of(eng, cold)
+    cold.close()
+    ran = []
+    forward = eng.model.forward
+    monkeypatch.setattr(eng.model, "forward", lambda st, slots, ids, *a, **k: (ran.append(ids.shape[1]),
+                                                                               forward(st, slots, ids, *a, **k))[1])
+    r = eng.restore("c")
+    got = r.append(t[P:])
+    assert torch.equal(got, want)
+    assert_same(want_state, state_of(eng, r), f"restore at {P} + append")
+    assert sum(ran) == P % GRID + 32, f"re-ran {sum(ran) - 32} old tokens at P={P}"
+
+
+def test_sessions_crossing_a_grid_point_in_one_step_rederive_together_bitwise_as_alone(make_engine):
+    eng = make_engine(prefill_chunk=128, slots=4)
+    prompts = [toks(50, 10 + i) for i in range(3)]  # decode crosses the grid points 64 and 128
+    solo = []
+    for p in prompts:
+        s = eng.open()
+        s.append(p)
+        solo.append((list(s.generate(80, NOEOS)), state_of(eng, s)))
+        s.close()
+    calls = []
+    rederive = eng._rederive_grid_points
+    eng._rederive_grid_points = lambda ss: (calls.append(len(ss)), rederive(ss))[1]
+    sessions = [eng.open() for _ in prompts]
+    for s, p in zip(sessions, prompts):
+        s.append(p)
+    outs = eng.generate(sessions, 80, [NOEOS] * 3)
+    assert calls == [3, 3], calls  # one batched re-derivation for each grid point the three crossed together
+    for (want_tokens, want_state), out, s in zip(solo, outs, sessions):
+        assert list(out) == want_tokens
+        assert_same(want_state, state_of(eng, s), "batched re-derivation")
+
+
+def test_restore_and_append_after_generate_equals_cold_prefill(make_engine):
+    eng = make_engine(prefill_chunk=128)
+    s = eng.open()
+    s.append(toks(100, 3))
+    s.generate(90, NOEOS)  # crosses 128 and 192 while decoding
+    s.snapshot("g")
+    tail = toks(20, 4)
+    r = eng.restore("g")
+    got = r.append(tail)
+    cold = eng.open()
+    want = cold.append(list(s.tokens) + tail)
+    assert torch.equal(got, want)
+    assert_same(state_of(eng, cold), state_of(eng, r), "after generate")
+
+
+def test_capsule_of_the_previous_layout_reads_its_grid_and_is_refused(make_engine, tmp_path, monkeypatch):
+    meta = CapsuleMeta.build(name="old", tokens=list(range(300)), grid_pos=256, fingerprint="fp", layout_version=2,
+                             grid=128, nbytes=1)
+    legacy = meta.to_json().replace('"grid":128', '"prefill_chunk":128')  # what layout 2 wrote
+    assert '"prefill_chunk"' in legacy and CapsuleMeta.from_json(legacy) == meta
+    with monkeypatch.context() as m:  # an engine of the previous layout saves a capsule
+        m.setattr("capsulert.worker.capsules.LAYOUT_VERSION", 2)
+        old = make_engine()
+        s = old.open()
+        s.append(toks(150, 5))
+        s.snapshot("v2")
+        old.store.save(tmp_path / "v2")
+        old.close()
+    eng = make_engine()
+    with pytest.raises(IncompatibleCapsuleError, match="layout version 2, this build uses 3"):
+        eng.store.load(tmp_path / "v2")
+    assert eng.store.list() == []
