@@ -22,6 +22,7 @@ from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.state import LAYOUT_VERSION
 
 CHUNK = GRID  # canonical state and prefix blocks every 64 tokens, whatever the prefill_chunk (128 here)
+BLOCKS = 256 // CHUNK + 1  # a context of 256 to 319 tokens: its KV blocks [0, 256) and one grid-state block
 
 
 def toks(n: int, seed: int) -> list[int]:
@@ -94,7 +95,7 @@ def test_branches_share_one_grid_state_block_and_restore_bitwise(engine, ctx_len
     assert st["blocks"]["gpu"] == 256 // CHUNK + 1  # the KV blocks [0, 256) and one grid-state block
     infos = eng.store.list()
     shared = infos[0].shared_nbytes
-    assert {(i.blocks, i.shared_nbytes) for i in infos} == {(3, shared)}
+    assert {(i.blocks, i.shared_nbytes) for i in infos} == {(BLOCKS, shared)}
     assert st["gpu"]["bytes"] == sum(i.nbytes for i in infos) + shared  # the unique bytes: each block once
     # every branch holds alone only what it computed past the grid point: its live state, last hidden
     # state and KV rows [256, P)
@@ -104,7 +105,7 @@ def test_branches_share_one_grid_state_block_and_restore_bitwise(engine, ctx_len
         assert_restores(eng, name, w)
     for name in ["ctx"] + [f"b{i}" for i in range(7)]:
         eng.store.delete(name)
-    assert pool.records[key].refs == 1 and eng.store.stats()["blocks"]["gpu"] == 3
+    assert pool.records[key].refs == 1 and eng.store.stats()["blocks"]["gpu"] == BLOCKS
     assert_restores(eng, "b7", want["b7"])
     r = eng.restore("b7")  # restore + append over the next grid point == a cold prefill (canonical grid state)
     cold = eng.open(namespace=None)
@@ -127,9 +128,9 @@ def test_pinned_capsule_pins_its_state_block_across_tiers(make_engine, tmp_path)
     eng.store.demote("b1", "host")
     eng.store.demote("b2", "disk")
     eng.store.demote("b3", "disk")
-    assert eng.store.stats()["blocks"] == {"gpu": 3, "host": 3, "disk": 3}  # each tier holds the state once
+    assert eng.store.stats()["blocks"] == {"gpu": BLOCKS, "host": BLOCKS, "disk": BLOCKS}  # each tier holds the state once
     assert eng.store._pools["disk"].records[key].refs == 2 and (disk / block_file_name(key)).is_file()
-    assert len(list(disk.glob("*" + BLOCK_SUFFIX))) == 3
+    assert len(list(disk.glob("*" + BLOCK_SUFFIX))) == BLOCKS
     eng.store.promote("b1", "gpu")
     eng.store.set_budget("gpu", eng.store.info("b0").meta.nbytes)  # room for the pinned b0 alone
     assert {i.name: i.tier for i in eng.store.list()} == {"b0": "gpu", "b1": "host", "b2": "disk", "b3": "disk"}
@@ -144,7 +145,7 @@ def test_pinned_capsule_pins_its_state_block_across_tiers(make_engine, tmp_path)
     assert list(disk.glob("*" + BLOCK_SUFFIX)) == []
     for name in ("b1", "b3"):
         eng.store.promote(name, "gpu")
-    assert eng.store.stats()["blocks"] == {"gpu": 3, "host": 0, "disk": 0}
+    assert eng.store.stats()["blocks"] == {"gpu": BLOCKS, "host": 0, "disk": 0}
     for name in ("b0", "b1", "b3"):
         assert_restores(eng, name, want[name])
     eng.close()
@@ -157,15 +158,15 @@ def test_directory_save_and_load_hold_the_state_block_once(make_engine, tmp_path
     saved = tmp_path / "saved"
     assert eng.store.save(saved) == 9
     blocks = sorted(p.name for p in saved.glob("*" + BLOCK_SUFFIX))
-    assert len(blocks) == 3 and block_file_name(key) in blocks
+    assert len(blocks) == BLOCKS and block_file_name(key) in blocks
     for p in saved.glob("*" + FILE_SUFFIX):
         _, md, _ = parse_file(p)
         assert md["capsulert.format"] == "3" and read_header_refs(p)[2].state == key
     listed = inspect_dir.scan(saved)[0]
-    assert {(c.blocks, c.nbytes + c.shared_nbytes == eng.store.info(c.name).meta.nbytes) for c in listed} == {(3, True)}
+    assert {(c.blocks, c.nbytes + c.shared_nbytes == eng.store.info(c.name).meta.nbytes) for c in listed} == {(BLOCKS, True)}
     fresh = make_engine()
     assert fresh.store.load(saved) == 9
-    assert fresh.store.stats()["blocks"]["host"] == 3
+    assert fresh.store.stats()["blocks"]["host"] == BLOCKS
     for name, w in want.items():
         assert_restores(fresh, name, w)
     fresh.close()
@@ -179,7 +180,7 @@ def test_directory_save_and_load_hold_the_state_block_once(make_engine, tmp_path
     first.close()
     again = make_engine(disk_dir=str(disk))
     assert (disk / block_file_name(key)).is_file()
-    assert again.store.load(disk) == 9 and again.store.stats()["blocks"]["disk"] == 3
+    assert again.store.load(disk) == 9 and again.store.stats()["blocks"]["disk"] == BLOCKS
     for name, w in want.items():
         assert_restores(again, name, w)
     again.close()
@@ -203,12 +204,12 @@ def test_other_namespaces_or_origins_never_share_the_state_block(engine):
         want[ns] = snap(eng, s, "c", ns)
         s.close()
     assert state_of(eng, "c", "a") != state_of(eng, "c", "b")  # the namespace is in the key
-    assert eng.store.stats()["blocks"]["gpu"] == 6
+    assert eng.store.stats()["blocks"]["gpu"] == 2 * BLOCKS
     meta, full = eng.store.get("c", "a")
     eng.store.put(meta.replace(name="elsewhere"), full, origin="cuda:another-device")  # another origin: whole
     eng.store.put(meta.replace(name="unknown"), full)  # no origin: whole
     assert eng.store.info("elsewhere", "a").blocks == 0 and eng.store.info("unknown", "a").blocks == 0
-    assert eng.store.stats()["blocks"]["gpu"] == 6
+    assert eng.store.stats()["blocks"]["gpu"] == 2 * BLOCKS
     for name in ("c", "elsewhere", "unknown"):
         assert_restores(eng, name, want["a"], "a")
     assert_restores(eng, "c", want["b"], "b")
@@ -228,14 +229,14 @@ def test_a_capsule_file_of_the_same_origin_shares_its_blocks_when_loaded(engine,
     meta, tensors, origin = read_capsule_origin(path, eng.fingerprint, LAYOUT_VERSION)
     assert origin == eng.store.block_origin
     eng.store.put(meta, tensors, origin=origin)
-    assert eng.store.info("b0").blocks == 3 and state_of(eng, "b0") == key
+    assert eng.store.info("b0").blocks == BLOCKS and state_of(eng, "b0") == key
     assert eng.store.stats()["blocks"] == before["blocks"]
     assert eng.store.stats()["gpu"]["bytes"] == before["gpu"]["bytes"] + eng.store.info("b0").nbytes
     assert_restores(eng, "b0", want["b0"])
     # the pinned-capsule reload after a worker restart: load of the directory
     eng.store.delete("b0")
     assert eng.store.load(tmp_path / "export") == 1
-    assert eng.store.info("b0").tier == "host" and eng.store.info("b0").blocks == 3 and state_of(eng, "b0") == key
+    assert eng.store.info("b0").tier == "host" and eng.store.info("b0").blocks == BLOCKS and state_of(eng, "b0") == key
     assert_restores(eng, "b0", want["b0"])
     # a file that records no origin (written before), or another origin, stays whole
     old = tmp_path / "old"

@@ -14,6 +14,7 @@ from capsulert.capsule_store.capsule import capsule_key_hash
 from capsulert.errors import (CapsuleError, DuplicateCapsuleError, InvalidCapsuleNameError, UnknownCapsuleError,
                               WorkerLost)
 from capsulert.orchestrator import EpisodeDriver, Namespace, Orchestrator, best_of_n, tree_search
+from capsulert.worker.engine import GRID
 from capsulert.worker.verbs import ExportCapsule, ExportToDir, ImportCapsule, ImportFromFile, ListCapsules, Restore
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -186,7 +187,7 @@ async def test_restarted_worker_brings_pinned_capsules_back_into_their_namespace
 
 async def test_a_migrated_capsule_keeps_sharing_its_prefix_blocks(orch_ns, oracle, text):
     ns = orch_ns.namespace("blocks")
-    prompt = oracle.tokenize(text)[:300]  # two KV blocks at prefill_chunk = 128, and the grid-state block at 256
+    prompt = oracle.tokenize(text)[:300]  # four KV blocks of 64 tokens, and the grid-state block at 256
     src = await ns.open(prompt, worker=0)
     await src.snapshot("blocked")
     want = await src.generate(6)
@@ -194,9 +195,9 @@ async def test_a_migrated_capsule_keeps_sharing_its_prefix_blocks(orch_ns, oracl
     before = (await orch_ns.stats())[1]["store"]["blocks"]["gpu"]
     dst = await ns.open(" filler", worker=1)
     await dst.restore("blocked")  # migrates worker 0 -> worker 1 through the object store
-    assert (await orch_ns.stats())[1]["store"]["blocks"]["gpu"] == before + 3
+    assert (await orch_ns.stats())[1]["store"]["blocks"]["gpu"] == before + 256 // GRID + 1
     assert await dst.generate(6) == want
     mine = await ns.open(prompt, worker=1)  # a capsule of the same prefix made there shares those blocks
     await mine.snapshot("mine")
-    assert (await orch_ns.stats())[1]["store"]["blocks"]["gpu"] == before + 3
+    assert (await orch_ns.stats())[1]["store"]["blocks"]["gpu"] == before + 256 // GRID + 1
     await asyncio.gather(dst.close(), mine.close())

@@ -23,7 +23,7 @@ def _hits(stats) -> int:
 
 
 async def test_namespace_open_reuses_its_own_prefixes_only(orch_prefix, oracle, text):
-    prompt = oracle.tokenize(text)[:300]  # two grid points at prefill_chunk = 128
+    prompt = oracle.tokenize(text)[:300]  # grid points every 64 tokens
     acme, other = orch_prefix.namespace("acme"), orch_prefix.namespace("other")
     first = await acme.open(prompt)
     cold = await first.generate(6, NOEOS)

@@ -19,7 +19,7 @@ from capsulert.orchestrator.worker_core import WorkerCore
 from capsulert.worker.verbs import (Close, Delete, ExportCapsule, Generate, Open, PeerConnect, ReceiveCapsule, SendCapsule,
                                     Snapshot, Turn)
 
-# 262 tokens with the test engine's prefill_chunk of 128: two shared KV blocks and a tail (the store holds
+# 262 tokens: four shared KV blocks of 64 tokens and a tail (the store holds
 # the capsule in pieces, which the sender packs straight into place)
 PROMPT = "A capsule moves between workers over a link of their own, byte for byte, and nothing else moves. " * 9
 

@@ -146,11 +146,15 @@ def test_corrupt_or_foreign_files_are_refused_on_load(make_engine, tiered, text,
         fresh.store.load(saved)
     assert fresh.store.list() == []
     path.write_bytes(raw)
-    other_layout = make_engine(prefill_chunk=256)  # same weights, another grid: fingerprint equal, layout not
-    assert other_layout.store.load(saved) == 1
+    other_chunk = make_engine(prefill_chunk=256)  # same weights, another prefill piece: the same 64-token grid
+    assert other_chunk.store.load(saved) == 1
+    assert other_chunk.restore("c").tokens == s.tokens
+    newer = make_engine()  # the same model under newer weights: loads, and its restore is refused as stale
+    newer.update_weights({k: v.clone() for k, v in newer.model_weights.items()})
+    assert newer.store.load(saved) == 1
     with pytest.raises(IncompatibleCapsuleError):
-        other_layout.restore("c")
-    assert other_layout.free_slots == other_layout.config.slots
+        newer.restore("c")
+    assert newer.free_slots == newer.config.slots
     other_dtype = "float32" if eng.dtype == torch.bfloat16 else "bfloat16"
     foreign = make_engine(dtype=other_dtype)  # another dtype is another model fingerprint
     with pytest.raises(IncompatibleCapsuleError):

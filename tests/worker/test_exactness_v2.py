@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from capsulert.errors import InvalidRequestError
+from capsulert.worker.engine import GRID
 from capsulert.worker.sampler import SamplingParams
 from tests.worker.test_engine import slot_state
 
-CHUNK = 128
+CHUNK = GRID  # the grid where canonical state is kept (the make_engine fixture prefills in pieces of 128)
 SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=7, ignore_eos=True)
 GREEDY = SamplingParams(ignore_eos=True)  # these tests need long generations: EOS must not end them
 

@@ -85,9 +85,9 @@ def test_a_capsule_anywhere_reruns_fewer_than_64_tokens(make_engine, P, monkeypa
     want_state = state_of(eng, cold)
     cold.close()
     ran = []
-    forward = eng.model.forward
-    monkeypatch.setattr(eng.model, "forward", lambda st, slots, ids, *a, **k: (ran.append(ids.shape[1]),
-                                                                               forward(st, slots, ids, *a, **k))[1])
+    prefill = eng._run_prefill
+    monkeypatch.setattr(eng, "_run_prefill", lambda slot, tokens, start: (ran.append(len(tokens)),
+                                                                         prefill(slot, tokens, start))[1])
     r = eng.restore("c")
     got = r.append(t[P:])
     assert torch.equal(got, want)

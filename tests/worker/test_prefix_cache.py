@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from capsulert.worker.async_engine import AsyncEngine
+from capsulert.worker.engine import GRID
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.verbs import Close
 
-CHUNK = 128
+CHUNK = GRID  # checkpoints every 64 tokens (the fixture prefills in pieces of 128)
 LONG = SamplingParams(ignore_eos=True)  # greedy, through the grid points whatever the random model emits
 
 
@@ -60,9 +61,9 @@ def hits(eng) -> tuple[int, int]:
 def test_reuse_is_bitwise_a_cold_prefill(cached):
     eng = cached
     base = toks(700, 1)
-    s = eng.open(prompt=base[:500])  # keeps its prompt's last grid point (384)
+    s = eng.open(prompt=base[:500])  # keeps its prompt's last grid point (448)
     s.close()
-    for prompt in (base[:600], base[:384], base[:385], base[:500], base + toks(30, 2)):
+    for prompt in (base[:600], base[:448], base[:449], base[:500], base + toks(30, 2)):
         before = hits(eng)
         r = eng.open(prompt=prompt)
         assert hits(eng)[0] == before[0] + 1, len(prompt)  # every one of them starts from a checkpoint
@@ -78,19 +79,19 @@ def test_append_to_a_live_session_reuses_past_its_own_grid_point(cached):
     s = eng.open(prompt=base[:200])
     before = hits(eng)
     s.append(base[200:800])  # the cached checkpoint at 768 is past the session's own grid point
-    assert hits(eng)[1] - before[1] == 768 - 128
+    assert hits(eng)[1] - before[1] == 768 - 192  # from the session's own grid point, 192
     assert_cold_equal(eng, s)
 
 
 def test_reuse_after_decode_crossed_a_grid_point(cached):
     eng = cached
     s = eng.open(prompt=toks(200, 4))
-    s.generate(120, LONG)  # decode crosses 256: the engine re-derives it through the prefill path
+    s.generate(120, LONG)  # decode crosses 256 and 320: the engine re-derives them through the prefill path
     history = list(s.tokens)
-    s.close()  # keeps the last grid point, 256, made by decode
+    s.close()  # keeps the last grid point, 320, made by decode
     before = hits(eng)
     r = eng.open(prompt=history + toks(50, 5))
-    assert hits(eng)[1] - before[1] == 256
+    assert hits(eng)[1] - before[1] == 320
     assert_cold_equal(eng, r)
 
 
@@ -121,7 +122,7 @@ def test_reuse_from_named_capsules_after_tier_moves_and_a_disk_round_trip(make_e
     for tier in ("host", "disk"):
         eng.store.demote("named", tier)
         before = hits(eng)
-        r = eng.open(prompt=base[:750], namespace="default")
+        r = eng.open(prompt=base[:690], namespace="default")  # past 640, short of the next grid point
         assert hits(eng)[1] - before[1] == 640
         assert_cold_equal(eng, r)
         r.close()
