@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from capsulert.worker.graphs import ShapeKey
+from tests.models import MODELS
 
 pytestmark = pytest.mark.gpu
 
@@ -23,11 +24,13 @@ def test_capture_draws_a_bar_over_the_shapes_when_asked(cuda_engine, make_engine
     eng.close()
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_graph_count_is_bounded(cuda_engine):
     g = cuda_engine.graphs
     assert set(g.graphs) == {ShapeKey("decode", b, 1) for b in (1, 2, 4)} | {ShapeKey("prefill", 1, t) for t in (16, 32, 64, 128)}
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_snapshot_restore_never_invalidate_graphs(cuda_engine, text):
     eng = cuda_engine
     graphs = dict(eng.graphs.graphs)

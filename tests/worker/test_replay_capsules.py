@@ -14,6 +14,7 @@ import torch
 from capsulert.capsule_store import CapsuleMeta
 from capsulert.errors import IncompatibleCapsuleError, UnsupportedStateModeError
 from capsulert.worker.sampler import SamplingParams
+from tests.models import MODELS
 
 CHUNK = 128  # the make_engine fixture's prefill_chunk
 SAMPLED = SamplingParams(temperature=0.9, seed=7)
@@ -61,6 +62,7 @@ def make_history(eng, prompt_len: int, steps, seed: int = 0):
     return s
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 @pytest.mark.parametrize("history", list(HISTORIES), ids=list(HISTORIES))
 def test_a_replay_capsule_restores_bitwise_what_the_session_held(make_engine, history):
     eng = make_engine()
