@@ -215,5 +215,6 @@ def hf_causal_lm(engine):
         missing, unexpected)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb = type(model.model.rotary_emb)(hf_cfg, device=engine.device)
+    with torch.device(engine.device):
+        model.model.rotary_emb = type(model.model.rotary_emb)(hf_cfg)
     return model.eval()

@@ -14,7 +14,7 @@ from capsulert.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from capsulert.worker.loader import expected_shapes, load_checkpoint, load_tokenizer, weights_fingerprint
 
 CONFIGS = Path(__file__).resolve().parents[2] / "capsulert" / "configs" / "models"
-TEST_CONFIGS = ["test_a", "test_b", "test_c"]
+TEST_CONFIGS = ["test_a", "test_b", "test_c", "tiny_moe", "test_moe_b"]
 
 
 def _cfg(name: str) -> ModelConfig:
@@ -22,10 +22,13 @@ def _cfg(name: str) -> ModelConfig:
 
 
 def _hf_model(cfg: ModelConfig, seed: int = 0):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    import transformers
 
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg.to_hf_dict()))
+    if cfg.is_moe:
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**cfg.to_hf_dict()))
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**cfg.to_hf_dict()))
     with torch.no_grad():  # HF inits norms to constants; make every tensor distinct
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(("dt_bias", "A_log")):
@@ -95,8 +98,11 @@ def test_load_sharded(tmp_path, terminal):
 
 
 def _vlm_checkpoint(path: Path, cfg: ModelConfig, model) -> Path:
+    """The layout of Qwen3_5(Moe)ForConditionalGeneration: a language-model prefix, vision and MTP towers."""
     tensors = {}
     for k, v in model.state_dict().items():
+        if k == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # the embedding itself, as tied checkpoints store it
         if k.startswith("model."):
             tensors["model.language_model." + k[len("model."):]] = v
         else:
@@ -106,22 +112,23 @@ def _vlm_checkpoint(path: Path, cfg: ModelConfig, model) -> Path:
     tensors["mtp.fc.weight"] = torch.randn(cfg.hidden_size, 2 * cfg.hidden_size)
     tensors["mtp.norm.weight"] = torch.randn(cfg.hidden_size)
     conf = {
-        "model_type": "qwen3_5",
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5_moe" if cfg.is_moe else "qwen3_5",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if cfg.is_moe else "Qwen3_5ForConditionalGeneration"],
         "text_config": cfg.to_hf_dict(),
         "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 8},
     }
     return _write(path, conf, tensors)
 
 
-def test_load_conditional_generation_layout(tmp_path, caplog):
-    cfg = _cfg("test_c")
+@pytest.mark.parametrize("name", ["test_c", "test_moe_b"])
+def test_load_conditional_generation_layout(name, tmp_path, caplog):
+    cfg = _cfg(name)
     model = _hf_model(cfg, seed=2)
     _vlm_checkpoint(tmp_path, cfg, model)
     with caplog.at_level(logging.INFO, logger="capsulert.worker.loader"):
         got_cfg, weights = load_checkpoint(tmp_path)
     assert got_cfg == cfg
-    _assert_matches_hf(weights, model, tied=False)
+    _assert_matches_hf(weights, model, tied=cfg.tie_word_embeddings)
     notes = [r for r in caplog.records if r.name == "capsulert.worker.loader"]
     assert len(notes) == 1 and "4" in notes[0].getMessage()
 
@@ -298,3 +305,75 @@ def test_tied_lm_head(tmp_path):
     _write(tmp_path / "differs", cfg.to_hf_dict(), w)
     with pytest.raises(ModelLoadError, match="lm_head.weight"):
         load_checkpoint(tmp_path / "differs")
+
+
+# ---- mixture of experts ---------------------------------------------------------------------------
+
+
+def test_moe_config_from_the_multimodal_config_and_hf_defaults():
+    text = {k: v for k, v in _cfg("tiny_moe").to_hf_dict().items()
+            if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")}
+    cfg = ModelConfig.from_hf_dict({"model_type": "qwen3_5_moe", "text_config": text, "vision_config": {}})
+    # the fields the text config leaves out take HF Qwen3_5MoeTextConfig's defaults (the 35B-A3B's)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size, cfg.norm_topk_prob) == (256, 8, 512, 512, True)
+    assert cfg.is_moe and cfg.intermediate_size == 0
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+@pytest.mark.parametrize("change,error", [
+    (dict(num_experts_per_tok=9), "num_experts_per_tok"),  # more than the 8 experts
+    (dict(num_experts_per_tok=0), "num_experts_per_tok"),
+    (dict(moe_intermediate_size=0), "moe_intermediate_size"),
+    (dict(model_type="qwen3_5_text"), "intermediate_size"),  # a dense config needs the dense MLP's size
+    (dict(model_type="qwen3_next"), "qwen3_next"),
+])
+def test_bad_moe_configs_are_refused(change, error):
+    with pytest.raises(ConfigError, match=error):
+        ModelConfig.from_hf_dict({**_cfg("tiny_moe").to_hf_dict(), **change})
+
+
+@pytest.fixture
+def moe_checkpoint(tmp_path):
+    """A tiny MoE config, an HF model of it and its save_pretrained state (experts one by one) as tensors."""
+    from safetensors.torch import load_file
+
+    cfg = _cfg("tiny_moe")
+    model = _hf_model(cfg, seed=4)
+    model.save_pretrained(tmp_path / "hf")
+    return cfg, model, load_file(str(tmp_path / "hf" / "model.safetensors")), tmp_path / "ckpt"
+
+
+def test_per_expert_tensors_are_fused_into_hfs_3d_experts(moe_checkpoint):
+    cfg, model, tensors, d = moe_checkpoint
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in tensors
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in tensors
+    _, weights = load_checkpoint(_write(d, cfg.to_hf_dict(), tensors))
+    _assert_matches_hf(weights, model, tied=False)
+
+
+@pytest.mark.parametrize("damage,error", [
+    ("missing-expert", "missing per-expert tensor.*experts.5.down_proj"),
+    ("expert-shape", "experts.2.gate_proj.weight has shape"),
+    ("both-forms", "layer 1 has its experts both fused"),
+    ("expert-past-the-last", "experts.8.up_proj"),
+])
+def test_bad_per_expert_checkpoints_are_refused(moe_checkpoint, damage, error):
+    cfg, model, tensors, d = moe_checkpoint
+    if damage == "missing-expert":
+        del tensors["model.layers.3.mlp.experts.5.down_proj.weight"]
+    elif damage == "expert-shape":
+        tensors["model.layers.0.mlp.experts.2.gate_proj.weight"] = torch.zeros(3, cfg.hidden_size)
+    elif damage == "both-forms":
+        tensors["model.layers.1.mlp.experts.gate_up_proj"] = model.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]
+    else:
+        tensors["model.layers.0.mlp.experts.8.up_proj.weight"] = tensors["model.layers.0.mlp.experts.0.up_proj.weight"].clone()
+    with pytest.raises(ModelLoadError, match=error):
+        load_checkpoint(_write(d, cfg.to_hf_dict(), tensors))
+
+
+def test_per_expert_tensors_in_a_dense_checkpoint_are_unexpected(good):
+    cfg, w, d = good
+    w["model.layers.0.mlp.experts.0.up_proj.weight"] = torch.zeros(4, cfg.hidden_size)
+    with pytest.raises(ModelLoadError, match="unexpected tensor.*experts.0.up_proj"):
+        load_checkpoint(_write(d, cfg.to_hf_dict(), w))
