@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from capsulert.errors import ConfigError
+
 
 def moe_route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, E] (the router's output, any dtype) -> (ids [n, top_k] int64, weights [n, top_k] fp32),
@@ -43,6 +45,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     w_down [E, H, I]; shared [R, H] the shared expert's output; shared_gate [R, 1] its gate logit (both model
     dtype). Rows n..R-1 (padding of a fixed-shape step) get the gated shared expert alone.
     Returns [R, H] in the model's dtype."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ConfigError("the reference MoE kernels read each token's experts on the host, which a CUDA graph "
+                          "cannot capture: use kernels='auto' or 'triton' on CUDA, or cuda_graphs=False")
     n, inter = x.shape[0], w_down.shape[-1]
     out = torch.empty_like(shared)
     for m, row_ids in enumerate(ids.tolist()):

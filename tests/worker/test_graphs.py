@@ -46,3 +46,15 @@ def test_snapshot_restore_never_invalidate_graphs(cuda_engine, text):
     s.restore("c")
     assert s.generate(16) == first
     assert eng.graphs.graphs == graphs and eng.state.data_ptrs() == ptrs
+
+
+@pytest.mark.parametrize("model_dir", ["moe"], indirect=True)
+def test_reference_moe_kernels_refuse_graph_capture(make_engine):
+    from capsulert.errors import ConfigError
+
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device: run with -m gpu --device cuda on the GPU machine")
+    with pytest.raises(ConfigError, match="cannot capture"):
+        make_engine(device="cuda", slots=2, kernels="reference")
+    eager = make_engine(device="cuda", slots=2, kernels="reference", cuda_graphs=False)
+    assert len(eager.open().generate(4)) == 4
