@@ -193,3 +193,28 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     except ImportError:
         pass
     return info
+
+
+def hf_causal_lm(engine):
+    """HF transformers' CausalLM for the engine's model (Qwen3_5ForCausalLM, or Qwen3_5MoeForCausalLM for an
+    MoE config), in eval mode, on the engine's device and dtype, its parameters the engine's own weight tensors
+    (no copy: a 35B MoE's weights fit once on an H200, not twice). Built on the meta device, so nothing is
+    allocated or initialised before the weights are assigned; the rotary table (the one buffer no state dict
+    holds) is then built on the device."""
+    import torch
+    import transformers
+
+    cfg = engine.model_cfg
+    config_cls, model_cls = ((transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM) if cfg.is_moe
+                             else (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM))
+    hf_cfg = config_cls(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        model = model_cls(hf_cfg)
+    missing, unexpected = model.load_state_dict(engine.model_weights, strict=False, assign=True)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_word_embeddings else set()), (
+        missing, unexpected)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    with torch.device(engine.device):
+        model.model.rotary_emb = type(model.model.rotary_emb)(hf_cfg)
+    return model.eval()

@@ -1,9 +1,15 @@
 """GPU benchmark (H200): TTFT cold vs capsule vs HF transformers (+fla), snapshot/restore bandwidth,
-decode ms/token at batch 1, 8, 32, 64 (batch-invariant, and its overhead over the batch-dependent path),
-the cost of re-deriving grid checkpoints during decode, and best-of-8 fan-out, on the Qwen3.5-9B shape with deterministic
-random bf16 weights generated on the GPU. Prints a table, writes bench/out/gpu.json and gpu_ttft.png.
+decode ms/token at batch 1, 8, 32, 64 (batch-invariant, and its overhead over the batch-dependent path) against
+the HBM floor of each batch, the cost of re-deriving grid checkpoints during decode, and best-of-8 fan-out, on
+the Qwen3.5-9B shape (or --model) with deterministic random bf16 weights generated on the GPU. Prints a table,
+writes bench/out/gpu.json and gpu_ttft.png.
 
     python bench/gpu.py [--lengths 2048 4096 8192 16384] [--no-hf] [--quick]
+    python bench/gpu.py --model random:capsulert/configs/models/qwen3_5-35b-a3b-shape.yaml   # the MoE
+
+Decode floors: the bytes a step must read at HBM_TBPS. Dense: every weight. MoE: every weight but the routed
+experts, plus the experts a batch of B tokens is expected to touch with uniform routing, E * (1 - (1 - k/E)^B)
+of E (B = 1: its k experts, the ~3B active parameters of the 35B-A3B; B = 64: ~87% of them).
 """
 from __future__ import annotations
 
@@ -16,17 +22,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT_DIR, log, machine_info, median, plot_lines, print_table, write_json  # noqa: E402
+from common import OUT_DIR, hf_causal_lm, log, machine_info, median, plot_lines, print_table, write_json  # noqa: E402
 
 from capsulert.worker.default_model import REPO_ROOT  # noqa: E402
 from capsulert.worker.engine import Engine  # noqa: E402
 from capsulert.worker.graphs import GraphPlans  # noqa: E402
 from capsulert.worker.model import HybridModel  # noqa: E402
+from capsulert.worker.moe_weights import DOWN, GATE_UP  # noqa: E402
 from capsulert.worker.sampler import SamplingParams  # noqa: E402
 
 SHAPE = REPO_ROOT / "capsulert" / "configs" / "models" / "qwen3_5-9b-shape.yaml"
 SUFFIX = 32
 DECODE_BATCHES = (1, 8, 32, 64)
+HBM_TBPS = 4.3  # H200 HBM3e: GB read per ms
 
 
 def sync():
@@ -45,16 +53,18 @@ def timed(fn, iters=3, warmup=1):
     return median(times), out
 
 
-def hf_model(engine):
-    import transformers
-
-    cfg = engine.model_cfg.to_hf_dict()
-    hf_cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
-    with torch.device("cuda"):
-        model = transformers.Qwen3_5ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
-    missing, unexpected = model.load_state_dict(engine.model_weights, strict=False, assign=True)
-    assert not unexpected and not missing, (missing, unexpected)
-    return model
+def decode_floor_gb(engine, batch: int) -> float:
+    """GB of weights a decode step of `batch` tokens reads at least (module doc)."""
+    cfg = engine.model_cfg
+    routed = dense = 0
+    for name, t in engine.model_weights.items():
+        n = t.numel() * t.element_size()
+        if name.endswith((GATE_UP, DOWN)):
+            routed += n
+        else:
+            dense += n
+    touched = 1.0 if not cfg.is_moe else 1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch
+    return (dense + touched * routed) / 1e9
 
 
 # capsule ends on and off the 64-token grid and the old 1024 one (restore + 32-token append at each)
@@ -63,6 +73,8 @@ OFF_GRID = (2048, 2049, 2560, 3000, 3071, 4096, 4500)
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=f"random:{SHAPE}", help="random:<shape YAML> (default: the 9B shape) or a "
+                    "checkpoint directory")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--quick", action="store_true")
@@ -80,7 +92,7 @@ def main() -> int:
     max_seq = (max(args.lengths) + 2 * SUFFIX + 64 + c - 1) // c * c
     t0 = time.perf_counter()
     torch.cuda.reset_peak_memory_stats()
-    eng = Engine.from_config(model=f"random:{SHAPE}", device="cuda", dtype="bfloat16", slots=max(DECODE_BATCHES) + 2,
+    eng = Engine.from_config(model=args.model, device="cuda", dtype="bfloat16", slots=max(DECODE_BATCHES) + 2,
                              max_seq=max_seq, prefill_chunk=c)
     start_s = time.perf_counter() - t0
     weights_gb = sum(t.numel() * t.element_size() for t in eng.model_weights.values()) / 1e9
@@ -92,7 +104,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(1)
     vocab = eng.model_cfg.vocab_size
     base = torch.randint(0, vocab, (max(args.lengths) + SUFFIX,), generator=g).tolist()
-    hf = None if args.no_hf else hf_model(eng)
+    hf = None if args.no_hf else hf_causal_lm(eng)
 
     rows, curves = [], {k: [] for k in ("ours cold", "ours capsule", "HF cold", "HF prefix-kept")}
     for P in args.lengths:
@@ -174,6 +186,8 @@ def main() -> int:
         decode[f"step_b{B}_invariant_ms"] = inv_ms / 16
         decode[f"step_b{B}_batch_dependent_ms"] = fast_ms / 16
         decode[f"step_b{B}_invariance_overhead"] = inv_ms / fast_ms - 1
+        decode[f"floor_b{B}_ms"] = decode_floor_gb(eng, B) / HBM_TBPS
+        decode[f"step_b{B}_over_floor"] = decode[f"step_b{B}_invariant_ms"] / decode[f"floor_b{B}_ms"]
         for x in sess:
             x.close()
     del fast
@@ -196,7 +210,7 @@ def main() -> int:
                     cache, tok = o.past_key_values, o.logits[:, -1:].argmax(-1)
             ms, _ = timed(hf_steps, 1, 0)
         decode["hf_b1_ms_per_token"] = ms / 16
-    decode["weight_floor_ms"] = weights_gb / 4.3
+    decode["weight_floor_ms"] = weights_gb / HBM_TBPS
     log(f"decode: {decode}")
 
     # best-of-8 from an 8k capsule, 64 new tokens each
@@ -235,12 +249,12 @@ def main() -> int:
     print_table(rows, cols)
     print("decode:", decode)
     print("fan-out best-of-8 from 8k, 64 tokens:", fan)
-    result = dict(machine=machine_info("cuda"), prefill_chunk=c, engine_start_s=start_s, kernels=eng.model.kernels.name,
+    result = dict(machine=machine_info("cuda"), model=args.model, prefill_chunk=c, engine_start_s=start_s, kernels=eng.model.kernels.name,
                   graphs=len(eng.graphs.graphs), capture_s=eng.graphs.capture_s, weights_gb=weights_gb,
                   state_gb=state_gb, peak_gb=mem_gb, ttft=rows, decode=decode, fanout=fan)
     write_json(OUT_DIR / "gpu.json", result)
     plot_lines(OUT_DIR / "gpu_ttft.png", args.lengths, {k: v for k, v in curves.items() if v}, "prefix tokens",
-               "TTFT ms (32-token suffix)", logy=True, logx=True, title="Qwen3.5-9B shape, H200, bf16")
+               "TTFT ms (32-token suffix)", logy=True, logx=True, title=f"{Path(args.model).stem}, H200, bf16")
     return 0
 
 

@@ -22,6 +22,9 @@ checked against the async API's tokens. Writes bench/out/serving_http.json.
     .venv/bin/python bench/serving.py --quick            # CPU, default model
     .venv/bin/python bench/serving.py --quick --http     # the same through the HTTP server
     python bench/serving.py --device cuda --model random:capsulert/configs/models/qwen3_5-9b-shape.yaml
+    python bench/serving.py --device cuda --model random:capsulert/configs/models/qwen3_5-35b-a3b-shape.yaml
+
+`--model` takes what EngineConfig.model does: 'default', a checkpoint directory (dense or MoE) or random:<shape>.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from common import OUT_DIR, log, machine_info, percentile, plot_lines, print_table, write_json  # noqa: E402
+from common import OUT_DIR, hf_causal_lm, log, machine_info, percentile, plot_lines, print_table, write_json  # noqa: E402
 
 from capsulert.orchestrator import Orchestrator  # noqa: E402
 from capsulert.worker.sampler import SamplingParams  # noqa: E402
@@ -112,16 +115,10 @@ def loop_figures(before: dict, after: dict, wall_s: float, workers: int) -> dict
 
 def hf_seconds_per_session(engine_cfg: dict, contexts, turns, gen: int, sessions: int) -> float:
     """HF transformers generate (greedy, its default dynamic cache) from context + turn, per session."""
-    import transformers
-
     from capsulert.worker.engine import Engine
 
     eng = Engine.from_config(engine_cfg)
-    cfg = eng.model_cfg.to_hf_dict()
-    hf_cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
-    with torch.device(eng.device):
-        model = transformers.Qwen3_5ForCausalLM(hf_cfg).to(eng.dtype).eval()
-    model.load_state_dict(eng.model_weights, strict=False, assign=True)
+    model = hf_causal_lm(eng)
     times = []
     with torch.inference_mode():
         for ctx, turn in list(zip(contexts, turns))[:sessions]:

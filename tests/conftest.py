@@ -4,8 +4,9 @@ import io
 import pytest
 import torch
 
-from capsulert.worker.default_model import ensure_default_model
+from capsulert.worker.default_model import ensure_default_model, generate
 from capsulert.worker.engine import Engine
+from tests.models import TINY_MOE_CONFIG
 
 PROMPT = (
     "The capsule runtime keeps the complete state of a session at a committed boundary, so an agent can "
@@ -20,7 +21,7 @@ try:
 except ImportError:
     # the Triton kernel tests are GPU tests (marker `gpu`); without triton they cannot even be imported,
     # so a CPU environment (which must not have triton: transformers' CPU path breaks with it) ignores them
-    collect_ignore = ["kernels/test_triton_kernels.py", "kernels/test_fused_kernels.py"]
+    collect_ignore = ["kernels/test_triton_kernels.py", "kernels/test_fused_kernels.py", "kernels/test_moe_kernels.py"]
 
 
 def pytest_configure(config):
@@ -44,10 +45,26 @@ def default_model_dir(tmp_path_factory):
     return ensure_default_model(tmp_path_factory.mktemp("model-cache"))
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory):
+    """The tiny mixture-of-experts model (configs/models/tiny_moe.yaml), generated like the default model."""
+    path = tmp_path_factory.mktemp("tiny-moe")
+    generate(path, TINY_MOE_CONFIG, progress=False)
+    return path
+
+
 @pytest.fixture
-def make_engine(default_model_dir, device):
+def model_dir(request):
+    """The checkpoint make_engine loads: the dense default model, unless a test parametrizes this fixture
+    (indirect) over tests/models.py's MODELS."""
+    name = getattr(request, "param", "dense")
+    return request.getfixturevalue({"dense": "default_model_dir", "moe": "tiny_moe_dir"}[name])
+
+
+@pytest.fixture
+def make_engine(model_dir, device):
     def make(**overrides):
-        cfg = dict(model=str(default_model_dir), device=device, slots=4, max_seq=2048, prefill_chunk=128)
+        cfg = dict(model=str(model_dir), device=device, slots=4, max_seq=2048, prefill_chunk=128)
         cfg.update(overrides)
         return Engine.from_config(cfg)
 
@@ -69,13 +86,15 @@ def hf_on_cpu(monkeypatch):
     """HF transformers picks flash-linear-attention's kernels at import time whenever `fla` is importable and
     then calls them on CPU tensors too (they are Triton, GPU-only). Parity tests run HF in fp32 on the CPU,
     so they put HF's own torch implementations (the functions its decorator wraps) back in place."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                 "causal_conv1d_update"):
-        fn = getattr(hf, name, None)
-        if fn is not None and hasattr(fn, "__wrapped__"):
-            monkeypatch.setattr(hf, name, inspect.unwrap(fn))
+    for hf in (modeling_qwen3_5, modeling_qwen3_5_moe):
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                     "causal_conv1d_update"):
+            fn = getattr(hf, name, None)
+            if fn is not None and hasattr(fn, "__wrapped__"):
+                monkeypatch.setattr(hf, name, inspect.unwrap(fn))
 
 
 class FakeTerminal(io.StringIO):

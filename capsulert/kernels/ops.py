@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from capsulert.kernels import fused
+from capsulert.kernels import fused, moe
 from capsulert.kernels.attention import attention_ref, tiled_attention_ref, write_kv_ref
 from capsulert.kernels.conv import causal_conv1d_ref, causal_conv1d_step_ref
 from capsulert.kernels.gated_delta import chunk_gated_delta_rule_ref
@@ -35,6 +35,9 @@ class KernelSet:
     head_norm_rope: Callable
     silu_mul: Callable
     gated_delta_step_fused: Callable
+    # the routed experts of an MoE MLP (kernels/moe.py): routing, then the experts and the combine
+    moe_route: Callable
+    moe_experts: Callable
     # pack the projections that read one input into one GEMM (worker/packing.py); off on the CPU reference
     # path, whose bits stay those of the unpacked model
     packed_projections: bool = False
@@ -82,6 +85,8 @@ def reference_kernels() -> KernelSet:
         head_norm_rope=fused.head_norm_rope,
         silu_mul=fused.silu_mul,
         gated_delta_step_fused=fused.gated_delta_step_fused,
+        moe_route=moe.moe_route,
+        moe_experts=moe.moe_experts,
     )
 
 
@@ -114,7 +119,7 @@ def cuda_kernels(use_fla: bool = True) -> KernelSet:
     """Triton kernels of ours (+ fla's chunked prefill when installed and asked for)."""
     from capsulert.kernels.triton_attention import attention, prefill_attention
     from capsulert.kernels.triton_conv import conv_step
-    from capsulert.kernels import triton_fused
+    from capsulert.kernels import triton_fused, triton_moe
 
     fla = _fla_prefill() if use_fla else None
     return KernelSet(
@@ -130,5 +135,7 @@ def cuda_kernels(use_fla: bool = True) -> KernelSet:
         head_norm_rope=triton_fused.head_norm_rope,
         silu_mul=triton_fused.silu_mul,
         gated_delta_step_fused=triton_fused.gated_delta_step_fused,
+        moe_route=triton_moe.moe_route,
+        moe_experts=triton_moe.moe_experts,
         packed_projections=True,
     )

@@ -1,4 +1,5 @@
-"""The embedded default model: a small Qwen3.5-shaped model generated on first use.
+"""The embedded default model: a small Qwen3.5-shaped model generated on first use (and the generator of the
+other small test models, e.g. the tiny MoE of configs/models/tiny_moe.yaml: `generate(dir, config_path)`).
 
 Its shape is capsulert/configs/models/default.yaml. The weights are deterministic random values (fixed seed,
 CPU `torch.Generator`), initialised so that the model behaves like a model should for testing a
@@ -139,13 +140,14 @@ def init_weights(cfg: ModelConfig, seed: int = SEED, device: str | torch.device 
         elif leaf == "in_proj_a":
             t = normal(shape, A_PROJ_GAIN / math.sqrt(h))
         elif leaf == "out_proj":
-            t = normal(shape, LINEAR_OUT_GAIN / math.sqrt(shape[1]))
+            t = normal(shape, LINEAR_OUT_GAIN / math.sqrt(shape[-1]))
         elif leaf == "o_proj":
-            t = normal(shape, ATTN_OUT_GAIN / math.sqrt(shape[1]))
-        elif leaf == "down_proj":
-            t = normal(shape, MLP_OUT_GAIN / math.sqrt(shape[1]))
-        else:  # in_proj_qkv, in_proj_z, in_proj_b, q/k/v_proj, gate/up_proj: read a normalised input
-            t = normal(shape, 1.0 / math.sqrt(shape[1]))
+            t = normal(shape, ATTN_OUT_GAIN / math.sqrt(shape[-1]))
+        elif leaf == "down_proj":  # the dense MLP's, the shared expert's and every routed expert's
+            t = normal(shape, MLP_OUT_GAIN / math.sqrt(shape[-1]))
+        else:  # in_proj_qkv/z/b, q/k/v_proj, gate/up_proj, the MoE router and shared-expert gate: read a
+            # normalised input (fan-in: the last dim, also of the [experts, out, in] expert tensors)
+            t = normal(shape, 1.0 / math.sqrt(shape[-1]))
         assert tuple(t.shape) == shape, name
         out[name] = t.to(dtype).contiguous()
         if on_tensor is not None:

@@ -1,9 +1,11 @@
-"""Load HF-format Qwen3.5 checkpoints (config.json + safetensors) and tokenizer.json.
+"""Load HF-format Qwen3.5 checkpoints, dense or MoE (config.json + safetensors), and tokenizer.json.
 
-Weight names are normalised to the form `Qwen3_5ForCausalLM` writes (`model.layers.{i}....`,
-`model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight`). Checkpoints written by
-`Qwen3_5ForConditionalGeneration` (`model.language_model....`) are accepted; their vision tower
-(`model.visual.*`) and multi-token-prediction head (`mtp.*`) are ignored. Only safetensors is read,
+Weight names are normalised to the form `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` hold
+(`model.layers.{i}....`, `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight`). Checkpoints
+written by `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` (`model.language_model....`)
+are accepted; their vision tower (`model.visual.*`) and multi-token-prediction head (`mtp.*`) are ignored
+(one INFO line says how many tensors). An MoE checkpoint's experts may be stored fused (3-D tensors) or one by
+one (as HF's save_pretrained writes them): they are fused on load (worker/moe_weights.py). Only safetensors is read,
 never pickle. A load that takes a while shows a progress bar over the tensors on a terminal, naming the
 shard it reads (capsulert/progress.py).
 """
@@ -20,6 +22,7 @@ import torch
 from capsulert.model_config import FULL, LINEAR, ModelConfig
 from capsulert.errors import ModelLoadError
 from capsulert.progress import progress_bar
+from capsulert.worker.moe_weights import fuse_experts, is_per_expert, moe_mlp_shapes
 
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers
@@ -37,7 +40,8 @@ _MAX_NAMES = 8
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight of `Qwen3_5ForCausalLM` for `cfg`, by HF name, with its shape."""
+    """Every weight of `Qwen3_5ForCausalLM` (or `Qwen3_5MoeForCausalLM`) for `cfg`, by HF name, with its shape
+    (the MoE experts fused, as HF holds them)."""
     h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i, kind in enumerate(cfg.layer_types):
@@ -66,9 +70,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[sa + "o_proj.weight"] = (h, q)
             shapes[sa + "q_norm.weight"] = (cfg.head_dim,)
             shapes[sa + "k_norm.weight"] = (cfg.head_dim,)
-        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+        if cfg.is_moe:
+            shapes.update(moe_mlp_shapes(cfg, p))
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
+            shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
@@ -133,6 +140,7 @@ def load_checkpoint(
 
     files, weight_map = _weight_files(path)
     found: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, torch.Tensor] = {}  # experts stored one by one, fused once all are read
     origin: dict[str, str] = {}
     unexpected: list[str] = []
     ignored = 0
@@ -166,6 +174,9 @@ def load_checkpoint(
                         if name == "lm_head.weight" and cfg.tie_word_embeddings:
                             tied_lm_head = f.get_tensor(key)
                             continue
+                        if is_per_expert(name) and cfg.is_moe:
+                            per_expert[name] = f.get_tensor(key)
+                            continue
                         if name not in shapes:
                             unexpected.append(key)
                             continue
@@ -183,6 +194,8 @@ def load_checkpoint(
 
     if unexpected:
         raise ModelLoadError(f"unexpected tensor(s) in {path} for this config: {_names(unexpected)}")
+    found.update(fuse_experts(per_expert, cfg, set(found), ModelLoadError))
+    per_expert.clear()
     missing = [n for n in shapes if n not in found]
     if missing:
         raise ModelLoadError(f"missing tensor(s) in {path}: {_names(missing)}")

@@ -1,4 +1,5 @@
-"""Qwen3.5 hybrid text model (Gated DeltaNet + gated full attention) running on a StateSet.
+"""Qwen3.5 hybrid text model (Gated DeltaNet + gated full attention) running on a StateSet; its MLPs are dense
+or, for a Qwen3.5-MoE config, mixtures of experts (worker/moe.py).
 
 Functional: weights are plain tensors, every piece of session state lives in the StateSet and is
 updated in place. One forward handles B slots x T tokens: prefill (B = 1, T <= prefill_chunk, chunked
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from capsulert.model_config import FULL, ModelConfig
 from capsulert.kernels.fused import gated_delta_gates, gated_delta_qk
 from capsulert.kernels.ops import KernelSet, reference_kernels
+from capsulert.worker.moe import moe_mlp
 from capsulert.worker.packing import PACKS, pack_layer, split_sizes
 from capsulert.worker.state import StateSet
 
@@ -122,7 +124,7 @@ class HybridModel:
             else:
                 x = self._gated_delta_net(layer, x, state, slots, decode, valid)
             h, x = add_rms_norm(h, x, w["post_attention_layernorm.weight"], eps)
-            delta = self._mlp(w, x)
+            delta = self._mlp(w, x, B)
         h = (h + delta)[:B]
         if valid is None:
             state.last_hidden.index_copy_(0, slots, h[:, -1])
@@ -202,7 +204,11 @@ class HybridModel:
             return list(F.linear(x, w[pack]).split(split_sizes(w, pack), dim=-1))
         return [F.linear(x, w[n]) for n in PACKS[pack]]
 
-    def _mlp(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, w: dict[str, torch.Tensor], x: torch.Tensor, real_rows: int) -> torch.Tensor:
+        """The dense MLP, or the MoE block of an MoE model (worker/moe.py); rows from real_rows on are the
+        padding of a fixed-shape decode step (the MoE routes only the real ones)."""
+        if self.cfg.is_moe:
+            return moe_mlp(self.cfg, self.kernels, w, x, real_rows)
         if "mlp_in" in w:
             y = self.kernels.silu_mul(F.linear(x, w["mlp_in"]))
         else:

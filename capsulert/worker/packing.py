@@ -1,6 +1,6 @@
 """Projections that read the same input, packed into one weight so a decode step reads each activation once
 and launches one GEMM instead of several (q/k/v of attention; qkv/z/b/a of Gated DeltaNet; gate/up of the
-MLP).
+MLP; the shared expert's gate/up and the router of an MoE MLP).
 
 Packing is in place on the model's weight mapping: the packed buffer is allocated once, and every original
 name becomes a view into it. So the HF names stay the model's public weights (checkpoint checks, RL weight
@@ -13,12 +13,17 @@ from typing import MutableMapping
 
 import torch
 
+from capsulert.worker.moe_weights import ROUTER, SHARED_GATE_PROJ, SHARED_UP_PROJ
+
 # packed name -> the weights it concatenates (output rows, in this order)
 PACKS: dict[str, tuple[str, ...]] = {
     "attn_in": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "gdn_in": ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
                "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"),
     "mlp_in": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    # the shared-expert gate (one output row) stays apart: an odd packed width makes GEMM output rows that are
+    # not 16-byte aligned, which costs cuBLAS its fast kernels
+    "moe_in": (SHARED_GATE_PROJ, SHARED_UP_PROJ, ROUTER),
 }
 
 

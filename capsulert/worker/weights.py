@@ -14,12 +14,14 @@ import torch
 
 from capsulert.errors import CapsuleRTError, InvalidRequestError, WeightUpdateError
 from capsulert.model_config import ModelConfig
+from capsulert.worker.moe_weights import fuse_experts, is_per_expert
 
 
 def read_update(source, cfg: ModelConfig, dtype: torch.dtype,
                 progress: bool | None = None) -> Mapping[str, torch.Tensor]:
     """The tensors of an update: a mapping of HF names to tensors, or an HF checkpoint directory of the
-    same architecture (safetensors only; `progress`: a bar over its tensors, None: on a terminal)."""
+    same architecture (safetensors only; `progress`: a bar over its tensors, None: on a terminal). An MoE
+    model's experts may come fused (HF's state_dict) or one by one (HF's save_pretrained): they are fused."""
     if isinstance(source, (str, Path)):
         from capsulert.worker.loader import load_checkpoint
 
@@ -31,7 +33,11 @@ def read_update(source, cfg: ModelConfig, dtype: torch.dtype,
             raise WeightUpdateError(f"the checkpoint at {source} has another architecture than the running model")
         return tensors
     if isinstance(source, Mapping):
-        return source
+        per_expert = {k: v for k, v in source.items() if isinstance(k, str) and is_per_expert(k)}
+        if not per_expert:
+            return source
+        rest = {k: v for k, v in source.items() if k not in per_expert}
+        return {**rest, **fuse_experts(per_expert, cfg, set(rest), WeightUpdateError)}
     raise InvalidRequestError(f"update_weights takes a mapping of tensors or a checkpoint path, got {type(source).__name__}")
 
 

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from tests.worker.test_engine import assert_state_equal, slot_state
+from tests.models import MODELS
 
 CHUNK = 128
 BOUNDARIES = {"on-grid": 256, "off-grid": 301}
@@ -29,6 +30,7 @@ def capsule_view_equal(engine, session, name):
         assert torch.equal(st.last_hidden[s], t["last_hidden"])
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 @pytest.mark.parametrize("P", BOUNDARIES.values(), ids=BOUNDARIES.keys())
 def test_pure_restore_equals_snapshot_point(engine, corpus, P):
     s = engine.open()
@@ -62,6 +64,7 @@ def test_adversarial_garbage_then_restore(engine, corpus, P):
     assert t.generate(32) == ref.generate(32)
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 @pytest.mark.parametrize("P", BOUNDARIES.values(), ids=BOUNDARIES.keys())
 def test_restore_append_equals_cold(engine, corpus, P):
     prefix, suffix = corpus[:P], corpus[P:P + 45]
@@ -77,6 +80,7 @@ def test_restore_append_equals_cold(engine, corpus, P):
     assert_state_equal(slot_state(engine, r), slot_state(engine, cold))
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_fork_branches_equal_cold_and_do_not_interfere(engine, corpus):
     P = 301
     s = engine.open()
@@ -100,6 +104,7 @@ def test_fork_branches_equal_cold_and_do_not_interfere(engine, corpus):
         cold.close()
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_rollback_and_roll_forward(engine, corpus):
     A, B, C, D = corpus[:200], corpus[200:330], corpus[330:420], corpus[600:640]
     s = engine.open()

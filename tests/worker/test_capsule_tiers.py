@@ -20,6 +20,7 @@ from capsulert.errors import (
     UnknownCapsuleError,
     UnsupportedStateModeError,
 )
+from tests.models import MODELS
 
 P = 301
 
@@ -29,7 +30,8 @@ def tiered(make_engine, tmp_path):
     return make_engine(disk_dir=str(tmp_path / "disk"))
 
 
-def test_gpu_host_disk_then_new_process_restores_bitwise(tiered, text, tmp_path, default_model_dir):
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
+def test_gpu_host_disk_then_new_process_restores_bitwise(tiered, text, tmp_path, model_dir):
     eng = tiered
     tokens = eng.tokenize(text)
     prefix, suffix = tokens[:P], tokens[P:P + 40]
@@ -53,7 +55,7 @@ def test_gpu_host_disk_then_new_process_restores_bitwise(tiered, text, tmp_path,
         from safetensors.torch import save_file
         from capsulert.worker.engine import Engine
         torch.set_num_threads({torch.get_num_threads()})  # same reduction order as this process
-        eng = Engine.from_config(model={str(default_model_dir)!r}, device={eng.device.type!r}, slots=4, max_seq=2048, prefill_chunk=128)
+        eng = Engine.from_config(model={str(model_dir)!r}, device={eng.device.type!r}, slots=4, max_seq=2048, prefill_chunk=128)
         assert eng.store.load({str(saved)!r}) == 1
         s = eng.restore("c")
         logits = s.append({suffix!r})

@@ -10,6 +10,7 @@ from capsulert.errors import InvalidRequestError
 from capsulert.worker.engine import GRID
 from capsulert.worker.sampler import SamplingParams
 from tests.worker.test_engine import slot_state
+from tests.models import MODELS
 
 CHUNK = GRID  # the grid where canonical state is kept (the make_engine fixture prefills in pieces of 128)
 SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=7, ignore_eos=True)
@@ -43,6 +44,7 @@ def assert_equal_dicts(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_generate_across_grid_then_restore_append_equals_cold(engine, corpus, sampling):
     prompt = corpus[:CHUNK - 5]
@@ -58,6 +60,7 @@ def test_generate_across_grid_then_restore_append_equals_cold(engine, corpus, sa
     assert_equal_dicts(grid_state(engine, s, CHUNK), cold_grid_state(engine, s.tokens, CHUNK))
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_batched_generate_keeps_every_grid_point_canonical(make_engine, corpus):
     engine = make_engine(slots=5)
     sessions = []
@@ -72,8 +75,12 @@ def test_batched_generate_keeps_every_grid_point_canonical(make_engine, corpus):
         assert_equal_dicts(grid_state(engine, s, G), cold_grid_state(engine, s.tokens, G))
 
 
-@pytest.mark.parametrize("k", [37, CHUNK, 2 * CHUNK - 1], ids=["off-grid", "on-grid", "one-short"])
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+# every split point and sampling mode on the dense model; the MoE on one (CPU time)
+@pytest.mark.parametrize("model_dir,k,sampling", [
+    pytest.param("dense", k, sampling, id=f"dense-{kid}-{sid}")
+    for k, kid in [(37, "off-grid"), (CHUNK, "on-grid"), (2 * CHUNK - 1, "one-short")]
+    for sampling, sid in [(GREEDY, "greedy"), (SEEDED, "seeded")]
+] + [pytest.param("moe", 37, SEEDED, id="moe-off-grid-seeded")], indirect=["model_dir"])
 def test_generate_n_equals_generate_k_snapshot_restore_generate_rest(engine, corpus, k, sampling):
     N = 3 * CHUNK + 11  # crosses 3 grid points
     whole = engine.open()
@@ -117,13 +124,17 @@ def _step_alone_and_in_batch(engine, corpus, batch, position, sampling):
         s.close()
 
 
-@pytest.mark.parametrize("batch,position", [(2, 1), (3, 0), (4, 3), (5, 2), (8, 7), (9, 4), (16, 15)])
+# every batch and position on the dense model; the MoE on a few (CPU time)
+@pytest.mark.parametrize("model_dir,batch,position", [
+    pytest.param("dense", b, p, id=f"dense-{b}-{p}") for b, p in [(2, 1), (3, 0), (4, 3), (5, 2), (8, 7), (9, 4), (16, 15)]
+] + [pytest.param("moe", b, p, id=f"moe-{b}-{p}") for b, p in [(3, 0), (16, 15)]], indirect=["model_dir"])
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_decode_is_batch_invariant(make_engine, corpus, batch, position, sampling):
     engine = make_engine(slots=batch + 1)
     _step_alone_and_in_batch(engine, corpus, batch, position, sampling)
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_batches_above_one_decode_step_run_and_stay_invariant(make_engine, corpus):
     """More sessions than one decode step holds (64): several steps per token, each session as alone."""
     engine = make_engine(slots=70, max_seq=256)
@@ -143,6 +154,7 @@ def test_batches_above_one_decode_step_run_and_stay_invariant(make_engine, corpu
         alone.close()
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_best_of_n_branches_equal_their_solo_runs(engine, corpus):
     s = engine.open()
     s.append(corpus[:200])

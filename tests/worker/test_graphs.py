@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from capsulert.worker.graphs import ShapeKey
+from tests.models import MODELS
 
 pytestmark = pytest.mark.gpu
 
@@ -23,6 +24,7 @@ def test_capture_draws_a_bar_over_the_shapes_when_asked(cuda_engine, make_engine
     eng.close()
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_graph_count_is_bounded(cuda_engine):
     g = cuda_engine.graphs
     # decode buckets, prefill buckets, and the batched re-derivation of grid points (b rows of 64 tokens)
@@ -30,6 +32,7 @@ def test_graph_count_is_bounded(cuda_engine):
                              | {ShapeKey("prefill", b, 64) for b in (2, 4)})
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_snapshot_restore_never_invalidate_graphs(cuda_engine, text):
     eng = cuda_engine
     graphs = dict(eng.graphs.graphs)
@@ -45,3 +48,15 @@ def test_snapshot_restore_never_invalidate_graphs(cuda_engine, text):
     s.restore("c")
     assert s.generate(16) == first
     assert eng.graphs.graphs == graphs and eng.state.data_ptrs() == ptrs
+
+
+@pytest.mark.parametrize("model_dir", ["moe"], indirect=True)
+def test_reference_moe_kernels_refuse_graph_capture(make_engine):
+    from capsulert.errors import ConfigError
+
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device: run with -m gpu --device cuda on the GPU machine")
+    with pytest.raises(ConfigError, match="cannot capture"):
+        make_engine(device="cuda", slots=2, kernels="reference")
+    eager = make_engine(device="cuda", slots=2, kernels="reference", cuda_graphs=False)
+    assert len(eager.open().generate(4)) == 4

@@ -14,7 +14,7 @@ from capsulert.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from capsulert.worker.loader import expected_shapes, load_checkpoint, load_tokenizer, weights_fingerprint
 
 CONFIGS = Path(__file__).resolve().parents[2] / "capsulert" / "configs" / "models"
-TEST_CONFIGS = ["test_a", "test_b", "test_c"]
+TEST_CONFIGS = ["test_a", "test_b", "test_c", "tiny_moe", "test_moe_b"]
 
 
 def _cfg(name: str) -> ModelConfig:
@@ -22,10 +22,13 @@ def _cfg(name: str) -> ModelConfig:
 
 
 def _hf_model(cfg: ModelConfig, seed: int = 0):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    import transformers
 
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg.to_hf_dict()))
+    if cfg.is_moe:
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**cfg.to_hf_dict()))
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**cfg.to_hf_dict()))
     with torch.no_grad():  # HF inits norms to constants; make every tensor distinct
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(("dt_bias", "A_log")):
@@ -95,8 +98,11 @@ def test_load_sharded(tmp_path, terminal):
 
 
 def _vlm_checkpoint(path: Path, cfg: ModelConfig, model) -> Path:
+    """The layout of Qwen3_5(Moe)ForConditionalGeneration: a language-model prefix, vision and MTP towers."""
     tensors = {}
     for k, v in model.state_dict().items():
+        if k == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # the embedding itself, as tied checkpoints store it
         if k.startswith("model."):
             tensors["model.language_model." + k[len("model."):]] = v
         else:
@@ -106,22 +112,23 @@ def _vlm_checkpoint(path: Path, cfg: ModelConfig, model) -> Path:
     tensors["mtp.fc.weight"] = torch.randn(cfg.hidden_size, 2 * cfg.hidden_size)
     tensors["mtp.norm.weight"] = torch.randn(cfg.hidden_size)
     conf = {
-        "model_type": "qwen3_5",
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5_moe" if cfg.is_moe else "qwen3_5",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if cfg.is_moe else "Qwen3_5ForConditionalGeneration"],
         "text_config": cfg.to_hf_dict(),
         "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 8},
     }
     return _write(path, conf, tensors)
 
 
-def test_load_conditional_generation_layout(tmp_path, caplog):
-    cfg = _cfg("test_c")
+@pytest.mark.parametrize("name", ["test_c", "test_moe_b"])
+def test_load_conditional_generation_layout(name, tmp_path, caplog):
+    cfg = _cfg(name)
     model = _hf_model(cfg, seed=2)
     _vlm_checkpoint(tmp_path, cfg, model)
     with caplog.at_level(logging.INFO, logger="capsulert.worker.loader"):
         got_cfg, weights = load_checkpoint(tmp_path)
     assert got_cfg == cfg
-    _assert_matches_hf(weights, model, tied=False)
+    _assert_matches_hf(weights, model, tied=cfg.tie_word_embeddings)
     notes = [r for r in caplog.records if r.name == "capsulert.worker.loader"]
     assert len(notes) == 1 and "4" in notes[0].getMessage()
 

@@ -1,7 +1,9 @@
 """Padded forwards (what captured graphs run) equal unpadded ones on the real tokens and rows."""
+import pytest
 import torch
 
 from tests.worker.test_engine import slot_state
+from tests.models import MODELS
 
 
 def close(a, b):
@@ -9,6 +11,7 @@ def close(a, b):
     torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_padded_prefill_chunk_matches_exact_length(engine, text):
     tokens = engine.tokenize(text)[:37]
     exact = engine.open()
@@ -27,6 +30,7 @@ def test_padded_prefill_chunk_matches_exact_length(engine, text):
     assert exact.generate(8) == padded.generate(8)
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_padded_decode_rows_touch_only_the_scratch_slot(engine, text):
     s = engine.open()
     s.append(text[:300])

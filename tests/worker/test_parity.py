@@ -1,4 +1,5 @@
-"""Parity with HF transformers' Qwen3_5ForCausalLM on identical weights (fp32, CPU)."""
+"""Parity with HF transformers' Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM on identical weights (fp32, CPU),
+loaded through our loader from the checkpoint layouts HF and the released models use."""
 import json
 
 import pytest
@@ -12,13 +13,19 @@ from capsulert.worker.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("hf_on_cpu")  # HF runs its torch path on the CPU
 
-CONFIGS = ["test_a", "test_b", "test_c"]
+# dense configs, then MoE ones (tiny_moe: save_pretrained's per-expert tensors, sharded; test_moe_b: the
+# fused expert tensors of HF's state dict, in the multimodal layout)
+CONFIGS = ["test_a", "test_b", "test_c", "tiny_moe", "test_moe_b"]
+SHARDED = {"test_b": "20KB", "tiny_moe": "300KB"}
+MULTIMODAL = {"test_c": "qwen3_5", "test_moe_b": "qwen3_5_moe"}  # ...ForConditionalGeneration checkpoints
 
 
 def hf_model(name):
     cfg = ModelConfig.from_file(REPO_ROOT / "capsulert" / "configs" / "models" / f"{name}.yaml")
-    hf_cfg = transformers.Qwen3_5TextConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
-    model = transformers.Qwen3_5ForCausalLM(hf_cfg).eval()
+    config_cls, model_cls = ((transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM) if cfg.is_moe
+                             else (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM))
+    hf_cfg = config_cls(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
+    model = model_cls(hf_cfg).eval()
     weights = init_weights(cfg, seed=11)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
@@ -26,16 +33,18 @@ def hf_model(name):
 
 
 def write_checkpoint(name, model, cfg, path):
-    if name == "test_b":  # sharded
-        model.save_pretrained(path, max_shard_size="20KB")
+    if name in SHARDED:
+        model.save_pretrained(path, max_shard_size=SHARDED[name])
         assert (path / "model.safetensors.index.json").exists()
-    elif name == "test_c":  # Qwen3_5ForConditionalGeneration layout: language-model prefix, extra towers
+    elif name in MULTIMODAL:  # language-model prefix, extra towers
         path.mkdir()
-        sd = {k.replace("model.", "model.language_model.", 1): v.contiguous() for k, v in model.state_dict().items()}
+        sd = {k.replace("model.", "model.language_model.", 1): v.contiguous().clone()  # tied tensors: two copies
+              for k, v in model.state_dict().items()}
         sd["model.visual.patch_embed.weight"] = torch.zeros(4, 4)
         sd["mtp.fc.weight"] = torch.zeros(4, 4)
         save_file(sd, str(path / "model.safetensors"))
-        (path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": cfg.to_hf_dict()}))
+        (path / "config.json").write_text(json.dumps({"model_type": MULTIMODAL[name], "text_config": cfg.to_hf_dict(),
+                                                      "vision_config": {"depth": 2}}))
     else:
         model.save_pretrained(path)
     return path

@@ -17,6 +17,7 @@ from capsulert.worker.async_engine import AsyncEngine
 from capsulert.worker.engine import GRID
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.verbs import Close
+from tests.models import MODELS
 
 CHUNK = GRID  # checkpoints every 64 tokens (the fixture prefills in pieces of 128)
 LONG = SamplingParams(ignore_eos=True)  # greedy, through the grid points whatever the random model emits
@@ -58,6 +59,7 @@ def hits(eng) -> tuple[int, int]:
     return p["hits"], p["hit_tokens"]
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_reuse_is_bitwise_a_cold_prefill(cached):
     eng = cached
     base = toks(700, 1)

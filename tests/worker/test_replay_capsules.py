@@ -15,6 +15,7 @@ from capsulert.worker.engine import GRID
 from capsulert.capsule_store import CapsuleMeta
 from capsulert.errors import IncompatibleCapsuleError, UnsupportedStateModeError
 from capsulert.worker.sampler import SamplingParams
+from tests.models import MODELS
 
 CHUNK = GRID  # canonical state and prefix blocks every 64 tokens, whatever the prefill_chunk (128 here)
 SAMPLED = SamplingParams(temperature=0.9, seed=7)
@@ -62,6 +63,7 @@ def make_history(eng, prompt_len: int, steps, seed: int = 0):
     return s
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 @pytest.mark.parametrize("history", list(HISTORIES), ids=list(HISTORIES))
 def test_a_replay_capsule_restores_bitwise_what_the_session_held(make_engine, history):
     eng = make_engine()

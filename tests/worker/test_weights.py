@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from capsulert.errors import StaleCapsuleError, WeightUpdateError
 from capsulert.worker.engine import Engine
 from capsulert.worker.sampler import SamplingParams
+from tests.models import MODELS
 
 
 def _config_path(name):
@@ -30,13 +31,14 @@ def perturbed(model_dir, tmp_path, scale=0.05):
     return out, new
 
 
-def test_update_in_place_equals_a_fresh_load(default_model_dir, make_engine, tmp_path, text):
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
+def test_update_in_place_equals_a_fresh_load(model_dir, make_engine, tmp_path, text):
     engine = make_engine()
     before = engine.state.data_ptrs()
     weight_ptrs = {k: v.data_ptr() for k, v in engine.model_weights.items()}
     old = engine.open()
     old_logits = old.append(text[:300])
-    new_dir, _ = perturbed(default_model_dir, tmp_path)
+    new_dir, _ = perturbed(model_dir, tmp_path)
     assert engine.update_weights(new_dir) == 1
     assert engine.state.data_ptrs() == before
     assert {k: v.data_ptr() for k, v in engine.model_weights.items()} == weight_ptrs
@@ -49,14 +51,14 @@ def test_update_in_place_equals_a_fresh_load(default_model_dir, make_engine, tmp
     assert a.generate(1).weights_version == 1
 
 
-def test_stale_capsules_are_refused_until_rebuilt(default_model_dir, make_engine, tmp_path, text):
+def test_stale_capsules_are_refused_until_rebuilt(model_dir, make_engine, tmp_path, text):
     engine = make_engine()
     s = engine.open()
     s.append(text[:250])
     s.snapshot("start", pin=True)
     s.snapshot("other")
     s.close()
-    _, new = perturbed(default_model_dir, tmp_path)
+    _, new = perturbed(model_dir, tmp_path)
     engine.update_weights(new)
     listing = [(i.name, i.tier, i.pinned) for i in engine.store.list()]
     with pytest.raises(StaleCapsuleError):
@@ -70,19 +72,19 @@ def test_stale_capsules_are_refused_until_rebuilt(default_model_dir, make_engine
     assert torch.equal(r.logits(), want) and engine.store.info("start").pinned
     r.close()
     # rebuild_pinned: pinned capsules follow the next update, unpinned ones stay stale
-    engine.update_weights(load_file(str(default_model_dir / "model.safetensors")), rebuild_pinned=True)
+    engine.update_weights(load_file(str(model_dir / "model.safetensors")), rebuild_pinned=True)
     engine.restore("start").close()
     with pytest.raises(StaleCapsuleError):
         engine.restore("other")
 
 
 @pytest.mark.parametrize("bad", ["missing", "extra", "shape", "dtype", "not-tensor", "architecture"])
-def test_bad_updates_change_nothing(default_model_dir, make_engine, tmp_path, text, bad):
+def test_bad_updates_change_nothing(model_dir, make_engine, tmp_path, text, bad):
     engine = make_engine()
     s = engine.open()
     want = s.append(text[:200])
     snapshot = {k: v.clone() for k, v in engine.model_weights.items()}
-    _, new = perturbed(default_model_dir, tmp_path)
+    _, new = perturbed(model_dir, tmp_path)
     name = "model.layers.0.mlp.down_proj.weight"
     if bad == "missing":
         del new[name]
@@ -111,3 +113,53 @@ def test_bad_updates_change_nothing(default_model_dir, make_engine, tmp_path, te
     assert all(torch.equal(engine.model_weights[k], v) for k, v in snapshot.items())
     t = engine.open()
     assert torch.equal(t.append(text[:200]), want)
+
+
+def per_expert(weights):
+    """`weights` with each layer's fused expert tensors written one by one, as HF's save_pretrained does."""
+    out = {}
+    for name, t in weights.items():
+        prefix, _, leaf = name.partition("mlp.experts.")
+        if leaf == "gate_up_proj":
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = t[e, inter:]
+        elif leaf == "down_proj":
+            for e in range(t.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("model_dir", ["moe"], indirect=True)
+def test_an_moe_update_may_name_its_experts_one_by_one(model_dir, make_engine, tmp_path, text):
+    _, new = perturbed(model_dir, tmp_path)
+    fused, split = make_engine(), make_engine()
+    fused.update_weights(new)
+    split.update_weights(per_expert(new))
+    assert all(torch.equal(split.model_weights[k], v) for k, v in fused.model_weights.items())
+    assert torch.equal(split.open().append(text[:200]), fused.open().append(text[:200]))
+
+
+@pytest.mark.parametrize("bad", ["missing-expert", "expert-shape", "both-forms", "expert-past-the-last"])
+@pytest.mark.parametrize("model_dir", ["moe"], indirect=True)
+def test_bad_per_expert_updates_change_nothing(model_dir, make_engine, tmp_path, text, bad):
+    engine = make_engine()
+    snapshot = {k: v.clone() for k, v in engine.model_weights.items()}
+    _, new = perturbed(model_dir, tmp_path)
+    update = per_expert(new)
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    if bad == "missing-expert":
+        del update[name]
+    elif bad == "expert-shape":
+        update[name] = update[name][:, :-1]
+    elif bad == "both-forms":
+        update["model.layers.1.mlp.experts.gate_up_proj"] = new["model.layers.1.mlp.experts.gate_up_proj"]
+    else:
+        update["model.layers.1.mlp.experts.8.up_proj.weight"] = update[name]
+    with pytest.raises(WeightUpdateError):
+        engine.update_weights(update)
+    assert engine.weights_version == 0
+    assert all(torch.equal(engine.model_weights[k], v) for k, v in snapshot.items())

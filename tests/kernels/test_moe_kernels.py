@@ -1,0 +1,176 @@
+"""The Triton mixture-of-experts kernels (capsulert/kernels/triton_moe.py) against their plain-torch references
+(capsulert/kernels/moe.py), over small labelled shapes, plus the Qwen3.5-35B-A3B shapes on a CUDA device.
+
+Runs on a CUDA device, or on CPU under Triton's interpreter (TRITON_INTERPRET=1, slow: the small shapes only).
+The whole module is gpu-marked; the CPU CI (`-m "not gpu"`, no triton) never collects it.
+
+Routing picks the same experts as the reference (inputs without near-ties) with weights within fp32 rounding.
+The experts compute in fp32 and round once, so they are compared with the reference evaluated in fp32 on the
+same (already rounded) inputs. Batch invariance is checked bitwise: a token's output alone and among other
+tokens, at several positions, including batches where every token chose the same experts (many rows per
+expert: several row tiles) and padding rows that are not routed.
+"""
+import pytest
+import torch
+
+import triton  # noqa: F401  (tests/conftest.py ignores this module where triton is not installed)
+
+from capsulert.kernels import moe as ref
+from capsulert.kernels import triton_moe as tm
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_or_interpreter")]
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# the expert GEMMs in bf16 on a CUDA device only: Triton's interpreter runs a bf16 tl.dot as a matmul of the
+# raw 16-bit patterns (triton 3.9), which is no test of the kernel
+DOT_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if CUDA else [torch.float32],
+                                     ids=["fp32", "bf16"] if CUDA else ["fp32"])
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _shapes(small: dict, model_size: dict) -> dict:
+    """The labelled shapes of a test: the small ones everywhere, the model-size ones on a CUDA device."""
+    return {**small, **model_size} if CUDA else small
+
+
+def _randn(*shape, seed, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(DEVICE)
+
+
+# ---------------------------------------------------------------- routing
+
+ROUTE_SHAPES = _shapes(
+    {"e8-k2": (5, 8, 2), "e6-k3": (7, 6, 3), "e64-k8": (3, 64, 8), "e40-k5-ragged": (4, 40, 5)},
+    {"35b-e256-k8-b64": (64, 256, 8), "35b-e256-k8-chunk": (1024, 256, 8)},
+)
+
+
+@pytest.mark.parametrize("shape", ROUTE_SHAPES.values(), ids=ROUTE_SHAPES.keys())
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
+@DTYPES
+def test_route_matches_reference(shape, normalize, dtype):
+    n, E, k = shape
+    # distinct logits a clear step apart: no near-ties whose order rounding could flip
+    logits = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(i)) for i in range(n)])
+    logits = (logits.float() * 0.05).to(dtype).to(DEVICE)
+    ids, w = tm.moe_route(logits, k, normalize)
+    want_ids, want_w = ref.moe_route(logits, k, normalize)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_route_ties_go_to_the_lowest_expert_id():
+    logits = torch.zeros(3, 8, device=DEVICE)
+    logits[1, 5] = logits[1, 6] = 1.0  # a tie at the top
+    ids, w = tm.moe_route(logits, 3, True)
+    assert ids.tolist() == [[0, 1, 2], [5, 6, 0], [0, 1, 2]]
+    assert torch.equal(ids.long(), ref.moe_route(logits, 3, True)[0])
+
+
+def test_route_row_invariant():
+    g = torch.Generator().manual_seed(3)
+    row = torch.randn(1, 64, generator=g).to(DEVICE)
+    solo = tm.moe_route(row, 8, True)
+    for n, pos in [(2, 1), (17, 0), (33, 20)]:
+        batch = torch.randn(n, 64, generator=g).to(DEVICE)
+        batch[pos] = row[0]
+        got = tm.moe_route(batch, 8, True)
+        assert torch.equal(got[0][pos], solo[0][0]) and torch.equal(got[1][pos], solo[1][0])
+
+
+# ---------------------------------------------------------------- experts + combine
+
+EXPERT_SHAPES = _shapes(  # n routed rows, R rows in all, H, I, E, k
+    {"h64-i32-e8-k2": (6, 6, 64, 32, 8, 2), "h48-i40-e6-k3-ragged": (5, 7, 48, 40, 6, 3),
+     "h160-i96-e4-k2-tiles": (20, 20, 160, 96, 4, 2), "padded-r8": (3, 8, 64, 32, 8, 2)},
+    {"35b-b1": (1, 64, 2048, 512, 256, 8), "35b-b64": (64, 64, 2048, 512, 256, 8),
+     "35b-chunk": (1024, 1024, 2048, 512, 256, 8)},
+)
+
+
+def _expert_inputs(n, R, H, I, E, k, dtype, seed=0, same_experts=False, weights=None):
+    """x [n, H], ids, routing weights, w_gate_up, w_down (`weights`: reuse these two), shared, shared_gate."""
+    x = _randn(R, H, seed=seed, dtype=dtype)
+    w_gate_up, w_down = weights or (_randn(E, 2 * I, H, seed=seed + 1, dtype=dtype, scale=H ** -0.5),
+                                    _randn(E, H, I, seed=seed + 2, dtype=dtype, scale=I ** -0.5))
+    shared = _randn(R, H, seed=seed + 3, dtype=dtype)
+    shared_gate = _randn(R, 1, seed=seed + 4, dtype=dtype)
+    logits = _randn(n, E, seed=seed + 5)
+    if same_experts:
+        logits = logits[:1].expand(n, E).contiguous()
+    ids, w = ref.moe_route(logits, k, True)
+    return x[:n], ids.to(DEVICE), w.to(DEVICE), w_gate_up, w_down, shared, shared_gate
+
+
+def _fp32(*ts):
+    return [t.float() if t.is_floating_point() else t for t in ts]
+
+
+@pytest.mark.parametrize("shape", EXPERT_SHAPES.values(), ids=EXPERT_SHAPES.keys())
+@DOT_DTYPES
+def test_experts_match_reference(shape, dtype):
+    args = _expert_inputs(*shape, dtype=dtype)
+    got = tm.moe_experts(*args)
+    assert got.dtype == dtype and got.shape == (shape[1], shape[2])
+    want = ref.moe_experts(*_fp32(*args)) if dtype != torch.float32 else ref.moe_experts(*args)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def test_experts_all_rows_on_one_expert_set_span_several_row_tiles():
+    """Every token chose the same experts: each expert gets more rows than one BM tile holds."""
+    n = 3 * tm.GATE_UP_TILE["BM"] + 5
+    args = _expert_inputs(n, n, 64, 32, 8, 2, torch.float32, same_experts=True)
+    torch.testing.assert_close(tm.moe_experts(*args), ref.moe_experts(*args), **TOL[torch.float32])
+
+
+@DOT_DTYPES
+def test_experts_row_invariant(dtype):
+    """A token's output alone equals its output among other tokens, wherever it sits and however many of them
+    chose its experts (random routing, or all on its experts)."""
+    H, I, E, k = (2048, 512, 256, 8) if CUDA else (64, 32, 8, 2)
+    solo_args = _expert_inputs(1, 1, H, I, E, k, dtype, seed=50)
+    solo = tm.moe_experts(*solo_args)[0]
+    for n, pos, same in [(2, 1, False), (9, 4, False), (40, 39, True), (40, 0, False)]:
+        x, ids, w, _, _, shared, sg = _expert_inputs(n, n, H, I, E, k, dtype, seed=60 + n, weights=solo_args[3:5])
+        if same:
+            ids[:], w[:] = solo_args[1][0], solo_args[2][0]
+        x[pos], ids[pos], w[pos], shared[pos], sg[pos] = (solo_args[0][0], solo_args[1][0], solo_args[2][0],
+                                                         solo_args[5][0], solo_args[6][0])
+        got = tm.moe_experts(x, ids, w, solo_args[3], solo_args[4], shared, sg)
+        assert torch.equal(got[pos], solo), f"row at {pos} of {n} differs from the row alone"
+
+
+def test_padding_rows_get_the_shared_expert_only_and_unchosen_experts_do_no_work():
+    n, R, H, I, E, k = 3, 8, 64, 32, 8, 2
+    x, ids, w, wgu, wd, shared, sg = _expert_inputs(n, R, H, I, E, k, torch.float32)
+    unchosen = sorted(set(range(E)) - set(ids.flatten().tolist()))
+    assert unchosen
+    wgu, wd = wgu.clone(), wd.clone()
+    wgu[unchosen], wd[unchosen] = float("nan"), float("nan")  # read by no program
+    got = tm.moe_experts(x, ids, w, wgu, wd, shared, sg)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[n:], (torch.sigmoid(sg[n:]) * shared[n:]), rtol=1e-6, atol=1e-6)
+
+
+if CUDA:
+    def test_cuda_graph_capture_replay_matches_eager():
+        n, R, H, I, E, k = 64, 64, 2048, 512, 256, 8
+        x, ids, w, wgu, wd, shared, sg = _expert_inputs(n, R, H, I, E, k, torch.bfloat16)
+        logits = _randn(n, E, seed=9, dtype=torch.bfloat16)
+
+        def step():
+            i, rw = tm.moe_route(logits, k, True)
+            return tm.moe_experts(x, i, rw, wgu, wd, shared, sg)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        logits.copy_(_randn(n, E, seed=10, dtype=torch.bfloat16))
+        x.copy_(_randn(n, H, seed=11, dtype=torch.bfloat16))
+        graph.replay()
+        assert torch.equal(out, step())
