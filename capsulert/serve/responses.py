@@ -24,7 +24,7 @@ _string = json.encoder.encode_basestring
 _number = int.__repr__
 _encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
-FINISH_REASON = {"eos": "stop", "stop_token": "stop", "stop_string": "stop", "interrupted": "stop",
+FINISH_REASON = {"eos": "stop", "stop_token": "stop", "stop_string": "stop", "interrupted": "stop", "grammar_end": "stop",
                  "length": "length", "max_seq": "length"}
 
 

@@ -32,6 +32,7 @@ from capsulert.errors import (
 from capsulert.worker.engine_config import EngineConfig
 from capsulert.worker.model import HybridModel, pad_rows
 from capsulert.worker.capsules import Replay
+from capsulert.worker.constraint import Grammars
 from capsulert.worker.decoding import DecodeStream, advance
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.session import Session
@@ -72,6 +73,7 @@ class Engine:
         # generate stops at these unless SamplingParams.ignore_eos (config.json + generation_config.json)
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else (
             () if model_cfg.eos_token_id is None else (model_cfg.eos_token_id,))
+        self.grammars = Grammars(tokenizer, model_cfg.vocab_size, self.eos_token_ids)  # constrained decoding
         self.chunk = config.prefill_chunk
         # one extra scratch slot absorbs the padding rows of captured graphs; KV keeps a chunk of slack
         # rows because a padded prefill chunk writes (ignored) KV past the last real token
