@@ -28,7 +28,7 @@ from functools import cached_property, lru_cache
 from typing import Any, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
 
 from capsulert.errors import InvalidRequestError
 
@@ -55,18 +55,16 @@ class Constraint(BaseModel):
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError(f"a constraint takes exactly one of json_schema, json_object, regex, grammar; got {given}")
+        error = _llguidance().LLMatcher.validate_grammar(self.llguidance_grammar, None)
+        if error:
+            raise ValueError(error.strip())
         return self
 
     def __init__(self, **data):
-        from pydantic import ValidationError
-
         try:
             super().__init__(**data)
         except ValidationError as e:
             raise InvalidRequestError(f"invalid constraint: {e.errors()[0]['msg']}") from None
-        error = _llguidance().LLMatcher.validate_grammar(self.llguidance_grammar, None)
-        if error:
-            raise InvalidRequestError(f"invalid constraint: {error.strip()}")
 
     @cached_property
     def llguidance_grammar(self) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from capsulert.serve import fastroute
 from capsulert.serve.app import Admission, ServerState, build_app
-from capsulert.serve.chat import ChatTemplate
+from capsulert.chat.template import ChatTemplate
 from capsulert.serve.ingress import CancelOnDisconnect
 from capsulert.serve.metrics import NoMetrics
 from capsulert.serve.plans import Limits
