@@ -20,6 +20,8 @@ import random
 from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
+from capsulert.chat.prompt import ChatPrompt
+from capsulert.chat.turn import ChatReply, ChatTurn
 from capsulert.errors import InvalidRequestError, SessionClosedError, WorkerLost
 from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, sampling_params, tier_arg, tokens_arg
 from capsulert.worker.verbs import (Append, Close, FinalEvent, Generate, GenerateResult, Interrupt, ReadTokens,
@@ -169,6 +171,22 @@ class RemoteSession:
                     if isinstance(event, FinalEvent):
                         self._take(event.result)
                     yield event
+
+    async def append_chat(self, messages, tools=None, *, add_generation_prompt: bool = True,
+                          timeout: float | None = None, **template_kwargs) -> None:
+        """Append `messages` rendered by the checkpoint's chat template (on the worker, with its tokenizer),
+        listing `tools`, opening the assistant's turn (Session.append_chat)."""
+        prompt = ChatPrompt.of(messages, tools, add_generation_prompt, **template_kwargs)
+        info = await self._run(Append(self.sid, prompt), timeout)
+        self.length = info.length
+
+    async def chat(self, messages, max_new_tokens: int = 256, sampling=None, *, timeout: float | None = None,
+                   **chat_args) -> ChatReply:
+        """One chat turn in one request: append the rendered messages, generate the reply (constrained by
+        tool_choice / response_format as Session.chat is) and parse its tool calls: a ChatReply."""
+        turn = ChatTurn.plan(messages, sampling_params(sampling), **chat_args)
+        n = int_arg(max_new_tokens, "max_new_tokens", 0)
+        return turn.reply(await self._gen(Turn(self.sid, None, turn.prompt, n, turn.sampling, self.owner.ns), timeout))
 
     async def append_generate(self, tokens_or_text, max_new_tokens: int, sampling=None, *,
                               timeout: float | None = None) -> GenerateResult:

@@ -5,7 +5,7 @@
     app.py         the FastAPI routes, admission control, SSE responses, error handlers
     protocol.py    request bodies (pydantic)         plans.py      request -> Plan (tokenized, checked)
     generation.py  a Plan run on the orchestrator    responses.py  OpenAI response and chunk shapes
-    chat.py        chat templates (as transformers)  tokens.py     the tokenizer in the server process
+    tokens.py      the tokenizer in the server process (chat templates, tools, formats: capsulert/chat)
     tenants.py     API keys -> namespaces            metrics.py    Prometheus metrics (ray.util.metrics)
     streaming.py   stop-string holdback, SSE         http_errors.py  errors -> status codes and JSON
     options.py     ServerOptions

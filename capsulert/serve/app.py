@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsulert.capsule_store import validate_name
 from capsulert.errors import CapsuleRTError, DuplicateCapsuleError, QueueFullError, UnknownCapsuleError
-from capsulert.serve.chat import ChatTemplate
+from capsulert.chat.prompt import ChatRenderer
 from capsulert.serve.fastroute import fast_route
 from capsulert.serve.generation import RESERVED_PREFIX, Plan, Run
 from capsulert.serve.http_errors import INVALID, ApiError, ErrorKind, describe, error_body, kind_of
@@ -74,7 +74,7 @@ class ServerState:
     tenants: Tenants
     limits: Limits
     tokens: TokenText
-    template: ChatTemplate
+    chat: ChatRenderer  # the checkpoint's chat template with the tokenizer (capsulert/chat)
     admission: Admission
     metrics: ServerMetrics
     metrics_url: str | None = None  # Ray's metrics agent on this node
@@ -115,8 +115,8 @@ def build_app(state: ServerState) -> FastAPI:
     @generation_route("/v1/chat/completions", ChatCompletionRequest)
     async def chat_completions(body: ChatCompletionRequest, ns: "Namespace" = Depends(tenant)) -> Response:
         t0 = time.perf_counter()
-        plan = _measured(state, "chat", t0, lambda: chat_plan(body, state.limits, state.tokens, state.template))
-        shape = _shape(state, True, chat_logprobs(body), body.return_token_ids)
+        plan = _measured(state, "chat", t0, lambda: chat_plan(body, state.limits, state.tokens, state.chat))
+        shape = _shape(state, True, chat_logprobs(body), body.return_token_ids, plan.parse_tools)
         return await _respond(state, "chat", ns, plan, shape, body.stream, body.include_usage, t0)
 
     @app.get("/v1/capsules")
@@ -149,10 +149,10 @@ def _fetch(url: str) -> str:
         return r.read().decode("utf-8")
 
 
-def _shape(state: ServerState, chat: bool, logprobs: int | None, token_ids: bool) -> Shape:
+def _shape(state: ServerState, chat: bool, logprobs: int | None, token_ids: bool, tools: bool = False) -> Shape:
     prefix = "chatcmpl-" if chat else "cmpl-"
     return Shape(chat, prefix + uuid.uuid4().hex, int(time.time()), state.limits.model_name, state.tokens,
-                 logprobs, token_ids)
+                 logprobs, token_ids, tools)
 
 
 def _measured(state: ServerState, route: str, t0: float, make):

@@ -33,7 +33,7 @@ class CapsuleServer:
     async def __init__(self, options: dict, metrics_url: str | None = None):
         from capsulert.orchestrator.orchestrator import Orchestrator
         from capsulert.serve.app import Admission, ServerState, build_app
-        from capsulert.serve.chat import ChatTemplate
+        from capsulert.chat.prompt import ChatRenderer
         from capsulert.serve.metrics import Deferred, RayMetrics
         from capsulert.serve.options import model_dir, vocab_size
         from capsulert.serve.plans import Limits
@@ -52,7 +52,7 @@ class CapsuleServer:
             self.state = ServerState(
                 orchestrator=self.orchestrator, tenants=tenants,
                 limits=Limits(opts.model_name, opts.engine.max_seq, opts.largest_n), tokens=tokens,
-                template=ChatTemplate.for_model(path, eos), admission=Admission(opts.max_inflight, metrics),
+                chat=ChatRenderer(path, tokens.tokenizer, eos), admission=Admission(opts.max_inflight, metrics),
                 metrics=metrics, metrics_url=metrics_url)
             self._app = build_app(self.state)
             self._http = (await DirectIngress.start(self._app, opts.host, opts.port, opts.access_log)

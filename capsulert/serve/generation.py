@@ -61,6 +61,7 @@ class Plan:
     capsule: str | None = None
     snapshot_as: str | None = None
     pin: bool = False
+    parse_tools: bool = False  # the replies' tool-call markup becomes tool_calls (chat with tools)
 
     def params(self, branch: int) -> SamplingParams:
         return SamplingParams(**self.sampling, seed=None if self.seed is None else self.seed + branch)

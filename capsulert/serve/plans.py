@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from capsulert.capsule_store import validate_name
+from capsulert.chat.formats import format_constraint
+from capsulert.chat.prompt import ChatRenderer
+from capsulert.chat.turn import ChatTurn
 from capsulert.errors import InvalidRequestError, UnknownCapsuleError
-from capsulert.serve.chat import ChatTemplate
 from capsulert.serve.generation import RESERVED_PREFIX, Plan, check_client_name
 from capsulert.serve.http_errors import MODEL_NOT_FOUND, ApiError
 from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest, _GenerationRequest
@@ -35,12 +37,16 @@ def _check(body: _GenerationRequest, limits: Limits) -> None:
         check_client_name(body.snapshot_as, "snapshot_as")
 
 
-def _plan(body: _GenerationRequest, prompts: list[list[int]], max_tokens: int, logprobs: int) -> Plan:
+def _plan(body: _GenerationRequest, prompts: list[list[int]], max_tokens: int, logprobs: int,
+          constraint=None, parse_tools: bool = False) -> Plan:
     if body.capsule is None and any(not p for p in prompts):
         raise InvalidRequestError("the prompt is empty (an empty prompt continues a `capsule`)")
+    sampling = body.sampling(logprobs)
+    if constraint is not None:
+        sampling["constraint"] = constraint
     plan = Plan(prompts=tuple(tuple(p) for p in prompts), n=body.n, max_tokens=max_tokens,
-                sampling=body.sampling(logprobs), seed=body.seed, capsule=body.capsule,
-                snapshot_as=body.snapshot_as, pin=body.pin)
+                sampling=sampling, seed=body.seed, capsule=body.capsule,
+                snapshot_as=body.snapshot_as, pin=body.pin, parse_tools=parse_tools)
     plan.params(body.n - 1)  # SamplingParams refuses bad values now, as a 400 (the last branch has the largest seed)
     return plan
 
@@ -52,18 +58,25 @@ def completion_plan(body: CompletionRequest, limits: Limits, tokens: TokenText) 
     if body.snapshot_as is not None and len(prompts) > 1:
         raise InvalidRequestError("snapshot_as keeps the end state of one choice: send one prompt")
     max_tokens = limits.max_seq if body.max_tokens is None else body.max_tokens
-    return _plan(body, prompts, max_tokens, body.logprobs or 0)
+    return _plan(body, prompts, max_tokens, body.logprobs or 0, format_constraint(None, body.structured_outputs))
 
 
-def chat_plan(body: ChatCompletionRequest, limits: Limits, tokens: TokenText, template: ChatTemplate) -> Plan:
+def chat_plan(body: ChatCompletionRequest, limits: Limits, tokens: TokenText, chat: ChatRenderer) -> Plan:
+    """The conversation rendered by the checkpoint's template and its tool_choice / response_format
+    constraint, planned by the same ChatTurn the Python chat API uses."""
     _check(body, limits)
-    text = template.render([m.for_template() for m in body.messages], body.add_generation_prompt,
-                           **(body.chat_template_kwargs or {}))
-    # the template already wrote the special tokens the model expects (a BOS among them, if any)
-    prompt = tokens.encode(text, special_tokens=False) if text else []
+    if tokens.tokenizer is None:
+        raise InvalidRequestError("the served model has no tokenizer: use /v1/completions with token ids")
+    turn = ChatTurn.plan(body.messages, tools=body.tools,
+                         tool_choice=body.tool_choice or ("auto" if body.tools else "none"),
+                         response_format=body.response_format, parallel_tool_calls=body.parallel_tool_calls,
+                         structured_outputs=body.structured_outputs, add_generation_prompt=body.add_generation_prompt,
+                         **(body.chat_template_kwargs or {}))
+    prompt = chat.encode(turn.prompt)
     limit = body.token_limit
     max_tokens = limits.max_seq if limit is None else limit  # no limit: until EOS or max_seq
-    return _plan(body, [prompt], max_tokens, (body.top_logprobs or 0) if body.logprobs else 0)
+    return _plan(body, [prompt], max_tokens, (body.top_logprobs or 0) if body.logprobs else 0,
+                 turn.sampling.constraint, turn.parse_tools)
 
 
 def completion_logprobs(body: CompletionRequest) -> int | None:

@@ -3,23 +3,46 @@ naming the field).
 
 Fields of the OpenAI API that capsulert does not implement are accepted only at their neutral value
 (`presence_penalty: 0`, `echo: false`, ...), so a client that sends its defaults works and one that asks
-for the feature gets a clear 400 instead of silently different output. Unknown fields are refused.
+for the feature gets a clear 400 instead of silently different output. A field the API does not know at
+all (`store`, `metadata`, a newer client's field) is accepted and ignored, with one warning per field name
+per process (as vLLM does), so agent frameworks that send them are served.
+
+Chat requests take `tools`, `tool_choice` (auto, none, required, or a named function: the last two
+enforced by a grammar), `parallel_tool_calls` and `response_format` (text, json_object, json_schema);
+see capsulert/chat.
 
 Extensions (the openai client sends them through `extra_body`):
 - `capsule`: start from this capsule of the caller's namespace; the prompt (or the rendered messages) is
   appended to its tokens (an empty prompt continues from the capsule as it is);
 - `snapshot_as`, `pin`: keep the end state (prompt + completion) as a capsule of that name (n = 1);
 - `return_token_ids`: each choice also carries `token_ids`, the generated token ids;
-- `top_k`, `ignore_eos`, `stop_token_ids`: as in capsulert's SamplingParams.
+- `top_k`, `ignore_eos`, `stop_token_ids`: as in capsulert's SamplingParams;
+- `structured_outputs` (as vLLM names it): exactly one of {"json": schema, "regex": ..., "grammar": Lark
+  grammar (llguidance's dialect), "choice": [strings]}; the output follows it by construction.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from capsulert.chat.formats import ResponseFormat, StructuredOutputs
+from capsulert.chat.messages import ChatMessage, ToolChoice, ToolSpec
+
+log = logging.getLogger(__name__)
+
 MAX_STOPS = 16
 MAX_LOGPROBS = 20  # SamplingParams.logprobs' bound
+_warned: set[str] = set()  # unknown field names already logged by this process
+
+
+def warn_unknown_fields(names) -> None:
+    """One warning per unknown field name per process: a client sends the same fields with every request."""
+    for name in names:
+        if name not in _warned:
+            _warned.add(name)
+            log.warning("ignoring request field %r: capsulert does not know it (logged once)", name)
 
 
 class StreamOptions(BaseModel):
@@ -31,7 +54,7 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)  # unknown fields: warned once, ignored
 
     model: str
     n: int = Field(1, ge=1)
@@ -53,6 +76,7 @@ class _GenerationRequest(BaseModel):
     snapshot_as: str | None = None
     pin: bool = False
     return_token_ids: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -86,6 +110,8 @@ class _GenerationRequest(BaseModel):
             raise ValueError("snapshot_as keeps the end state of one choice: use n = 1")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream = true")
+        if self.model_extra:
+            warn_unknown_fields(self.model_extra)
         return self
 
     @property
@@ -132,33 +158,6 @@ class CompletionRequest(_GenerationRequest):
         return list(p)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    # extra fields (tool_calls, reasoning_content, ...) pass through to the chat template, which decides
-    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def for_template(self) -> dict[str, Any]:
-        """The message as a template sees it: content always a string (text parts joined)."""
-        d = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            d["content"] = "".join(part.text for part in self.content)
-        d.setdefault("content", "")
-        return d
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)
@@ -166,23 +165,21 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
     # extensions (as vLLM names them)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _neutral(self):
-        if self.tools:
-            raise ValueError("tools are not supported")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs = true")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree")
-        reserved = {"messages", "add_generation_prompt"} & set(self.chat_template_kwargs or {})
+        reserved = {"messages", "add_generation_prompt", "tools"} & set(self.chat_template_kwargs or {})
         if reserved:
             raise ValueError(f"chat_template_kwargs cannot set {sorted(reserved)}")
         return self

@@ -1,7 +1,14 @@
 """Response bodies and stream chunks in the OpenAI shapes (text_completion, chat.completion[.chunk]).
 
-Finish reasons: eos, stop_token and stop_string are "stop"; length and max_seq are "length"; a generate
-interrupted because its client went away is "stop" (nobody reads it).
+Finish reasons: eos, stop_token, stop_string and grammar_end are "stop"; length and max_seq are "length"; a
+generate interrupted because its client went away is "stop" (nobody reads it); a chat reply with tool
+calls is "tool_calls".
+
+Tool calls (chat with tools, tool_choice not "none"): the reply's `<tool_call>` markup is parsed
+(capsulert/chat/tool_calls.py) into `message.tool_calls`, the rest is `message.content` (null when the
+reply is only calls). Streamed, content deltas carry the text outside calls as it arrives (text that may
+open a call is held back until decided) and each call comes as one `tool_calls` delta (index, id, name
+and its whole arguments) once its block closes.
 
 Logprobs are the raw model's (log_softmax of the logits, before temperature and top-k / top-p). In a
 stream each chunk carries the logprobs of its own tokens, with their top-k alternatives when asked for
@@ -15,6 +22,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
+from capsulert.chat.tool_calls import ToolCall, ToolCallStream, parse_reply
+from capsulert.chat.turn import FINISH_REASON
 from capsulert.serve.generation import Choice, Chunk, Made, Usage
 from capsulert.serve.streaming import sse
 from capsulert.serve.tokens import TokenText
@@ -24,8 +33,6 @@ _string = json.encoder.encode_basestring
 _number = int.__repr__
 _encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
-FINISH_REASON = {"eos": "stop", "stop_token": "stop", "stop_string": "stop", "interrupted": "stop",
-                 "length": "length", "max_seq": "length"}
 
 
 def usage_body(u: Usage) -> dict:
@@ -49,6 +56,7 @@ class Shape:
     tokens: TokenText
     logprobs: int | None  # None: none asked for; k: the chosen token's and the top-k alternatives
     return_token_ids: bool
+    tools: bool = False  # chat replies' tool-call markup becomes tool_calls
 
     @property
     def _object(self) -> str:
@@ -68,11 +76,19 @@ class Shape:
 
     def _choice(self, c: Choice) -> dict:
         lp = None if self.logprobs is None else self._logprobs(c.tokens, c.logprobs, c.top_logprobs, 0)
+        finish = FINISH_REASON.get(c.stop_reason, "stop")
         if self.chat:
-            d = {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp}
+            message = {"role": "assistant", "content": c.text}
+            if self.tools:
+                content, calls = parse_reply(c.text)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = [call.to_openai() for call in calls]
+                    finish = "tool_calls"
+            d = {"index": c.index, "message": message, "logprobs": lp}
         else:
             d = {"index": c.index, "text": c.text, "logprobs": lp}
-        d["finish_reason"] = FINISH_REASON.get(c.stop_reason, "stop")
+        d["finish_reason"] = finish
         if self.return_token_ids:
             d["token_ids"] = list(c.tokens)
         return d
@@ -106,6 +122,8 @@ class Shape:
     def chunk_event(self, ch: Chunk, first: bool, offset: int) -> bytes:
         """sse(self.chunk(ch, first, offset)), byte for byte, written from the stream's head instead of a dict
         encoded whole: every byte of it is per token."""
+        if self.tools:
+            return sse(self._tool_chunk(ch, first, offset))
         if type(ch.text) is not str:
             return sse(self.chunk(ch, first, offset))
         lp = "null"
@@ -120,6 +138,29 @@ class Shape:
         ids = ',"token_ids":[' + ",".join(map(_number, ch.tokens)) + "]" if self.return_token_ids else ""
         return (self._event_head + _number(ch.index) + "," + text + ',"logprobs":' + lp + ',"finish_reason":' + finish
                 + ids + "}]}\n\n").encode("utf-8")
+
+    @cached_property
+    def _tool_streams(self) -> dict[int, ToolCallStream]:
+        return {}
+
+    def _tool_chunk(self, ch: Chunk, first: bool, offset: int) -> dict:
+        """A chat chunk whose text went through the choice's ToolCallStream: content outside calls, and
+        the calls its text completed as tool_calls deltas."""
+        stream = self._tool_streams.setdefault(ch.index, ToolCallStream())
+        before = stream.calls
+        pieces = stream.push(ch.text) + (stream.finish() if ch.final is not None else [])
+        content = "".join(p for p in pieces if isinstance(p, str))
+        calls = [p for p in pieces if isinstance(p, ToolCall)]
+        if stream.calls and content.isspace():
+            content = ""  # the line breaks between calls
+        out = self.chunk(ch, first, offset)
+        d = out["choices"][0]
+        d["delta"]["content"] = content if content or not calls else None
+        if calls:
+            d["delta"]["tool_calls"] = [{"index": before + k, **call.to_openai()} for k, call in enumerate(calls)]
+        if ch.final is not None and stream.calls:
+            d["finish_reason"] = "tool_calls"
+        return out
 
     def tail_chunk(self, usage: Usage | None, capsule: Made | None) -> dict:
         """The last chunk: no choices, the usage (stream_options.include_usage) and the capsule made."""

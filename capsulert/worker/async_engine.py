@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
+from capsulert.chat.prompt import ChatPrompt
+from capsulert.chat.turn import ChatReply, ChatTurn
 from capsulert.worker.engine import Engine
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.scheduler import Sink, StepScheduler, queue_sink, stream_item
@@ -82,6 +84,15 @@ class AsyncEngine:
         infos = await self.submit(Fork(name, n, namespace))
         return [AsyncSession(self, i.session, i.length, i.restored_from) for i in infos]
 
+    async def chat(self, messages, max_new_tokens: int = 256, sampling: SamplingParams | None = None, *,
+                   namespace: str | None = "default", **chat_args) -> ChatReply:
+        """One chat turn on a session of its own (Session.chat's arguments; the session is closed after)."""
+        session = await self.open(namespace=namespace)
+        try:
+            return await session.chat(messages, max_new_tokens, sampling, **chat_args)
+        finally:
+            await session.close()
+
 
 class AsyncSession:
     """A session served by an AsyncEngine; its calls run in the order they are made. `restored_from`: for a
@@ -107,6 +118,17 @@ class AsyncSession:
     def stream(self, max_new_tokens: int, sampling: SamplingParams | None = None
                ) -> AsyncIterator[TokenEvent | FinalEvent]:
         return self._stream(Generate(self.id, max_new_tokens, sampling))
+
+    async def append_chat(self, messages, tools=None, *, add_generation_prompt: bool = True,
+                          **template_kwargs) -> int:
+        """Session.append_chat: the messages rendered by the checkpoint's chat template, appended; the length."""
+        return await self.append(ChatPrompt.of(messages, tools, add_generation_prompt, **template_kwargs))
+
+    async def chat(self, messages, max_new_tokens: int = 256, sampling: SamplingParams | None = None,
+                   **chat_args) -> ChatReply:
+        """Session.chat: append the rendered messages and generate the reply in one request; its ChatReply."""
+        turn = ChatTurn.plan(messages, sampling, **chat_args)
+        return turn.reply(await self.turn(turn.prompt, max_new_tokens, turn.sampling))
 
     async def turn(self, suffix=None, max_new_tokens: int = 0, sampling: SamplingParams | None = None, *,
                    restore: str | None = None, namespace: str = "default") -> GenerateResult:

@@ -4,6 +4,11 @@
 for every stream from its current logits (one vectorised draw per group of at most MAX_DECODE_BATCH), feeds
 the tokens in one batched decode step per group, and applies each stream's stop rule. Streams never share
 anything but the step, so a stream's tokens do not depend on its partners (batch invariance).
+
+A constrained stream (SamplingParams.constraint) fills its row of the step's token bitmask before the
+draw and takes its token into its grammar state once the token is committed, once per token; a grammar
+that can take nothing more ends the generate ("grammar_end"). Constrained and unconstrained streams share
+the step: the mask is applied row by row to the sampled block (worker/constraint.py).
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from capsulert.worker.constraint import allowed_tokens
 from capsulert.worker.sampler import GREEDY, RowDraw, SamplingParams, resolve_seed, sample_rows
 from capsulert.worker.stops import HeldText, StopRule, TextStream
 from capsulert.worker.verbs import GenerateResult, TokenEvent
@@ -33,6 +39,8 @@ class DecodeStream:
         self.result = GenerateResult(weights_version=engine.weights_version)
         self.logits: torch.Tensor | None = None  # next-token logits row (fp32 [vocab])
         self.done = max_new_tokens == 0
+        constraint = self.params.constraint
+        self.grammar = None if constraint is None or self.done else engine.grammars.state(constraint)
         if self.done:
             self.finish("length")
 
@@ -73,8 +81,9 @@ def _advance(engine, streams, should_stop):
     events = []
     groups = engine.decode_groups(live)
     for group in groups:
-        draws = sample_rows(engine.pad_logits([st.logits for st in group]),
-                            [RowDraw(st.params, st.seed, len(st.session.tokens)) for st in group])
+        logits = engine.pad_logits([st.logits for st in group])
+        draws = sample_rows(logits, [RowDraw(st.params, st.seed, len(st.session.tokens)) for st in group],
+                            _allowed(engine, group, logits))
         # copied out of the graph's output buffer: the next group's replay, or another thread's step between
         # ours, reuses it
         block = engine.decode([st.session for st in group], draws.tokens)[:len(group)].clone()
@@ -87,9 +96,13 @@ def _advance(engine, streams, should_stop):
             top = draws.top_logprobs[r]  # empty unless this stream asked for logprobs
             if st.params.logprobs:
                 res.top_logprobs.append(top)
+            if st.grammar is not None:
+                st.grammar.accept(token)  # the token is committed: the grammar takes it, once
             delta = st.text.push(token)
             shown = None if delta is None else st.held.push(delta)
             reason = st.rule.check(token, len(res.tokens), st.held.cut is not None)
+            if reason is None and st.grammar is not None and st.grammar.complete:
+                reason = "grammar_end"
             if reason is None and len(st.session.tokens) >= engine.config.max_seq:
                 reason = "max_seq"  # full: no token can follow this one
             if reason is None and should_stop is not None and should_stop(st):
@@ -102,3 +115,15 @@ def _advance(engine, streams, should_stop):
                 res.length = len(st.session.tokens)
             events.append((st, TokenEvent(token, draws.logprobs[r], shown, len(res.tokens) - 1, tuple(top))))
     return events
+
+
+def _allowed(engine: "Engine", group: list[DecodeStream], block: torch.Tensor) -> torch.Tensor | None:
+    """The step's boolean token mask [rows, vocab] when a stream of the group is constrained (each such
+    stream fills its own row; the others and the padding rows allow everything), else None."""
+    if all(st.grammar is None for st in group):
+        return None
+    bitmask = engine.grammars.bitmask(block.shape[0])
+    for r, st in enumerate(group):
+        if st.grammar is not None:
+            st.grammar.fill(bitmask, r)
+    return allowed_tokens(bitmask, block.shape[1], block.device)

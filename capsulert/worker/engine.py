@@ -36,6 +36,8 @@ from capsulert.errors import (
 from capsulert.worker.engine_config import EngineConfig
 from capsulert.worker.model import HybridModel, pad_rows
 from capsulert.worker.capsules import Replay
+from capsulert.chat.prompt import ChatRenderer
+from capsulert.worker.constraint import Grammars
 from capsulert.worker.decoding import DecodeStream, advance
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.session import Session
@@ -66,6 +68,11 @@ def prefill_pieces(start: int, end: int, chunk: int, grid: int = GRID) -> list[t
     return list(zip(bounds, bounds[1:]))
 
 
+def _token_text(tokenizer, ids: Sequence[int]) -> str | None:
+    """The text of the first EOS token (chat templates write it), None without a tokenizer or an EOS."""
+    return tokenizer.id_to_token(ids[0]) if tokenizer is not None and ids else None
+
+
 class Restored(NamedTuple):
     """What restore_sessions made: the sessions, and the tier the capsule was read from."""
     sessions: list[Session]
@@ -74,7 +81,8 @@ class Restored(NamedTuple):
 
 class Engine:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 tokenizer=None, fingerprint: str = "", eos_token_ids: tuple[int, ...] | None = None):
+                 tokenizer=None, fingerprint: str = "", eos_token_ids: tuple[int, ...] | None = None,
+                 model_dir: Path | None = None):
         self.config = config
         self.model_cfg = model_cfg
         self.device = next(iter(weights.values())).device
@@ -89,12 +97,15 @@ class Engine:
         self.model = HybridModel(model_cfg, weights, self._kernels(config),
                                  decode_rows=MAX_DECODE_BATCH if cuda else None, rowwise=not cuda)
         self.tokenizer = tokenizer
-        self.codec = TokenCodec(tokenizer, model_cfg.vocab_size, config.max_seq)
         self.fingerprint = fingerprint
         self.weights_version = 0  # bumped by update_weights; the fingerprint carries it
         # generate stops at these unless SamplingParams.ignore_eos (config.json + generation_config.json)
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else (
             () if model_cfg.eos_token_id is None else (model_cfg.eos_token_id,))
+        # text, token ids and chat prompts (rendered by the checkpoint's chat template in model_dir)
+        self.codec = TokenCodec(tokenizer, model_cfg.vocab_size, config.max_seq,
+                                ChatRenderer(model_dir, tokenizer, _token_text(tokenizer, self.eos_token_ids)))
+        self.grammars = Grammars(tokenizer, model_cfg.vocab_size, self.eos_token_ids)  # constrained decoding
         self.chunk = config.prefill_chunk  # the longest prefill piece
         self.grid = GRID  # where canonical state is kept (capsules, prefix blocks, re-runs)
         # one extra scratch slot absorbs the padding rows of captured graphs; KV keeps a chunk of slack
@@ -166,7 +177,7 @@ class Engine:
         model_cfg, weights = load_checkpoint(path, dtype=dtype, device=device, progress=config.progress)
         fingerprint = f"{weights_fingerprint(model_cfg, weights)}:{dtype}".replace("torch.", "")
         return cls(config, model_cfg, weights, load_tokenizer(path), fingerprint,
-                   eos_ids_from_checkpoint(path, model_cfg.eos_token_id))
+                   eos_ids_from_checkpoint(path, model_cfg.eos_token_id), model_dir=path)
 
     @classmethod
     def _random(cls, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> "Engine":
@@ -272,6 +283,16 @@ class Engine:
         if session.engine is not self:
             raise ForeignSessionError(f"session {session.id} belongs to another engine")
         session._check_open()
+
+    def chat(self, messages, max_new_tokens: int = 256, sampling: SamplingParams | None = None, *,
+             namespace: str | None = "default", **chat_args):
+        """One chat turn on a session of its own (opened, used, closed): Session.chat's arguments and
+        ChatReply. With EngineConfig.prefix_cache, the conversation's cached prefix in `namespace` is reused."""
+        session = self.open(namespace=namespace)
+        try:
+            return session.chat(messages, max_new_tokens, sampling, **chat_args)
+        finally:
+            session.close()
 
     # ------------------------------------------------------------------ tokens
     def tokenize(self, text: str) -> list[int]:

@@ -8,8 +8,12 @@ then generate(N - k). Rows are sampled by inverse CDF over the filtered distribu
 CDF run over the whole [rows, vocab] block in one go (one host -> device transfer of the per-row parameters,
 one device -> host transfer of the chosen tokens per step).
 
-Logprobs are those of the raw model distribution (log_softmax of the logits, before temperature, top-k and
-top-p), as vLLM reports them by default.
+Logprobs are those of the raw model distribution (log_softmax of the logits, before temperature, top-k,
+top-p and a constraint's token mask), as vLLM reports them by default: a constrained session's logprobs and
+top_logprobs are the model's own, so a top alternative may be a token its grammar did not allow.
+
+A constrained row (SamplingParams.constraint, worker/constraint.py) draws from its logits with every token
+its grammar forbids at -inf: greedy takes the best allowed token, sampling draws among the allowed ones.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
 from capsulert.errors import InvalidRequestError
+from capsulert.worker.constraint import Constraint
 
 # temperatures below this are treated as greedy: dividing logits by them overflows to inf (vLLM: 1e-5)
 GREEDY_BELOW = 1e-5
@@ -35,7 +40,9 @@ class SamplingParams(BaseModel):
     Stops: every EOS id of the model's config.json / generation_config.json stops a generate unless
     `ignore_eos`; so does any id in `stop_token_ids`, and any string in `stop` once it appears in the
     incrementally detokenized output (its tokens stay committed in the session; the result's text ends
-    before it). `logprobs=k` adds the top-k logprobs of every position to the result."""
+    before it). `logprobs=k` adds the top-k logprobs of every position to the result. `constraint` makes
+the output follow a grammar (a JSON schema, any JSON object, a regex or a Lark grammar; see Constraint):
+tokens outside it are never drawn, and the generate stops ("grammar_end") once the grammar is complete."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False)
@@ -46,6 +53,7 @@ class SamplingParams(BaseModel):
     stop: tuple[str, ...] = ()
     ignore_eos: StrictBool = False
     logprobs: StrictInt = Field(0, ge=0, le=20)
+    constraint: Constraint | None = None
 
     def __init__(self, **data):
         for key in ("temperature", "top_p"):
@@ -107,18 +115,20 @@ class Draws:
     top_logprobs: list[list[tuple[int, float]]]  # per row: (token, logprob) best first; empty unless asked
 
 
-def sample_rows(logits: torch.Tensor, rows: Sequence[RowDraw]) -> Draws:
+def sample_rows(logits: torch.Tensor, rows: Sequence[RowDraw], allowed: torch.Tensor | None = None) -> Draws:
     """Tokens for the first len(rows) rows of logits [R, vocab] (fp32; R >= len(rows), the extra rows are
-    padding that keeps every op at one shape). One device -> host transfer."""
+    padding that keeps every op at one shape). `allowed`: a boolean [R, vocab] block, False where a row's
+    constraint forbids a token (None: no row is constrained). One device -> host transfer."""
     n, R = len(rows), logits.shape[0]
     if n > R:
         raise InvalidRequestError(f"{n} rows to sample but only {R} rows of logits")
     greedy = all(r.params.greedy for r in rows)
-    logprobs_all = torch.log_softmax(logits, dim=-1)
+    logprobs_all = torch.log_softmax(logits, dim=-1)  # the raw model's, before the mask
+    scores = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
     if greedy:
-        tokens = torch.argmax(logits, dim=-1)
+        tokens = torch.argmax(scores, dim=-1)
     else:
-        tokens = _draw(logits, rows, R)
+        tokens = _draw(scores, rows, R)
     chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
     out = torch.stack([tokens.double(), chosen.double()])[:, :n].cpu()
     top: list[list[tuple[int, float]]] = [[] for _ in range(n)]

@@ -11,6 +11,7 @@ from capsulert.worker.sampler import SamplingParams
 
 if TYPE_CHECKING:
     from capsulert.capsule_store.capsule import CapsuleRef
+    from capsulert.chat.turn import ChatReply
     from capsulert.worker.engine import Engine
     from capsulert.worker.verbs import GenerateResult
 
@@ -50,6 +51,31 @@ class Session:
 
     def logits(self) -> torch.Tensor:
         return self.engine.logits(self)
+
+    def append_chat(self, messages, tools=None, *, add_generation_prompt: bool = True,
+                    **template_kwargs) -> torch.Tensor:
+        """Append `messages` (OpenAI-style dicts) rendered by the checkpoint's chat template, listing
+        `tools` (OpenAI tool definitions) where the template lists tools, and opening the assistant's
+        turn; returns the next-token logits. The template sees exactly these messages: give a new
+        session the whole conversation, or a session that holds the earlier turns only the new ones."""
+        from capsulert.chat.prompt import ChatPrompt
+
+        return self.append(ChatPrompt.of(messages, tools, add_generation_prompt, **template_kwargs))
+
+    def chat(self, messages, max_new_tokens: int = 256, sampling: SamplingParams | None = None, *, tools=None,
+             tool_choice="auto", response_format=None, parallel_tool_calls: bool = True,
+             **template_kwargs) -> "ChatReply":
+        """One chat turn: append_chat(messages, tools), then generate the assistant's reply and parse it
+        (ChatReply: content, tool_calls, finish_reason, result). tool_choice "required" or a named
+        function, and response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema":
+        {"schema": ...}}), constrain the reply by grammar (capsulert/chat/formats.py)."""
+        from capsulert.chat.turn import ChatTurn
+
+        turn = ChatTurn.plan(messages, sampling, tools=tools, tool_choice=tool_choice,
+                             response_format=response_format, parallel_tool_calls=parallel_tool_calls,
+                             **template_kwargs)
+        self.append(turn.prompt)
+        return turn.reply(self.generate(max_new_tokens, turn.sampling))
 
     def generate(self, max_new_tokens: int, sampling: SamplingParams | None = None) -> "GenerateResult":
         """Sample up to max_new_tokens; each produced token is committed to the state before the next.

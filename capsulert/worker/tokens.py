@@ -1,10 +1,13 @@
-"""TokenCodec: text <-> token ids, and the checks every token list passes before it reaches a slot."""
+"""TokenCodec: text <-> token ids, and the checks every token list passes before it reaches a slot. A
+ChatPrompt (capsulert/chat) is rendered by the model's chat template and encoded here too, so every path
+that appends (Session.append, Open, Append and Turn requests) takes a conversation."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
 
+from capsulert.chat.prompt import ChatPrompt, ChatRenderer
 from capsulert.errors import InvalidTokenError, SequenceTooLongError
 
 # a BPE token covers at least one byte of text, so text longer than this many characters per token of
@@ -13,10 +16,11 @@ MAX_CHARS_PER_TOKEN = 64
 
 
 class TokenCodec:
-    def __init__(self, tokenizer, vocab_size: int, max_seq: int):
+    def __init__(self, tokenizer, vocab_size: int, max_seq: int, chat: ChatRenderer | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_seq = max_seq
+        self.chat = chat if chat is not None else ChatRenderer(None, tokenizer)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -35,10 +39,12 @@ class TokenCodec:
         return tokens
 
     def validate(self, tokens_or_text, room: int) -> list[int]:
-        """Token ids from text, a 1-D integer tensor or a list / tuple of ints; at most `room` of them.
-        Anything else (bytes, a dict, a set, a number, None) is refused: none of them is a token sequence
-        with a defined order and meaning."""
-        if isinstance(tokens_or_text, str):
+        """Token ids from text, a ChatPrompt, a 1-D integer tensor or a list / tuple of ints; at most `room`
+        of them. Anything else (bytes, a dict, a set, a number, None) is refused: none of them is a token
+        sequence with a defined order and meaning."""
+        if isinstance(tokens_or_text, ChatPrompt):
+            tokens = self.chat.encode(tokens_or_text)
+        elif isinstance(tokens_or_text, str):
             if len(tokens_or_text) > MAX_CHARS_PER_TOKEN * self.max_seq:
                 raise SequenceTooLongError(f"text of {len(tokens_or_text)} characters cannot fit max_seq={self.max_seq}")
             tokens = self.encode(tokens_or_text)

@@ -17,7 +17,7 @@ from capsulert.worker.sampler import SamplingParams
 
 Tokens = Union[str, Sequence[int]]
 
-STOP_REASONS = ("eos", "stop_token", "stop_string", "length", "max_seq", "interrupted")
+STOP_REASONS = ("eos", "stop_token", "stop_string", "length", "max_seq", "interrupted", "grammar_end")
 
 # who executes a request:
 SESSION = "session"  # the worker's step scheduler: ordered per session, decodes batched across sessions
@@ -411,7 +411,8 @@ class GenerateResult(list):
     - `logprobs[i]`: the raw model's log-probability of token i (log_softmax of the logits, before
       temperature / top-k / top-p), and `top_logprobs[i]`: the top-k (token, logprob) pairs when
       SamplingParams.logprobs = k;
-    - `stop_reason`: eos, stop_token, stop_string, length, max_seq or interrupted;
+    - `stop_reason`: eos, stop_token, stop_string, length, max_seq, interrupted, or grammar_end (the
+      output completed its SamplingParams.constraint, which can take no more tokens);
     - `text`: the detokenized output, cut before a matched stop string (None without a tokenizer);
     - `length`: the session length afterwards; `session`: its id (scheduler / worker APIs);
     - `weights_version`: the engine's weights version the tokens were sampled under (update_weights);

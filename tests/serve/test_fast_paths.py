@@ -11,7 +11,7 @@ import pytest
 
 from capsulert.serve import fastroute
 from capsulert.serve.app import Admission, ServerState, build_app
-from capsulert.serve.chat import ChatTemplate
+from capsulert.chat.prompt import ChatRenderer
 from capsulert.serve.ingress import CancelOnDisconnect
 from capsulert.serve.metrics import NoMetrics
 from capsulert.serve.plans import Limits
@@ -109,7 +109,7 @@ def app(default_model_dir):
     tokens = TokenText.load(default_model_dir, 4096)
     m = NoMetrics()
     state = ServerState(_Orchestrator(), Tenants.from_keys({KEY: "acme"}), Limits("m", 512, 4), tokens,
-                        ChatTemplate.for_model(default_model_dir, None), Admission(8, m), m)
+                        ChatRenderer(default_model_dir, tokens.tokenizer), Admission(8, m), m)
     return CancelOnDisconnect(build_app(state))
 
 

@@ -88,11 +88,24 @@ def test_completion_prompts_of_every_shape():
 @pytest.mark.parametrize("extra", [
     {"pin": True}, {"n": 2, "snapshot_as": "x"}, {"echo": True}, {"best_of": 3}, {"logit_bias": {"1": 2.0}},
     {"frequency_penalty": 0.1}, {"stop": [""]}, {"stream_options": {"include_usage": True}}, {"logprobs": 21},
-    {"n": 0}, {"max_tokens": "5"}, {"unknown_field": 1},
+    {"n": 0}, {"max_tokens": "5"}, {"structured_outputs": {"regex": "a", "choice": ["b"]}},
 ])
 def test_unsupported_or_invalid_fields_are_refused(extra):
     with pytest.raises(ValidationError):
         CompletionRequest(model="m", prompt="x", **extra)
+
+
+def test_unknown_fields_are_accepted_with_one_warning_per_name(caplog):
+    from capsulert.serve import protocol
+
+    protocol._warned.discard("store_test_field")
+    with caplog.at_level("WARNING", logger="capsulert.serve.protocol"):
+        for _ in range(3):
+            req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                        store_test_field=True, metadata={"a": "b"})
+            assert req.model_extra["store_test_field"] is True
+    warned = [r.getMessage() for r in caplog.records if "store_test_field" in r.getMessage()]
+    assert len(warned) == 1 and "ignoring request field 'store_test_field'" in warned[0]
 
 
 def test_chat_request_checks():
@@ -100,6 +113,8 @@ def test_chat_request_checks():
     req = ChatCompletionRequest(model="m", messages=msgs, max_completion_tokens=5)
     assert req.messages[0].for_template() == {"role": "user", "content": "ab"} and req.token_limit == 5
     for bad in ({"messages": []}, {"messages": msgs, "top_logprobs": 2}, {"messages": msgs, "tools": [{}]},
+                {"messages": msgs, "tool_choice": "sometimes"}, {"messages": msgs, "response_format": {"type": "xml"}},
+                {"messages": msgs, "response_format": {"type": "json_schema"}},
                 {"messages": [{"role": "wizard", "content": "x"}]},
                 {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}):
         with pytest.raises(ValidationError):

@@ -8,7 +8,7 @@ import time
 import openai
 import pytest
 
-from capsulert.serve.chat import ChatTemplate
+from capsulert.chat.template import ChatTemplate
 from capsulert.worker.sampler import SamplingParams
 
 MODEL = "capsulert-default"  # what the server fixture serves (--served-model-name)

@@ -7,6 +7,10 @@ transformers writes since 4.43), the `chat_template` of its `tokenizer_config.js
 of named templates of which "default" is used), else the small template capsulert ships for its embedded
 default model (`capsulert/data/chat_template.jinja`).
 
+Tools reach the template as transformers passes them: `tools`, a list of OpenAI tool definitions
+({"type": "function", "function": {"name", "description", "parameters"}}); assistant messages carry
+their `tool_calls` and `tool` messages their results, and the template writes both in the model's markup.
+
 The environment matches transformers': a sandbox whose templates cannot touch Python objects,
 trim_blocks and lstrip_blocks, the loopcontrols extension, `raise_exception`, `strftime_now`, a `tojson`
 that leaves non-ASCII text and HTML characters alone, `{% generation %}` blocks accepted (rendered as

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from capsulert.errors import InvalidRequestError
-from capsulert.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
+from capsulert.chat.template import DEFAULT_TEMPLATE, ChatTemplate
 
 CHATML = (
     "{%- for message in messages %}"
@@ -72,8 +72,8 @@ def test_template_refusals_are_invalid_requests(default_model_dir):
     with pytest.raises(InvalidRequestError, match="unknown role tool"):
         ours.render([{"role": "tool", "content": "x"}])
     default = ChatTemplate.for_model(default_model_dir)
-    with pytest.raises(InvalidRequestError, match="no role 'tool'"):
-        default.render([{"role": "tool", "content": "x"}])
+    with pytest.raises(InvalidRequestError, match="no role 'wizard'"):
+        default.render([{"role": "wizard", "content": "x"}])
     with pytest.raises(InvalidRequestError, match="does not compile"):
         ChatTemplate("{% for %}", "broken")
 
@@ -85,3 +85,30 @@ def test_the_sandbox_keeps_templates_away_from_python(default_model_dir):
     mutating = ChatTemplate("{{ messages.append(1) }}", "test")
     with pytest.raises(InvalidRequestError):
         mutating.render([{"role": "user", "content": "x"}])
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city é",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "rain"}]
+
+
+def test_default_template_with_tools_matches_transformers(default_model_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    ours = ChatTemplate.for_model(default_model_dir, eos_token="<|endoftext|>")
+    got = ours.render(TOOL_CONVERSATION, True, tools=TOOLS)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(default_model_dir / "tokenizer.json"),
+                                  chat_template=DEFAULT_TEMPLATE.read_text(), eos_token="<|endoftext|>")
+    assert got == tok.apply_chat_template(TOOL_CONVERSATION, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert got.startswith("<|system|>\nBe brief.\n\n# Tools\n") and "\n<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) in got
+    assert ('<|assistant|>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|endoftext|>') in got
+    assert "<|tool|>\n<tool_response>\nrain\n</tool_response><|endoftext|>\n<|assistant|>\n" in got
+    # without tools the template writes what it always wrote
+    assert ours.render(CONVERSATION, True) == ours.render(CONVERSATION, True, tools=None)

@@ -1,0 +1,126 @@
+"""The model's tool-call markup, parsed into OpenAI tool calls: whole (parse_reply) and as a stream
+(ToolCallStream).
+
+A call is a `<tool_call>...</tool_call>` block whose body is either
+- JSON, `{"name": ..., "arguments": {...}}` (Qwen3's and capsulert's default template), or
+- XML, `<function=NAME><parameter=P>VALUE</parameter>...</function>` (Qwen3-Coder's and Qwen3.5's),
+  each VALUE read as JSON when it parses as JSON (a number, a bool, an object) and as text otherwise.
+A block that is neither stays in the content, as written. The content is the text outside the calls.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call: the function's name and its arguments as a JSON text (as OpenAI sends them)."""
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def parse_call(body: str) -> ToolCall | None:
+    """The call a block's body holds, or None when it is not a call."""
+    body = body.strip()
+    if body.startswith("{"):
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        args = value.get("arguments", value.get("parameters", {}))
+        if isinstance(args, str):  # arguments already a JSON text
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
+    match = _FUNCTION.fullmatch(body)
+    if match is None:
+        return None
+    args = {name.strip(): _value(raw) for name, raw in _PARAMETER.findall(match.group(2))}
+    return ToolCall(match.group(1).strip(), json.dumps(args, ensure_ascii=False))
+
+
+def _value(raw: str):
+    text = raw.strip("\n")
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_reply(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole reply: the content is the text outside the parsed calls, stripped
+    (None when the reply is only calls); no calls: the text as it is."""
+    stream = ToolCallStream()
+    pieces = stream.push(text) + stream.finish()
+    calls = [p for p in pieces if isinstance(p, ToolCall)]
+    if not calls:
+        return text, []
+    content = "".join(p for p in pieces if isinstance(p, str)).strip()
+    return content or None, calls
+
+
+class ToolCallStream:
+    """Tool calls found in a reply as its text arrives. `push(delta)` returns what can be said now, in
+    order: content text (str) and complete calls (ToolCall). Text that may be the start of `<tool_call>`
+    is held back until the next delta decides; a call is returned once its block closes; `finish()`
+    releases the rest (an unclosed block is content)."""
+
+    def __init__(self):
+        self._buf = ""
+        self._in_call = False
+        self.calls = 0
+
+    def push(self, delta: str) -> list[str | ToolCall]:
+        self._buf += delta
+        out: list[str | ToolCall] = []
+        while True:
+            if not self._in_call:
+                at = self._buf.find(OPEN)
+                if at < 0:
+                    keep = _partial_suffix(self._buf, OPEN)
+                    if len(self._buf) > keep:
+                        out.append(self._buf[:len(self._buf) - keep])
+                        self._buf = self._buf[len(self._buf) - keep:]
+                    return out
+                if at:
+                    out.append(self._buf[:at])
+                self._buf, self._in_call = self._buf[at:], True
+            end = self._buf.find(CLOSE)
+            if end < 0:
+                return out
+            block, self._buf, self._in_call = self._buf[:end + len(CLOSE)], self._buf[end + len(CLOSE):], False
+            call = parse_call(block[len(OPEN):-len(CLOSE)])
+            if call is None:
+                out.append(block)
+            else:
+                self.calls += 1
+                out.append(call)
+
+    def finish(self) -> list[str | ToolCall]:
+        rest, self._buf, self._in_call = self._buf, "", False
+        return [rest] if rest else []
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,36 @@
+"""The chat API through the orchestrator: RemoteSession.append_chat renders on the worker with the same code
+as the in-process engine, and RemoteSession.chat's reply (constrained tool call, parsed) equals Engine.chat's."""
+import json
+
+import pytest
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                                          "properties": {"city": {"enum": ["Paris", "Oslo"]}}}}}
+CHAT = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+async def test_remote_chat_equals_in_process(orch, fresh):
+    want = fresh.chat(CHAT, 60, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    s = await orch.open()
+    try:
+        got = await s.chat(CHAT, 60, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    finally:
+        await s.close()
+    assert list(got.result) == list(want.result) and got.finish_reason == "tool_calls"
+    assert [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == \
+           [(c.name, json.loads(c.arguments)) for c in want.tool_calls]
+    s = await orch.open()
+    try:
+        await s.append_chat(CHAT, tools=[WEATHER])
+        assert await s.tokens() == fresh.codec.chat.encode(_prompt())
+    finally:
+        await s.close()
+
+
+def _prompt():
+    from capsulert.chat.prompt import ChatPrompt
+
+    return ChatPrompt.of(CHAT, [WEATHER])
