@@ -5,6 +5,7 @@
     capsulert capsules ls DIR [--namespace NS] [--json]   list the capsule files in DIR (headers only)
     capsulert capsules rm DIR NAME [--namespace NS]       delete one capsule file
     capsulert bench [NAME [ARGS...]]                      run bench/NAME.py (from a repository checkout)
+    capsulert --version                                   the installed version
 
 `demo` and `bench` pass ARGS through untouched (`capsulert demo --help` shows the demo's own options).
 Exit status: 0 on success, 1 when capsulert refuses (a typed error from capsulert.errors, printed as one
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  description="capsulert: a latency-first session runtime for hybrid LLMs.",
                                  epilog="commands:\n" + __doc__.split("\n\n")[1] if __doc__ else None)
+    ap.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # add_help=False: `--help` after these commands is passed to the script they run
     sub.add_parser("demo", add_help=False, help="run the demo (the main job) on the embedded default model")
@@ -54,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--force", action="store_true",
                     help="delete the capsule's file even if its header does not verify (a damaged file)")
     return ap
+
+
+def _version() -> str:
+    import capsulert
+
+    return capsulert.__version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -122,8 +122,11 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/capsules")
     async def list_capsules(ns: "Namespace" = Depends(tenant)) -> dict:
         rows = await ns.capsules()
+        # size_bytes: the whole state (as in a snapshot_as reply); own_bytes: what it holds alone, without the
+        # prefix blocks it shares with other capsules
         return {"object": "list", "data": [{"id": c["name"], "object": "capsule", "tokens": c["boundary"],
-                                            "tier": c["tier"], "pinned": c["pinned"], "nbytes": c["nbytes"]}
+                                            "tier": c["tier"], "pinned": c["pinned"], "size_bytes": c["size_bytes"],
+                                            "own_bytes": c["nbytes"]}
                                            for c in rows if not c["name"].startswith(RESERVED_PREFIX)]}
 
     @app.delete("/v1/capsules/{name}")

@@ -175,7 +175,11 @@ def test_capsule_round_trip_within_a_tenant(server, acme, oracle):
                                     extra_body={"snapshot_as": "ctx-a"})
     made = first.model_extra["capsule"]
     assert made["name"] == "ctx-a" and made["tokens"] == first.usage.prompt_tokens + 5
-    assert [c["id"] for c in server.http("GET", "/v1/capsules").json()["data"]] == ["ctx-a"]
+    rows = server.http("GET", "/v1/capsules").json()["data"]
+    assert [c["id"] for c in rows] == ["ctx-a"]
+    # one meaning per field name: size_bytes is the whole state in both replies; own_bytes what it holds alone
+    assert rows[0]["size_bytes"] == made["size_bytes"] > 0 and 0 < rows[0]["own_bytes"] <= made["size_bytes"]
+    assert "nbytes" not in made and "nbytes" not in rows[0]
 
     turn = " A user question"
     want = reference(oracle, turn, 10, prefix=[(PROMPT, 5)])
