@@ -136,7 +136,9 @@ def _add_serve(sub) -> None:
     sv.add_argument("--max-n", type=int, help="largest n per request (default: --slots)")
     sv.add_argument("--torch-threads", type=int, help="torch threads per worker")
     sv.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
-    sv.add_argument("--metrics-port", type=int, help="port of Ray's Prometheus exporter (default: Ray picks)")
+    sv.add_argument("--ray-metrics-port", type=int,
+                    help="also export Ray's and Ray Serve's own metrics from Ray's metrics agent on this port (off by "
+                         "default; capsulert's metrics are at GET /metrics on --host:--port either way)")
     sv.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sv.add_argument("--access-log", action="store_true", help="log every HTTP request")
     sv.add_argument("--serve-proxy", action="store_true",
@@ -166,7 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine=engine, served_model_name=args.served_model_name, host=args.host, port=args.port,
         keys_file=args.keys, num_workers=args.num_workers, torch_threads=args.torch_threads,
         max_inflight=args.max_inflight, max_n=args.max_n, ray_address=args.ray_address,
-        metrics_port=args.metrics_port, log_level=args.log_level, access_log=args.access_log,
+        ray_metrics_port=args.ray_metrics_port, log_level=args.log_level, access_log=args.access_log,
         direct_ingress=not args.serve_proxy)
     return serve_forever(opts)
 

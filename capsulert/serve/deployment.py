@@ -30,11 +30,11 @@ log = logging.getLogger(__name__)
 class CapsuleServer:
     """Builds the server's state once (orchestrator, tenants, tokenizer, chat template) and the app on it."""
 
-    async def __init__(self, options: dict, metrics_url: str | None = None):
+    async def __init__(self, options: dict):
         from capsulert.orchestrator.orchestrator import Orchestrator
         from capsulert.serve.app import Admission, ServerState, build_app
         from capsulert.serve.chat import ChatTemplate
-        from capsulert.serve.metrics import Deferred, RayMetrics
+        from capsulert.serve.metrics import Deferred, PromMetrics
         from capsulert.serve.options import model_dir, vocab_size
         from capsulert.serve.plans import Limits
         from capsulert.serve.tenants import Tenants
@@ -48,12 +48,13 @@ class CapsuleServer:
             path = model_dir(opts.engine)
             tokens = TokenText.load(path, vocab_size(opts.engine))
             eos = _eos_text(path, tokens)
-            metrics = Deferred(RayMetrics())
+            prom = PromMetrics(opts.model_name)
+            metrics = Deferred(prom)
             self.state = ServerState(
                 orchestrator=self.orchestrator, tenants=tenants,
                 limits=Limits(opts.model_name, opts.engine.max_seq, opts.largest_n), tokens=tokens,
                 template=ChatTemplate.for_model(path, eos), admission=Admission(opts.max_inflight, metrics),
-                metrics=metrics, metrics_url=metrics_url)
+                metrics=metrics, exposition=prom.exposition)
             self._app = build_app(self.state)
             self._http = (await DirectIngress.start(self._app, opts.host, opts.port, opts.access_log)
                           if opts.direct_ingress else None)

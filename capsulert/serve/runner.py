@@ -80,18 +80,26 @@ def _on_this_node() -> dict:
     return {}
 
 
-def _metrics_url() -> str | None:
+def _ray_metrics_url() -> str | None:
     import ray
 
     here = ray.get_runtime_context().get_node_id()
     for node in ray.nodes():
-        if node.get("NodeID") == here and node.get("MetricsExportPort"):
+        if node.get("NodeID") == here and node.get("MetricsExportPort", -1) > 0:
             return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
     return None
 
 
-def start(opts: ServerOptions) -> str | None:
-    """Start Ray (or join opts.ray_address), Ray Serve and the app; returns the metrics agent's URL."""
+def _local_ray_metrics(opts: ServerOptions) -> dict:
+    """ray.init arguments for Ray's own metrics: exported on the port asked for, else not collected at all, so
+    that Ray's agent opens no exporter (on this machine's network address) that nobody asked for."""
+    if opts.ray_metrics_port is not None:
+        return {"_metrics_export_port": opts.ray_metrics_port}
+    return {"_system_config": {"enable_metrics_collection": False}}
+
+
+def start(opts: ServerOptions) -> None:
+    """Start Ray (or join opts.ray_address), Ray Serve and the app."""
     import ray
     from ray import serve
 
@@ -116,8 +124,7 @@ def start(opts: ServerOptions) -> str | None:
             ray.init(address=opts.ray_address, **init)
             _check_gpus(opts, ray.cluster_resources().get("GPU", 0), "the Ray cluster")
         else:
-            ray.init(**init, **({"_metrics_export_port": opts.metrics_port} if opts.metrics_port else {}))
-        metrics_url = _metrics_url()
+            ray.init(**init, **_local_ray_metrics(opts))
         step(f"starting {opts.num_workers} worker(s) and the HTTP server")
         logging_config = {"log_level": opts.log_level, "enable_access_log": opts.access_log}
         deployment = CapsuleServer.options(max_ongoing_requests=opts.max_inflight + 64)
@@ -128,13 +135,13 @@ def start(opts: ServerOptions) -> str | None:
             deployment = deployment.options(ray_actor_options={"num_cpus": 0, **_on_this_node()})
         else:
             serve.start(http_options={"host": opts.host, "port": opts.port}, logging_config=logging_config)
-        app = deployment.bind(opts.model_dump(), metrics_url)
+        app = deployment.bind(opts.model_dump())
         serve.run(app, name=APP_NAME, route_prefix=None if opts.direct_ingress else "/",
                   logging_config=logging_config)
     log.info("%s", serving_line(opts, tenants))
-    if metrics_url:
-        log.info("Prometheus metrics at http://%s:%d/metrics (all of Ray's at %s)", opts.host, opts.port, metrics_url)
-    return metrics_url
+    log.info("Prometheus metrics at http://%s:%d/metrics", opts.host, opts.port)
+    if opts.ray_metrics_port is not None:  # asked for: Ray's agent listens on this machine's address
+        log.info("Ray's and Ray Serve's own metrics at %s", _ray_metrics_url())
 
 
 def serving_line(opts: ServerOptions, tenants: Tenants) -> str:
