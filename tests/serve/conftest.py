@@ -54,20 +54,23 @@ class Server:
 
 
 @contextmanager
-def running_server(default_model_dir, work: Path, *extra: str):
-    """A `capsulert serve` subprocess on a free loopback port (two tenants), stopped by SIGINT on exit."""
-    keys = work / "keys.yaml"
-    keys.write_text("keys:\n" + "".join(f"  {k}: {ns}\n" for ns, k in KEYS.items()))
+def running_server(default_model_dir, work: Path, *extra: str, keys: bool = True, model: str = MODEL):
+    """A `capsulert serve` subprocess on a free loopback port, serving `model` (two tenants; keys=False: open),
+    stopped by SIGINT on exit."""
+    auth = []
+    if keys:
+        (work / "keys.yaml").write_text("keys:\n" + "".join(f"  {k}: {ns}\n" for ns, k in KEYS.items()))
+        auth = ["--keys", str(work / "keys.yaml")]
     port, log = free_port(), work / "server.log"
     cmd = [sys.executable, "-m", "capsulert.cli", "serve", "--model", str(default_model_dir),
-           "--served-model-name", MODEL, "--port", str(port), "--keys", str(keys), "--device", "cpu",
+           "--served-model-name", model, "--port", str(port), *auth, "--device", "cpu",
            "--slots", str(ENGINE["slots"]), "--max-seq", str(ENGINE["max_seq"]),
            "--prefill-chunk", str(ENGINE["prefill_chunk"]), "--torch-threads", "1",
            "--max-inflight", str(MAX_INFLIGHT), "--log-level", "WARNING", *extra]
     env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    srv = Server(f"http://127.0.0.1:{port}", Path(default_model_dir), log, pid=proc.pid)
+    srv = Server(f"http://127.0.0.1:{port}", Path(default_model_dir), log, model, pid=proc.pid)
     try:
         _wait_ready(srv, proc)
         yield srv
