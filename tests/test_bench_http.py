@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "serving.py"
 
 
@@ -17,6 +19,7 @@ def serving_http(*args: str, env: dict | None = None, timeout: float = 600) -> s
                           text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_both_paths_on_one_worker(default_model_dir, tmp_path):
     proc = serving_http("--model", str(default_model_dir), "--ns", "1", "2", "--context", "128", "--turn", "8",
                         "--gen", "4", "--prefill-chunk", "128", "--requests", "3", "--out", str(tmp_path))
