@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,6 +16,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu" tests
+
+# the docs site into site/; strict (mkdocs.yml): a broken link or a page missing from the nav fails the build
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build
 
 bench: $(STAMP)
 	$(PY) bench/capsules.py --device cpu

@@ -16,9 +16,35 @@ import statistics
 import time
 
 from common import log
-from serving_http import MODEL, client, start_server, stop_server
+from serving_http import free_port
 
 MODES = ("cold", "prefix", "named")
+MODEL = "bench"
+
+
+def start_server(engine_cfg: dict, threads: int, max_inflight: int) -> str:
+    """`capsulert serve` in this process (local Ray + Ray Serve); its base URL."""
+    from capsulert.serve.options import ServerOptions
+    from capsulert.serve.runner import setup_logging, start
+
+    port = free_port()
+    opts = ServerOptions.build(engine=engine_cfg, served_model_name=MODEL, port=port, torch_threads=threads,
+                               call_timeout_s=3600, max_inflight=max_inflight, log_level="WARNING")
+    setup_logging("WARNING")
+    start(opts)
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def stop_server() -> None:
+    from capsulert.serve.runner import stop
+
+    stop()
+
+
+def client(base_url: str):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=3600)
 
 
 async def _turn(cl, prompt: list[int], answer: int, body: dict) -> tuple[float, list[int], object]:

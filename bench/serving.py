@@ -14,10 +14,11 @@ bench/out/serving.json and bench/out/serving.png (serving_w2.json etc. with --wo
 their capsule); `--skew` has every agent restore one hot capsule, and `--replicate-hot GAP` lets the
 router copy it to a worker with GAP fewer sessions (OrchestratorConfig.replicate_hot).
 
-`--http` runs the same workload through `capsulert serve` (Ray Serve + FastAPI) with the official openai
-client (async), after running it through the async API, and reports the HTTP overhead: p50 / p99 wall
-time of one request at a time (streamed and whole), and tokens/s and TTFT per N; every HTTP answer is
-checked against the async API's tokens. Writes bench/out/serving_http.json.
+`--http` runs the same workload through capsulert's HTTP server (the app and uvicorn, as a `capsulert serve`
+replica runs them) with the official openai client (async, in a process of its own), and through the async
+API on the same worker (serving_http.py: one worker, so one GPU is enough), and reports the HTTP overhead:
+p50 / p99 wall time of one request at a time (streamed and whole), and tokens/s and TTFT per N; every HTTP
+answer is checked against the async API's tokens. Writes bench/out/serving_http.json.
 
     .venv/bin/python bench/serving.py --quick            # CPU, default model
     .venv/bin/python bench/serving.py --quick --http     # the same through the HTTP server
@@ -219,13 +220,14 @@ async def run(args) -> list[dict]:
             "loop_decode_ms_per_step", "loop_prefill_ms_per_step", "loop_busy_share"] + ([] if args.no_hf else ["hf_tokens_per_s", "speedup_vs_hf"])
     print_table(rows, cols)
     tag = f"_w{args.workers}" + ("_skew" if args.skew else "") + ("_rep" if args.replicate_hot else "")
-    write_json(OUT_DIR / f"serving{'' if tag == '_w1' else tag}.json",
+    out = Path(args.out or OUT_DIR)
+    write_json(out / f"serving{'' if tag == '_w1' else tag}.json",
                {"machine": machine_info(args.device), "args": vars(args), "rows": rows})
     curves = {"concurrent (scheduler)": [r["tokens_per_s"] for r in rows],
               "sequential": [r["seq_tokens_per_s"] for r in rows]}
     if not args.no_hf:
         curves["HF transformers, per session"] = [r["hf_tokens_per_s"] for r in rows]
-    plot_lines(OUT_DIR / f"serving{'' if tag == '_w1' else tag}.png", [r["n"] for r in rows], curves, "concurrent sessions N",
+    plot_lines(out / f"serving{'' if tag == '_w1' else tag}.png", [r["n"] for r in rows], curves, "concurrent sessions N",
                "aggregate decode tokens/s", logx=True, logy=True, title=f"serving, {args.device}")
     return rows
 
@@ -256,6 +258,7 @@ def parse_args(argv=None):
     ap.add_argument("--http", action="store_true",
                     help="compare the async API with the HTTP server (openai client) on the same workload")
     ap.add_argument("--requests", type=int, default=40, help="--http: requests timed one at a time, per path")
+    ap.add_argument("--out", help="directory of the JSON and PNG results (default: bench/out)")
     args = ap.parse_args(argv)
     if args.quick:
         args.ns, args.context, args.gen, args.prefill_chunk, args.check_all = [1, 4, 16], 512, 32, 256, True
@@ -265,7 +268,7 @@ def parse_args(argv=None):
 if __name__ == "__main__":
     _args = parse_args()
     if _args.http:
-        from serving_http import main_http  # noqa: E402
+        from serving_http import run  # noqa: E402
 
-        sys.exit(asyncio.run(main_http(_args)))
+        sys.exit(run(_args))
     sys.exit(asyncio.run(main(_args)))

@@ -5,6 +5,7 @@
     capsulert capsules ls DIR [--namespace NS] [--json]   list the capsule files in DIR (headers only)
     capsulert capsules rm DIR NAME [--namespace NS]       delete one capsule file
     capsulert bench [NAME [ARGS...]]                      run bench/NAME.py (from a repository checkout)
+    capsulert --version                                   the installed version
 
 `demo` and `bench` pass ARGS through untouched (`capsulert demo --help` shows the demo's own options).
 Exit status: 0 on success, 1 when capsulert refuses (a typed error from capsulert.errors, printed as one
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  description="capsulert: a latency-first session runtime for hybrid LLMs.",
                                  epilog="commands:\n" + __doc__.split("\n\n")[1] if __doc__ else None)
+    ap.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # add_help=False: `--help` after these commands is passed to the script they run
     sub.add_parser("demo", add_help=False, help="run the demo (the main job) on the embedded default model")
@@ -54,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--force", action="store_true",
                     help="delete the capsule's file even if its header does not verify (a damaged file)")
     return ap
+
+
+def _version() -> str:
+    import capsulert
+
+    return capsulert.__version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -128,7 +136,9 @@ def _add_serve(sub) -> None:
     sv.add_argument("--max-n", type=int, help="largest n per request (default: --slots)")
     sv.add_argument("--torch-threads", type=int, help="torch threads per worker")
     sv.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
-    sv.add_argument("--metrics-port", type=int, help="port of Ray's Prometheus exporter (default: Ray picks)")
+    sv.add_argument("--ray-metrics-port", type=int,
+                    help="also export Ray's and Ray Serve's own metrics from Ray's metrics agent on this port (off by "
+                         "default; capsulert's metrics are at GET /metrics on --host:--port either way)")
     sv.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sv.add_argument("--access-log", action="store_true", help="log every HTTP request")
     sv.add_argument("--serve-proxy", action="store_true",
@@ -158,7 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine=engine, served_model_name=args.served_model_name, host=args.host, port=args.port,
         keys_file=args.keys, num_workers=args.num_workers, torch_threads=args.torch_threads,
         max_inflight=args.max_inflight, max_n=args.max_n, ray_address=args.ray_address,
-        metrics_port=args.metrics_port, log_level=args.log_level, access_log=args.access_log,
+        ray_metrics_port=args.ray_metrics_port, log_level=args.log_level, access_log=args.access_log,
         direct_ingress=not args.serve_proxy)
     return serve_forever(opts)
 

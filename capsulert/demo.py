@@ -1,8 +1,8 @@
-"""The main job (`make demo`): load the embedded default model, prefill a long shared prompt once,
-snapshot it, answer turns by restore + append, fork branches and roll one back, checking every result
-against a cold prefill and printing cold vs capsule time-to-first-token. Long steps (the default model's
-first generation, loading, long prefills) show progress bars on a terminal, and capsulert's log records
-(the Ray worker's too) go to stderr."""
+"""The main job (`make demo`): load the embedded default model (random weights; `--model DIR` runs a real
+Qwen3.5 checkpoint instead), prefill a long shared prompt once, snapshot it, answer turns by restore +
+append, fork branches and roll one back, checking every result against a cold prefill and printing cold vs
+capsule time-to-first-token. Long steps (the default model's first generation, loading, long prefills) show
+progress bars on a terminal, and capsulert's log records (the Ray worker's too) go to stderr."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,7 @@ import time
 import torch
 
 from capsulert.logs import setup_logging
+from capsulert.model_notice import random_weights_notice
 from capsulert.worker.default_model import CORPUS_PATH
 from capsulert.worker.engine import Engine
 
@@ -30,6 +31,8 @@ def ms(t0: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="short prompt and few tokens (used by the test suite)")
+    ap.add_argument("--model", default="default",
+                    help="a Qwen3.5 checkpoint directory (HF format); default: the embedded model, random weights")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--cache-dir", default=None, help="where the default model is generated (default ~/.cache/capsulert)")
     ap.add_argument("--no-orchestrator", action="store_true", help="skip the Ray orchestrator part")
@@ -40,11 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
     prompt_tokens, new_tokens = (300, 8) if args.quick else (1500, 24)
+    notice = random_weights_notice(args.model)
+    if notice:
+        print(f"note: {notice}\n")
 
     t0 = time.perf_counter()
-    eng = Engine.from_config(device=args.device, cache_dir=args.cache_dir, slots=8, max_seq=4096, prefill_chunk=256,
+    eng = Engine.from_config(model=args.model, device=args.device, cache_dir=args.cache_dir, slots=8, max_seq=4096, prefill_chunk=256,
                              progress=args.progress)
-    print(f"engine: default model on {eng.device} ({eng.dtype}), {eng.config.slots} slots, "
+    print(f"engine: {'default model' if args.model == 'default' else args.model} on {eng.device} ({eng.dtype}), {eng.config.slots} slots, "
           f"state set {eng.state.nbytes / 2**20:.1f} MiB, loaded in {ms(t0):.0f} ms")
 
     text = CORPUS_PATH.read_text()
@@ -117,7 +123,7 @@ async def orchestrator_part(args, prefix: list[int], expected: list[list[int]], 
     from capsulert.worker.sampler import SamplingParams
 
     t0 = time.perf_counter()
-    config = dict(engine=dict(device=args.device, cache_dir=args.cache_dir, slots=8, max_seq=4096, prefill_chunk=256,
+    config = dict(engine=dict(model=args.model, device=args.device, cache_dir=args.cache_dir, slots=8, max_seq=4096, prefill_chunk=256,
                               progress=args.progress), local_num_cpus=2)
     async with await Orchestrator.start(config) as orch:
         print(f"\norchestrator: Ray worker actor up in {ms(t0):.0f} ms")

@@ -1,12 +1,13 @@
 """A coding-agent loop: the system prompt + repository context is prefilled once and pinned as a capsule;
 each turn is restore + append(turn) + generate in one actor call, instead of re-prefilling everything.
 
-    .venv/bin/python examples/agent_turns.py [--turns 5]
+    .venv/bin/python examples/agent_turns.py [--turns 5] [--model DIR]
 """
 import argparse
 import asyncio
 import time
 
+from capsulert.model_notice import random_weights_notice
 from capsulert.orchestrator import Orchestrator
 
 SYSTEM = "You are a coding agent. Follow the repository conventions, keep changes small, and run the tests. "
@@ -16,9 +17,12 @@ TURNS = [" User: why does the test fail?", " User: add a timeout to the call.", 
          " User: explain the chunk grid.", " User: write a docstring."]
 
 
-async def main(turns: int) -> None:
+async def main(turns: int, model: str = "default") -> None:
+    notice = random_weights_notice(model)
+    if notice:
+        print(f"note: {notice}")
     t0 = time.perf_counter()
-    async with await Orchestrator.start(dict(engine=dict(device="cpu", slots=4, max_seq=4096), local_num_cpus=2)) as orch:
+    async with await Orchestrator.start(dict(engine=dict(model=model, device="cpu", slots=4, max_seq=4096), local_num_cpus=2)) as orch:
         t = time.perf_counter()
         s = await orch.open(SYSTEM + REPO)
         await s.snapshot("system+repo", pin=True)
@@ -46,4 +50,7 @@ async def main(turns: int) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--turns", type=int, default=5)
-    asyncio.run(main(ap.parse_args().turns))
+    ap.add_argument("--model", default="default", help="a Qwen3.5 checkpoint directory (default: the embedded "
+                    "model, random weights)")
+    a = ap.parse_args()
+    asyncio.run(main(a.turns, a.model))

@@ -1,12 +1,13 @@
 """Best-of-N through the orchestrator: one shared prompt as a capsule, N sampled continuations decoded
 together in one actor call (fork + append + batched decode), ranked by a user score function.
 
-    .venv/bin/python examples/best_of_n.py [--n 8] [--tokens 24]
+    .venv/bin/python examples/best_of_n.py [--n 8] [--tokens 24] [--model DIR]
 """
 import argparse
 import asyncio
 import time
 
+from capsulert.model_notice import random_weights_notice
 from capsulert.orchestrator import Orchestrator, best_of_n
 from capsulert.worker.sampler import SamplingParams
 
@@ -14,9 +15,12 @@ TASK = ("You are a careful engineer. The capsule runtime keeps the complete stat
         "committed boundary, so an agent can return to a long shared context in milliseconds. ") * 3
 
 
-async def main(n: int, tokens: int) -> None:
+async def main(n: int, tokens: int, model: str = "default") -> None:
+    notice = random_weights_notice(model)
+    if notice:
+        print(f"note: {notice}")
     t0 = time.perf_counter()
-    async with await Orchestrator.start(dict(engine=dict(device="cpu", slots=max(8, n + 1), max_seq=2048),
+    async with await Orchestrator.start(dict(engine=dict(model=model, device="cpu", slots=max(8, n + 1), max_seq=2048),
                                              local_num_cpus=2)) as orch:
         print(f"orchestrator up in {time.perf_counter() - t0:.1f}s")
         t = time.perf_counter()
@@ -45,5 +49,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--model", default="default", help="a Qwen3.5 checkpoint directory (default: the embedded "
+                    "model, random weights)")
     a = ap.parse_args()
-    asyncio.run(main(a.n, a.tokens))
+    asyncio.run(main(a.n, a.tokens, a.model))

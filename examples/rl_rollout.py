@@ -1,12 +1,13 @@
 """RL rollouts with episode resets against a start capsule C0: reset = restore C0 in place, step =
 append the observation + generate the action (reset + first step are one actor call).
 
-    .venv/bin/python examples/rl_rollout.py [--envs 4] [--episodes 100] [--resets 2000]
+    .venv/bin/python examples/rl_rollout.py [--envs 4] [--episodes 100] [--resets 2000] [--model DIR]
 """
 import argparse
 import asyncio
 import time
 
+from capsulert.model_notice import random_weights_notice
 from capsulert.orchestrator import EpisodeDriver, Orchestrator
 from capsulert.worker.sampler import SamplingParams
 
@@ -18,9 +19,12 @@ def env(episode: int, step: int, action):
     return None if step == 2 else f" Goal at {(episode * 7 + step) % 5},{episode % 3}. Move:"
 
 
-async def main(envs: int, episodes: int, resets: int) -> None:
+async def main(envs: int, episodes: int, resets: int, model: str = "default") -> None:
+    notice = random_weights_notice(model)
+    if notice:
+        print(f"note: {notice}")
     t0 = time.perf_counter()
-    async with await Orchestrator.start(dict(engine=dict(device="cpu", slots=envs + 2, max_seq=2048), local_num_cpus=2)) as orch:
+    async with await Orchestrator.start(dict(engine=dict(model=model, device="cpu", slots=envs + 2, max_seq=2048), local_num_cpus=2)) as orch:
         s = await orch.open(C0)
         await s.snapshot("c0", pin=True)
         await s.close()
@@ -50,5 +54,7 @@ if __name__ == "__main__":
     ap.add_argument("--envs", type=int, default=4)
     ap.add_argument("--episodes", type=int, default=100)
     ap.add_argument("--resets", type=int, default=2000)
+    ap.add_argument("--model", default="default", help="a Qwen3.5 checkpoint directory (default: the embedded "
+                    "model, random weights)")
     a = ap.parse_args()
-    asyncio.run(main(a.envs, a.episodes, a.resets))
+    asyncio.run(main(a.envs, a.episodes, a.resets, a.model))

@@ -3,7 +3,7 @@ plain torch on a separate copy of the weights -> engine.update_weights -> the st
 under the new weights -> the next rollouts. The reward prefers tokens of one class (even token ids), so it
 is computable from the tokens alone; the mean reward climbs within a few iterations.
 
-    .venv/bin/python examples/rl_training_loop.py [--iterations 10] [--episodes 16]
+    .venv/bin/python examples/rl_training_loop.py [--iterations 10] [--episodes 16] [--model DIR]
 
 The trainer is HF transformers' Qwen3_5ForCausalLM on the same weights (only the LM head is trained, to
 keep the example fast); the rollouts' logprobs come from the engine (GenerateResult.logprobs), and the
@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from capsulert import Engine, SamplingParams
+from capsulert.model_notice import random_weights_notice
 
 PROMPT = "You are an agent in a small world. Describe your next move in a few words: "
 
@@ -34,9 +35,12 @@ def trainer_for(engine: Engine):
     return model
 
 
-def main(iterations: int, episodes: int, gen: int) -> list[float]:
+def main(iterations: int, episodes: int, gen: int, model: str = "default") -> list[float]:
+    notice = random_weights_notice(model)
+    if notice:
+        print(f"note: {notice}")
     t0 = time.perf_counter()
-    engine = Engine.from_config(model="default", device="cpu", slots=episodes + 1, max_seq=512, prefill_chunk=64)
+    engine = Engine.from_config(model=model, device="cpu", slots=episodes + 1, max_seq=512, prefill_chunk=64)
     trainer = trainer_for(engine)
     opt = torch.optim.Adam([trainer.lm_head.weight], lr=0.003)
     s = engine.open()
@@ -79,5 +83,7 @@ if __name__ == "__main__":
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--episodes", type=int, default=16)
     ap.add_argument("--gen", type=int, default=12)
+    ap.add_argument("--model", default="default", help="a Qwen3.5 checkpoint directory (default: the embedded "
+                    "model, random weights)")
     a = ap.parse_args()
-    main(a.iterations, a.episodes, a.gen)
+    main(a.iterations, a.episodes, a.gen, a.model)

@@ -2,12 +2,13 @@
 thought), children are forked from it and decoded together, and the capsules of nodes that fall out of
 the beam are deleted as it moves on.
 
-    .venv/bin/python examples/tree_of_thought.py [--width 2] [--depth 3]
+    .venv/bin/python examples/tree_of_thought.py [--width 2] [--depth 3] [--model DIR]
 """
 import argparse
 import asyncio
 import time
 
+from capsulert.model_notice import random_weights_notice
 from capsulert.orchestrator import Orchestrator, Thought, tree_search
 from capsulert.worker.sampler import SamplingParams
 
@@ -16,9 +17,12 @@ PROBLEM = ("Plan how to fix a failing test in a large repository. The capsule ru
 STEPS = [" First, read", " Next, check", " Then, try"]
 
 
-async def main(width: int, depth: int) -> None:
+async def main(width: int, depth: int, model: str = "default") -> None:
+    notice = random_weights_notice(model)
+    if notice:
+        print(f"note: {notice}")
     t0 = time.perf_counter()
-    async with await Orchestrator.start(dict(engine=dict(device="cpu", slots=16, max_seq=2048), local_num_cpus=2)) as orch:
+    async with await Orchestrator.start(dict(engine=dict(model=model, device="cpu", slots=16, max_seq=2048), local_num_cpus=2)) as orch:
         s = await orch.open(PROBLEM)
         await s.snapshot("problem")
         await s.close()
@@ -49,5 +53,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--width", type=int, default=2)
     ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--model", default="default", help="a Qwen3.5 checkpoint directory (default: the embedded "
+                    "model, random weights)")
     a = ap.parse_args()
-    asyncio.run(main(a.width, a.depth))
+    asyncio.run(main(a.width, a.depth, a.model))

@@ -179,6 +179,15 @@ def test_module_entry_point_help_lists_the_commands():
     assert proc.returncode == 0 and "--keys" in proc.stdout and "--num-workers" in proc.stdout
 
 
+def test_version(capsys):
+    import capsulert
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"capsulert {capsulert.__version__}\n"
+    assert capsulert.__version__ != "0+unknown"  # the package's own metadata: it is installed
+
+
 def test_usage_errors_exit_2(capsys):
     for argv in ([], ["capsules"], ["capsules", "ls"], ["capsules", "ls", ".", "extra"], ["capsules", "rm", "."]):
         with pytest.raises(SystemExit) as e:

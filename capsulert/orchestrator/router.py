@@ -208,7 +208,8 @@ class CapsuleRouter:
 
     async def capsules(self) -> list[dict]:
         """This namespace's capsules on every worker: name, namespace, tier (the fastest copy's), pinned
-        (any copy pinned), nbytes, boundary, workers (holding a copy) and tiers (each copy's, same order)."""
+        (any copy pinned), nbytes (what it holds alone: CapsuleInfo.nbytes), size_bytes (its whole state:
+        CapsuleRef.nbytes), boundary, workers (holding a copy) and tiers (each copy's, same order)."""
         merged: dict[str, dict] = {}
         alive = self.pool.alive()  # a worker gone for good took its capsules with it
         for rows in await asyncio.gather(*(self.pool.call(w, ListCapsules(self.ns)) for w in alive)):

@@ -286,7 +286,7 @@ class WorkerCore(CapsuleTransfers):
 
     def _list(self, r: ListCapsules, call_id) -> list[dict]:
         return [{"name": i.name, "namespace": i.namespace, "tier": i.tier, "pinned": i.pinned,
-                 "nbytes": i.nbytes, "boundary": i.meta.boundary, "worker": self.index}
+                 "nbytes": i.nbytes, "size_bytes": i.meta.nbytes, "boundary": i.meta.boundary, "worker": self.index}
                 for i in self.engine.store.list(r.namespace)]
 
     def _read_tokens(self, r: ReadTokens, call_id) -> list[int]:

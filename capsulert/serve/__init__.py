@@ -6,7 +6,7 @@
     protocol.py    request bodies (pydantic)         plans.py      request -> Plan (tokenized, checked)
     generation.py  a Plan run on the orchestrator    responses.py  OpenAI response and chunk shapes
     tokens.py      the tokenizer in the server process (chat templates, tools, formats: capsulert/chat)
-    tenants.py     API keys -> namespaces            metrics.py    Prometheus metrics (ray.util.metrics)
+    tenants.py     API keys -> namespaces            metrics.py    Prometheus metrics (prometheus_client)
     streaming.py   stop-string holdback, SSE         http_errors.py  errors -> status codes and JSON
     options.py     ServerOptions
 

@@ -5,7 +5,7 @@
     POST   /v1/chat/completions       chat completions, through the model's chat template
     GET    /v1/capsules               the capsules of the caller's namespace
     DELETE /v1/capsules/{name}        delete one of them
-    GET    /metrics                   the capsulert Prometheus metrics (from Ray's metrics agent)
+    GET    /metrics                   the capsulert Prometheus metrics (metrics.py)
 
 Everything a request needs travels as arguments (its namespace handle comes from its API key); the
 application's shared state is one ServerState built at start. Errors are OpenAI-style JSON
@@ -13,17 +13,15 @@ application's shared state is one ServerState built at start. Errors are OpenAI-
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from capsulert.capsule_store import validate_name
@@ -31,8 +29,8 @@ from capsulert.errors import CapsuleRTError, DuplicateCapsuleError, QueueFullErr
 from capsulert.chat.prompt import ChatRenderer
 from capsulert.serve.fastroute import fast_route
 from capsulert.serve.generation import RESERVED_PREFIX, Plan, Run
-from capsulert.serve.http_errors import INVALID, ApiError, ErrorKind, describe, error_body, kind_of
-from capsulert.serve.metrics import ServerMetrics, capsulert_lines
+from capsulert.serve.http_errors import INVALID, ApiError, ErrorKind, describe, error_body
+from capsulert.serve.metrics import CONTENT_TYPE, CountRequests, ServerMetrics, request_namespace, stream_failed
 from capsulert.serve.plans import Limits, chat_logprobs, chat_plan, completion_logprobs, completion_plan
 from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest
 from capsulert.serve.responses import Shape
@@ -77,15 +75,18 @@ class ServerState:
     chat: ChatRenderer  # the checkpoint's chat template with the tokenizer (capsulert/chat)
     admission: Admission
     metrics: ServerMetrics
-    metrics_url: str | None = None  # Ray's metrics agent on this node
+    exposition: Callable[[], bytes] | None = None  # the metrics as Prometheus text (GET /metrics); None: no metrics
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="capsulert", docs_url=None, redoc_url=None, openapi_url=None, telemetry=NO_TELEMETRY)
     _install_error_handlers(app)
+    app.add_middleware(CountRequests, metrics=state.metrics)  # every request, refusals included
 
     def namespace(authorization: str | None) -> "Namespace":
-        return state.orchestrator.namespace(state.tenants.namespace_for(authorization))
+        name = state.tenants.namespace_for(authorization)
+        request_namespace(name)
+        return state.orchestrator.namespace(name)
 
     async def tenant(authorization: str | None = Header(None)) -> "Namespace":  # async: no threadpool hop
         return namespace(authorization)
@@ -108,22 +109,25 @@ def build_app(state: ServerState) -> FastAPI:
     @generation_route("/v1/completions", CompletionRequest)
     async def completions(body: CompletionRequest, ns: "Namespace" = Depends(tenant)) -> Response:
         t0 = time.perf_counter()
-        plan = _measured(state, "completions", t0, lambda: completion_plan(body, state.limits, state.tokens))
+        plan = completion_plan(body, state.limits, state.tokens)
         shape = _shape(state, False, completion_logprobs(body), body.return_token_ids)
         return await _respond(state, "completions", ns, plan, shape, body.stream, body.include_usage, t0)
 
     @generation_route("/v1/chat/completions", ChatCompletionRequest)
     async def chat_completions(body: ChatCompletionRequest, ns: "Namespace" = Depends(tenant)) -> Response:
         t0 = time.perf_counter()
-        plan = _measured(state, "chat", t0, lambda: chat_plan(body, state.limits, state.tokens, state.chat))
+        plan = chat_plan(body, state.limits, state.tokens, state.chat)
         shape = _shape(state, True, chat_logprobs(body), body.return_token_ids, plan.parse_tools)
         return await _respond(state, "chat", ns, plan, shape, body.stream, body.include_usage, t0)
 
     @app.get("/v1/capsules")
     async def list_capsules(ns: "Namespace" = Depends(tenant)) -> dict:
         rows = await ns.capsules()
+        # size_bytes: the whole state (as in a snapshot_as reply); own_bytes: what it holds alone, without the
+        # prefix blocks it shares with other capsules
         return {"object": "list", "data": [{"id": c["name"], "object": "capsule", "tokens": c["boundary"],
-                                            "tier": c["tier"], "pinned": c["pinned"], "nbytes": c["nbytes"]}
+                                            "tier": c["tier"], "pinned": c["pinned"], "size_bytes": c["size_bytes"],
+                                            "own_bytes": c["nbytes"]}
                                            for c in rows if not c["name"].startswith(RESERVED_PREFIX)]}
 
     @app.delete("/v1/capsules/{name}")
@@ -136,32 +140,17 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if state.metrics_url is None:
+        if state.exposition is None:
             raise ApiError(ErrorKind(404, "not_found_error", "no_metrics"), "this server exports no metrics")
-        text = await asyncio.to_thread(_fetch, state.metrics_url)
-        return PlainTextResponse(capsulert_lines(text), media_type="text/plain; version=0.0.4")
+        return Response(state.exposition(), media_type=CONTENT_TYPE)
 
     return app
-
-
-def _fetch(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode("utf-8")
 
 
 def _shape(state: ServerState, chat: bool, logprobs: int | None, token_ids: bool, tools: bool = False) -> Shape:
     prefix = "chatcmpl-" if chat else "cmpl-"
     return Shape(chat, prefix + uuid.uuid4().hex, int(time.time()), state.limits.model_name, state.tokens,
                  logprobs, token_ids, tools)
-
-
-def _measured(state: ServerState, route: str, t0: float, make):
-    """Run `make`; a refusal still counts in the request metrics."""
-    try:
-        return make()
-    except Exception as e:
-        state.metrics.request(route, kind_of(e).status, time.perf_counter() - t0)
-        raise
 
 
 async def _check_new_name(ns: "Namespace", name: str) -> None:
@@ -190,14 +179,10 @@ async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, 
             await run.start()
             choices, usage = await run.generate()
             capsule = await run.keep()
-    except Exception as e:
-        state.metrics.request(route, kind_of(e).status, time.perf_counter() - t0)
-        raise
     finally:
         if entered:
             state.admission.leave()
     state.metrics.tokens(route, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
-    state.metrics.request(route, 200, time.perf_counter() - t0)
     return JSONResponse(shape.body(choices, usage, capsule))
 
 
@@ -205,7 +190,7 @@ async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, s
                   t0: float) -> AsyncIterator[bytes]:
     """A streamed response. Its first item is b"" once the sessions are ready (the route takes it)."""
     run = Run(ns, plan, state.metrics)
-    status, finals, entered, started = 200, [], False, False
+    finals, entered, started = [], False, False
     sent: dict[int, int] = {}  # choice index -> characters sent
     try:
         if plan.snapshot_as is not None:
@@ -228,9 +213,9 @@ async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, s
         yield DONE
     except Exception as e:
         kind, body = describe(e)
-        status = kind.status
         if not started:
             raise  # before the first byte: the route answers with the status
+        stream_failed(kind.status)  # counted with the error's status, not the 200 already sent
         if kind.status >= 500 and not isinstance(e, CapsuleRTError):
             log.exception("streamed %s request failed", route)
         yield sse(body)  # the status line is sent: the error travels as an event (the openai client raises it)
@@ -241,7 +226,6 @@ async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, s
             state.metrics.ttft(route, run.first_token_at - t0)
         usage = run.usage(finals)
         state.metrics.tokens(route, usage.prompt_tokens, sum(len(c.tokens) for c in finals), usage.cached_tokens)
-        state.metrics.request(route, status, time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------------------------------------- errors

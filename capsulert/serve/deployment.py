@@ -15,11 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from ray import serve
 
 from capsulert.serve.ingress import DirectIngress
 from capsulert.serve.options import ServerOptions
+
+if TYPE_CHECKING:
+    from capsulert.orchestrator.orchestrator import Orchestrator
+    from capsulert.serve.app import ServerState
+    from capsulert.serve.tenants import Tenants
 
 log = logging.getLogger(__name__)
 
@@ -30,30 +36,17 @@ log = logging.getLogger(__name__)
 class CapsuleServer:
     """Builds the server's state once (orchestrator, tenants, tokenizer, chat template) and the app on it."""
 
-    async def __init__(self, options: dict, metrics_url: str | None = None):
+    async def __init__(self, options: dict):
         from capsulert.orchestrator.orchestrator import Orchestrator
-        from capsulert.serve.app import Admission, ServerState, build_app
-        from capsulert.chat.prompt import ChatRenderer
-        from capsulert.serve.metrics import Deferred, RayMetrics
-        from capsulert.serve.options import model_dir, vocab_size
-        from capsulert.serve.plans import Limits
+        from capsulert.serve.app import build_app
         from capsulert.serve.tenants import Tenants
-        from capsulert.serve.tokens import TokenText
 
         opts = ServerOptions.build(**options)
         logging.getLogger("capsulert").setLevel(opts.log_level)
-        tenants = Tenants.load(opts.keys_file)
+        tenants = Tenants.load(opts.keys_file)  # refused before the workers start
         self.orchestrator = await Orchestrator.start(opts.orchestrator_config())
         try:
-            path = model_dir(opts.engine)
-            tokens = TokenText.load(path, vocab_size(opts.engine))
-            eos = _eos_text(path, tokens)
-            metrics = Deferred(RayMetrics())
-            self.state = ServerState(
-                orchestrator=self.orchestrator, tenants=tenants,
-                limits=Limits(opts.model_name, opts.engine.max_seq, opts.largest_n), tokens=tokens,
-                chat=ChatRenderer(path, tokens.tokenizer, eos), admission=Admission(opts.max_inflight, metrics),
-                metrics=metrics, metrics_url=metrics_url)
+            self.state = server_state(opts, self.orchestrator, tenants)
             self._app = build_app(self.state)
             self._http = (await DirectIngress.start(self._app, opts.host, opts.port, opts.access_log)
                           if opts.direct_ingress else None)
@@ -93,6 +86,29 @@ class CapsuleServer:
             poller.cancel()
         if orchestrator is not None:
             await orchestrator.close()
+
+
+def server_state(opts: ServerOptions, orchestrator: "Orchestrator", tenants: "Tenants | None" = None) -> "ServerState":
+    """What the app serves with (capsulert/serve/app.py): the orchestrator, tenants (default: opts.keys_file's),
+    tokenizer, chat template, admission and metrics. The replica's; bench/serving_http.py serves the same app
+    in its own process."""
+    from capsulert.chat.prompt import ChatRenderer
+    from capsulert.serve.app import Admission, ServerState
+    from capsulert.serve.metrics import Deferred, PromMetrics
+    from capsulert.serve.options import model_dir, vocab_size
+    from capsulert.serve.plans import Limits
+    from capsulert.serve.tenants import Tenants
+    from capsulert.serve.tokens import TokenText
+
+    path = model_dir(opts.engine)
+    tokens = TokenText.load(path, vocab_size(opts.engine))
+    prom = PromMetrics(opts.model_name)
+    metrics = Deferred(prom)
+    return ServerState(
+        orchestrator=orchestrator, tenants=tenants or Tenants.load(opts.keys_file),
+        limits=Limits(opts.model_name, opts.engine.max_seq, opts.largest_n), tokens=tokens,
+        chat=ChatRenderer(path, tokens.tokenizer, _eos_text(path, tokens)), admission=Admission(opts.max_inflight, metrics),
+        metrics=metrics, exposition=prom.exposition)
 
 
 def _eos_text(path, tokens) -> str | None:

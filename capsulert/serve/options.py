@@ -35,7 +35,9 @@ class ServerOptions(BaseModel):
     max_inflight: int = Field(256, ge=1, description="generation requests in flight; one more is refused with 429")
     max_n: int | None = Field(None, ge=1, description="largest n (choices per prompt); default: engine.slots")
     ray_address: str | None = None
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="Ray's Prometheus export port (local Ray only)")
+    ray_metrics_port: int | None = Field(None, ge=0, le=65535, description=(
+        "export Ray's and Ray Serve's own metrics from Ray's metrics agent on this port (a local Ray only); None: "
+        "Ray collects and exports none, and nothing but the server listens (its GET /metrics has capsulert's)"))
     stats_interval_s: float = Field(5.0, gt=0, description="how often the queue-depth gauge polls the workers")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     access_log: bool = False

@@ -42,9 +42,11 @@ def usage_body(u: Usage) -> dict:
 
 
 def capsule_body(made: "Made") -> dict:
-    """What a request's snapshot_as made (the `capsule` field of the response)."""
+    """What a request's snapshot_as made (the `capsule` field of the response). `size_bytes` is the capsule's
+    whole state, shared prefix blocks included: the same field, with the same meaning, as GET /v1/capsules."""
     ref = made.ref
-    return {"name": ref.name, "tokens": ref.boundary, "tier": ref.tier, "pinned": made.pinned, "nbytes": ref.nbytes}
+    return {"name": ref.name, "tokens": ref.boundary, "tier": ref.tier, "pinned": made.pinned,
+            "size_bytes": ref.nbytes}
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ from typing import Iterator
 from capsulert.progress import progress_bar
 from capsulert.errors import ConfigError
 from capsulert.logs import LEVEL_ENV, setup_logging
+from capsulert.model_notice import random_weights_notice
 from capsulert.serve.options import ServerOptions, model_dir, vocab_size
+from capsulert.serve.tenants import Tenants
 
 APP_NAME = "capsulert"
 
@@ -54,6 +56,19 @@ def _check_port(host: str, port: int) -> None:
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _check_gpus(opts: ServerOptions, gpus: float, where: str) -> None:
+    """--device cuda takes a GPU per worker: refuse a machine or cluster without enough, in one line."""
+    if opts.engine.device == "cuda" and gpus < opts.num_workers:
+        raise ConfigError(f"--device cuda: each of the {opts.num_workers} worker(s) takes a GPU of its own, and "
+                          f"{where} has {gpus:g}; use --device cpu (or auto), or fewer --num-workers")
+
+
 def _on_this_node() -> dict:
     """Ray actor options that place an actor on this machine's Ray node (its "node:<ip>" resource)."""
     import ray
@@ -65,40 +80,51 @@ def _on_this_node() -> dict:
     return {}
 
 
-def _metrics_url() -> str | None:
+def _ray_metrics_url() -> str | None:
     import ray
 
     here = ray.get_runtime_context().get_node_id()
     for node in ray.nodes():
-        if node.get("NodeID") == here and node.get("MetricsExportPort"):
+        if node.get("NodeID") == here and node.get("MetricsExportPort", -1) > 0:
             return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
     return None
 
 
-def start(opts: ServerOptions) -> str | None:
-    """Start Ray (or join opts.ray_address), Ray Serve and the app; returns the metrics agent's URL."""
+def _local_ray_metrics(opts: ServerOptions) -> dict:
+    """ray.init arguments for Ray's own metrics: exported on the port asked for, else not collected at all, so
+    that Ray's agent opens no exporter (on this machine's network address) that nobody asked for."""
+    if opts.ray_metrics_port is not None:
+        return {"_metrics_export_port": opts.ray_metrics_port}
+    return {"_system_config": {"enable_metrics_collection": False}}
+
+
+def start(opts: ServerOptions) -> None:
+    """Start Ray (or join opts.ray_address), Ray Serve and the app."""
     import ray
     from ray import serve
 
     from capsulert.serve.deployment import CapsuleServer
-    from capsulert.serve.tenants import Tenants
 
     with _steps(4) as step:
         step("reading the keys file")
-        tenants = Tenants.load(opts.keys_file)  # refused here, before anything starts
+        # refusals here, in one line each, before anything starts (inside Serve, a replica that cannot start
+        # is retried, each time with its traceback)
+        tenants = Tenants.load(opts.keys_file)
+        _check_port(opts.host, opts.port)
+        if not opts.ray_address:  # a local Ray has this machine's GPUs
+            _check_gpus(opts, _local_gpus(), "this machine")
         step(f"preparing model {opts.model_name}")
         model_dir(opts.engine)  # the default model is generated once, here, not by every worker
         vocab_size(opts.engine)  # a checkpoint without a readable config.json is refused here
-        _check_port(opts.host, opts.port)
         step("starting Ray")
         init = dict(include_dashboard=False, log_to_driver=True,
                     runtime_env={"worker_process_setup_hook": "capsulert.logs.setup_logging",
                                  "env_vars": {LEVEL_ENV: opts.log_level}})
         if opts.ray_address:
             ray.init(address=opts.ray_address, **init)
+            _check_gpus(opts, ray.cluster_resources().get("GPU", 0), "the Ray cluster")
         else:
-            ray.init(**init, **({"_metrics_export_port": opts.metrics_port} if opts.metrics_port else {}))
-        metrics_url = _metrics_url()
+            ray.init(**init, **_local_ray_metrics(opts))
         step(f"starting {opts.num_workers} worker(s) and the HTTP server")
         logging_config = {"log_level": opts.log_level, "enable_access_log": opts.access_log}
         deployment = CapsuleServer.options(max_ongoing_requests=opts.max_inflight + 64)
@@ -109,14 +135,21 @@ def start(opts: ServerOptions) -> str | None:
             deployment = deployment.options(ray_actor_options={"num_cpus": 0, **_on_this_node()})
         else:
             serve.start(http_options={"host": opts.host, "port": opts.port}, logging_config=logging_config)
-        app = deployment.bind(opts.model_dump(), metrics_url)
+        app = deployment.bind(opts.model_dump())
         serve.run(app, name=APP_NAME, route_prefix=None if opts.direct_ingress else "/",
                   logging_config=logging_config)
-    log.info("serving %r at http://%s:%d/v1 (%s)", opts.model_name, opts.host, opts.port,
-             "API keys for " + ", ".join(tenants.namespaces) if not tenants.open else "no API keys: one namespace")
-    if metrics_url:
-        log.info("Prometheus metrics at http://%s:%d/metrics (all of Ray's at %s)", opts.host, opts.port, metrics_url)
-    return metrics_url
+    log.info("%s", serving_line(opts, tenants))
+    log.info("Prometheus metrics at http://%s:%d/metrics", opts.host, opts.port)
+    if opts.ray_metrics_port is not None:  # asked for: Ray's agent listens on this machine's address
+        log.info("Ray's and Ray Serve's own metrics at %s", _ray_metrics_url())
+
+
+def serving_line(opts: ServerOptions, tenants: Tenants) -> str:
+    """What the server says once it serves: where, for whom, and whether its model's text means anything."""
+    keys = "API keys for " + ", ".join(tenants.namespaces) if not tenants.open else "no API keys: one namespace"
+    notice = random_weights_notice(opts.engine.model)
+    return (f"serving {opts.model_name!r} at http://{opts.host}:{opts.port}/v1 ({keys})"
+            + (f"; {notice}" if notice else ""))
 
 
 def stop() -> None:

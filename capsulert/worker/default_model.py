@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from capsulert.cache_home import cache_home
 from capsulert.progress import progress_bar
 from capsulert.model_config import ModelConfig
 from capsulert.errors import ModelLoadError
@@ -74,8 +75,7 @@ def _key() -> str:
 
 
 def default_cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "capsulert" / "models" / f"default-{_key()}"
+    return cache_home() / "models" / f"default-{_key()}"
 
 
 def default_config() -> ModelConfig:

@@ -149,7 +149,8 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig | dict | None = None, **overrides) -> "Engine":
         from capsulert.worker.default_model import ensure_default_model
-        from capsulert.worker.loader import load_checkpoint, load_tokenizer, weights_fingerprint
+        from capsulert.worker.fingerprint import checkpoint_fingerprint
+        from capsulert.worker.loader import load_checkpoint, load_tokenizer
 
         try:
             if config is None or isinstance(config, dict):
@@ -175,7 +176,7 @@ class Engine:
         else:
             path = Path(config.model)
         model_cfg, weights = load_checkpoint(path, dtype=dtype, device=device, progress=config.progress)
-        fingerprint = f"{weights_fingerprint(model_cfg, weights)}:{dtype}".replace("torch.", "")
+        fingerprint = f"{checkpoint_fingerprint(path, progress=config.progress)}:{dtype}".replace("torch.", "")
         return cls(config, model_cfg, weights, load_tokenizer(path), fingerprint,
                    eos_ids_from_checkpoint(path, model_cfg.eos_token_id), model_dir=path)
 

@@ -40,6 +40,7 @@ class Server:
     model: str = MODEL
     keys: dict = field(default_factory=lambda: dict(KEYS))
     max_inflight: int = MAX_INFLIGHT
+    pid: int = 0  # the `capsulert serve` process (Ray's processes are its descendants)
 
     def client(self, tenant: str = "acme", **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=KEYS[tenant], max_retries=0, timeout=60, **kw)
@@ -53,21 +54,23 @@ class Server:
 
 
 @contextmanager
-def running_server(default_model_dir, work: Path, *extra: str):
-    """A `capsulert serve` subprocess on a free loopback port (two tenants), stopped by SIGINT on exit."""
-    keys = work / "keys.yaml"
-    keys.write_text("keys:\n" + "".join(f"  {k}: {ns}\n" for ns, k in KEYS.items()))
+def running_server(default_model_dir, work: Path, *extra: str, keys: bool = True, model: str = MODEL):
+    """A `capsulert serve` subprocess on a free loopback port, serving `model` (two tenants; keys=False: open),
+    stopped by SIGINT on exit."""
+    auth = []
+    if keys:
+        (work / "keys.yaml").write_text("keys:\n" + "".join(f"  {k}: {ns}\n" for ns, k in KEYS.items()))
+        auth = ["--keys", str(work / "keys.yaml")]
     port, log = free_port(), work / "server.log"
     cmd = [sys.executable, "-m", "capsulert.cli", "serve", "--model", str(default_model_dir),
-           "--served-model-name", MODEL, "--port", str(port), "--keys", str(keys), "--device", "cpu",
+           "--served-model-name", model, "--port", str(port), *auth, "--device", "cpu",
            "--slots", str(ENGINE["slots"]), "--max-seq", str(ENGINE["max_seq"]),
            "--prefill-chunk", str(ENGINE["prefill_chunk"]), "--torch-threads", "1",
-           "--max-inflight", str(MAX_INFLIGHT), "--metrics-port", str(free_port()), "--log-level", "WARNING", *extra]
-    # metrics reach Ray's exporter every second instead of every ten, so the metrics test waits less
-    env = {**os.environ, "RAY_metrics_report_interval_ms": "1000", "RAY_DEDUP_LOGS": "0"}
+           "--max-inflight", str(MAX_INFLIGHT), "--log-level", "WARNING", *extra]
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    srv = Server(f"http://127.0.0.1:{port}", Path(default_model_dir), log)
+    srv = Server(f"http://127.0.0.1:{port}", Path(default_model_dir), log, model, pid=proc.pid)
     try:
         _wait_ready(srv, proc)
         yield srv

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from capsulert.serve.generation import Choice, Chunk
-from capsulert.serve.metrics import Deferred, NoMetrics
+from capsulert.serve.metrics import Deferred, RequestLabels, current_request, request_namespace
 from capsulert.serve.responses import Shape
 from capsulert.serve.streaming import sse
 from capsulert.serve.tokens import TokenText
@@ -39,12 +39,14 @@ def test_chunk_events_are_the_json_of_chunks(default_model_dir, chat, logprobs, 
 
 
 # -------------------------------------------------------------------------------------------- metrics
-class _Record(NoMetrics):
+class _Record:
+    """What Deferred records into (PromMetrics' methods), the calls kept."""
+
     def __init__(self):
         self.calls = []
 
-    def request(self, route, status, seconds):
-        self.calls.append(("request", route, status))
+    def request(self, namespace, route, status, seconds):
+        self.calls.append(("request", namespace, route, status))
 
     def inflight(self, n):
         self.calls.append(("inflight", n))
@@ -57,10 +59,14 @@ def test_deferred_metrics_record_after_the_step_in_order():
     assert rec.calls == [("inflight", 3)]
 
     async def main():
+        current_request.set(RequestLabels("chat"))
+        request_namespace("acme")  # the request's key was read: its namespace labels what it records
         m.inflight(1)
         m.request("chat", 200, 0.1)
         m.inflight(0)
         assert len(rec.calls) == 1  # not yet: the request's step goes on
         await asyncio.sleep(0)
     asyncio.run(main())
-    assert rec.calls[1:] == [("inflight", 1), ("request", "chat", 200), ("inflight", 0)]
+    assert rec.calls[1:] == [("inflight", 1), ("request", "acme", "chat", 200), ("inflight", 0)]
+    m.request("other", 404, 0.1)  # outside any request: no namespace
+    assert rec.calls[-1] == ("request", "", "other", 404)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
+import httpx
 import openai
+import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from capsulert.chat.template import ChatTemplate
 from capsulert.worker.sampler import SamplingParams
@@ -175,7 +178,11 @@ def test_capsule_round_trip_within_a_tenant(server, acme, oracle):
                                     extra_body={"snapshot_as": "ctx-a"})
     made = first.model_extra["capsule"]
     assert made["name"] == "ctx-a" and made["tokens"] == first.usage.prompt_tokens + 5
-    assert [c["id"] for c in server.http("GET", "/v1/capsules").json()["data"]] == ["ctx-a"]
+    rows = server.http("GET", "/v1/capsules").json()["data"]
+    assert [c["id"] for c in rows] == ["ctx-a"]
+    # one meaning per field name: size_bytes is the whole state in both replies; own_bytes what it holds alone
+    assert rows[0]["size_bytes"] == made["size_bytes"] > 0 and 0 < rows[0]["own_bytes"] <= made["size_bytes"]
+    assert "nbytes" not in made and "nbytes" not in rows[0]
 
     turn = " A user question"
     want = reference(oracle, turn, 10, prefix=[(PROMPT, 5)])
@@ -295,18 +302,82 @@ def test_concurrent_requests_are_each_exact(server, acme, oracle):
     assert [got.get(i) for i in range(len(prompts))] == want
 
 
-def test_metrics_count_requests_and_tokens(server):
+def scrape(server) -> dict[tuple[str, frozenset], float]:
+    """GET /metrics (no key needed) as {(series name, its labels): value}."""
+    r = server.http("GET", "/metrics", tenant=None)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        assert family.name.startswith("capsulert_"), family.name
+        for sample in family.samples:
+            out[sample.name, frozenset(sample.labels.items())] = sample.value
+    return out
+
+
+def count(samples, name: str, **labels) -> float:
+    """The sum of the series `name` whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def test_metrics_have_our_names_and_labels_only(server, acme):
+    acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    samples = scrape(server)
+    assert {n for n, _ in samples} >= {"capsulert_requests_total", "capsulert_generated_tokens_total",
+                                       "capsulert_request_seconds_count", "capsulert_inflight_requests"}
+    assert {k for _, ls in samples for k, _ in ls} <= {"model", "namespace", "route", "status", "tier", "le"}
+    assert count(samples, "capsulert_generated_tokens_total", model=MODEL, namespace="acme", route="completions") >= 2
+
+
+def test_every_refused_request_is_counted(server):
+    """Refusals anywhere count: FastAPI's validation, the key check, an unknown route, the app's own."""
+    refusals = [("POST", "/v1/completions", "acme", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400),
+                ("POST", "/v1/chat/completions", "acme", {"model": MODEL, "messages": "not a list"}, 400),
+                ("POST", "/v1/completions", "acme", {"model": "gpt-4", "prompt": "x"}, 404),
+                ("POST", "/v1/completions", None, {"model": MODEL, "prompt": "x"}, 401),
+                ("GET", "/v1/nothing", "acme", None, 404)]
+    before = scrape(server)
+    for method, path, tenant, body, status in refusals * 2:
+        assert server.http(method, path, tenant=tenant, json=body).status_code == status
+    after = scrape(server)
+
+    def delta(**labels):
+        return count(after, "capsulert_requests_total", **labels) - count(before, "capsulert_requests_total", **labels)
+    assert delta(status="400") == 4 and delta(status="404") == 4 and delta(status="401") == 2
+    assert delta(route="completions", namespace="acme", status="400") == 2  # the body was read after the key
+    assert delta(route="chat", status="400") == 2 and delta(route="other", status="404") == 2
+    assert delta(namespace="", status="401") == 2  # no namespace: the key was refused
+
+
+def test_only_the_server_serves_metrics(server):
+    """Ray's own metrics exporter is not started unless asked (--ray-metrics-port): of every port the server's
+    processes listen on, only the server's own answers GET /metrics with Prometheus metrics."""
+    procs = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+    pids = {p.pid for p in procs}
+    ports = {c.laddr.port for c in psutil.net_connections("tcp") if c.pid in pids and c.status == psutil.CONN_LISTEN}
+    own = int(server.url.rsplit(":", 1)[1])
+    assert own in ports and len(ports) > 1
+    exporters = []
+    for port in ports - {own}:
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2)
+        except httpx.HTTPError:
+            continue  # not HTTP (Ray's gRPC servers)
+        if r.status_code == 200 and "# TYPE" in r.text:
+            exporters.append(port)
+    assert exporters == []
+
+
+def test_metrics_count_capsule_hits_by_tier(server):
     deadline = time.monotonic() + 20
     while True:
-        text = server.http("GET", "/metrics", tenant=None).text
-        names = {line.split("{")[0] for line in text.splitlines() if line and not line.startswith("#")}
-        want = {"ray_capsulert_requests_total", "ray_capsulert_generated_tokens_total",
-                "ray_capsulert_ttft_seconds_count", "ray_capsulert_capsule_lookups_total",
-                "ray_capsulert_capsule_hits_total", "ray_capsulert_restore_seconds_count"}
+        names = {n for n, _ in scrape(server)}
+        want = {"capsulert_ttft_seconds_count", "capsulert_capsule_lookups_total", "capsulert_capsule_hits_total",
+                "capsulert_restore_seconds_count"}
         if want <= names or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert want <= names, sorted(names)
-    assert all(line.startswith(("#", "ray_capsulert_")) for line in text.splitlines() if line)
-    hits = [line for line in text.splitlines() if line.startswith("ray_capsulert_capsule_hits_total{")]
-    assert any('tier="gpu"' in line for line in hits), hits  # the capsule round trip read from device memory
+    samples = scrape(server)
+    # the capsule round trip read from device memory
+    assert count(samples, "capsulert_capsule_hits_total", tier="gpu", namespace="acme") > 0
