@@ -233,6 +233,8 @@ def test_keys_are_required_and_checked(server):
     ({"prompt": "x", "snapshot_as": "a/b"}, None),
     ({"prompt": "x " * 600, "max_tokens": 1}, None),  # past max_seq
     ({"prompt": "x " * 600, "max_tokens": 1, "stream": True}, None),  # refused by the streaming turn itself
+    ({"prompt": "x", "stop": ["a\ud800"]}, None),  # a lone surrogate: never matched
+    ({"prompt": "x", "top_k": 2 ** 70}, None),
 ])
 def test_bad_requests_are_400_openai_json(server, body, param):
     r = server.http("POST", "/v1/completions", json={"model": MODEL, **body})
