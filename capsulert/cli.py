@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("dir", type=Path, help="a disk_dir, a store.save() directory or a worker's pinned/")
     ls.add_argument("--namespace", help="only this namespace (default: all)")
     ls.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    rm = verbs.add_parser("rm", help="delete one capsule file (not from the disk_dir of a running engine)")
+    rm = verbs.add_parser("rm", help="delete one capsule file (refused in a directory a live engine or orchestrator owns)")
     rm.add_argument("dir", type=Path)
     rm.add_argument("name", help="capsule name (a name, never a path)")
     rm.add_argument("--namespace", default="default", help="namespace of the capsule (default: %(default)s)")
