@@ -39,6 +39,11 @@ class NoFreeSlotError(CapsuleRTError):
     """Every slot of the state set holds an open session."""
 
 
+class StaleSessionError(CapsuleRTError):
+    """The session's state was computed under older weights (it was open across an update_weights): it can
+    be closed, restored into, or re-derived under the current weights (`rederive`), nothing else."""
+
+
 class ForeignSessionError(CapsuleRTError):
     """A session of another engine was passed to this engine."""
 
@@ -112,3 +117,13 @@ class PeerLinkError(WorkerLost):
 class InvalidRequestError(CapsuleRTError, ValueError):
     """An argument of a verb is out of range (n < 1 branches, negative max_new_tokens, a promotion to a
     slower tier, ...). Also a ValueError, so generic callers can catch it as one."""
+
+
+class ExceedsCapacityError(InvalidRequestError):
+    """A request needs more sessions at once than the engine or server has slots: it could never start,
+    so it is refused at once instead of waiting (split it, or raise `slots`)."""
+
+
+class InsufficientResourcesError(ConfigError):
+    """The Ray cluster cannot place the workers asked for (GPUs or CPUs they ask for are missing or taken);
+    raised at start instead of waiting for resources that will not come."""

@@ -36,7 +36,7 @@ from capsulert.worker.decoding import DecodeStream, advance
 from capsulert.worker.engine import LONG_PREFILL_CHUNKS, Engine
 from capsulert.worker.session import Session
 from capsulert.worker.verbs import (SESSION, Append, Close, Delete, FinalEvent, Fork, Generate, GenerateResult,
-                                    Open, Request, Restore, SessionInfo, Snapshot, TokenEvent, Turn)
+                                    Open, Rederive, Request, Restore, SessionInfo, Snapshot, TokenEvent, Turn)
 
 
 @dataclass
@@ -218,6 +218,10 @@ class StepScheduler:
                 job.phases.append(("append", r.prompt))
         elif isinstance(r, Append):
             job.phases.append(("append", r.tokens))
+        elif isinstance(r, Rederive):
+            tokens = eng.begin_rederive(self._session(r.session))
+            if tokens:
+                job.phases.append(("append", tokens))
         elif isinstance(r, Generate):
             job.phases.append(("generate", r.max_new_tokens, r.sampling))
         elif isinstance(r, Snapshot):
