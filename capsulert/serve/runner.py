@@ -97,7 +97,10 @@ def start(opts: ServerOptions) -> str | None:
         if opts.ray_address:
             ray.init(address=opts.ray_address, **init)
         else:
-            ray.init(**init, **({"_metrics_export_port": opts.metrics_port} if opts.metrics_port else {}))
+            from capsulert.orchestrator.orchestrator import FAST_FAILURE_RAY_CONFIG  # a lost worker: 503 at once
+
+            ray.init(**init, _system_config=FAST_FAILURE_RAY_CONFIG,
+                     **({"_metrics_export_port": opts.metrics_port} if opts.metrics_port else {}))
         metrics_url = _metrics_url()
         step(f"starting {opts.num_workers} worker(s) and the HTTP server")
         logging_config = {"log_level": opts.log_level, "enable_access_log": opts.access_log}
