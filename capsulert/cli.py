@@ -121,10 +121,12 @@ def _add_serve(sub) -> None:
                          "an earlier one of its namespace skips the prefill of the shared grid prefix)")
     sv.add_argument("--prefix-cache-mb", type=int, default=2048,
                     help="MiB the prefix cache's entries may hold alone (default: %(default)s)")
-    sv.add_argument("--slot-wait", type=float, default=30.0,
-                    help="seconds a request waits for a free session slot before 429 (default: %(default)s)")
+    sv.add_argument("--slot-wait", type=float, default=60.0,
+                    help="seconds a session may wait at a worker for a free slot (a backstop: requests queue for "
+                         "their sessions in the admission queue first; default: %(default)s)")
     sv.add_argument("--max-inflight", type=int, default=256,
-                    help="generation requests in flight; more are refused with 429 (default: %(default)s)")
+                    help="generation requests in flight, running or queued for sessions; more are refused with 429 "
+                         "and Retry-After (default: %(default)s)")
     sv.add_argument("--max-n", type=int, help="largest n per request (default: --slots)")
     sv.add_argument("--torch-threads", type=int, help="torch threads per worker")
     sv.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")

@@ -32,7 +32,12 @@ class SessionClosedError(CapsuleRTError):
 
 
 class QueueFullError(CapsuleRTError):
-    """The worker's request queue is at its bound; retry later."""
+    """A request queue is at its bound (a worker's, the orchestrator's admission queue, the server's); retry
+    later: `retry_after_s`, when set, is how long the queue's owner expects it to take."""
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class NoFreeSlotError(CapsuleRTError):
@@ -119,9 +124,10 @@ class InvalidRequestError(CapsuleRTError, ValueError):
     slower tier, ...). Also a ValueError, so generic callers can catch it as one."""
 
 
-class ExceedsCapacityError(InvalidRequestError):
-    """A request needs more sessions at once than the engine or server has slots: it could never start,
-    so it is refused at once instead of waiting (split it, or raise `slots`)."""
+class ExceedsCapacityError(NoFreeSlotError, InvalidRequestError):
+    """A request needs more sessions at once than the engine or the orchestrator has slots: it could never
+    start, so it is refused at once instead of waiting (split it, or raise `slots`). Also a NoFreeSlotError
+    (what such a request raised before) and an InvalidRequestError (an HTTP 400)."""
 
 
 class InsufficientResourcesError(ConfigError):

@@ -25,6 +25,7 @@ from capsulert.capsule_store import validate_name
 from capsulert.capsule_store.owner import DirLock
 from capsulert.errors import ConfigError, InsufficientResourcesError, InvalidRequestError
 from capsulert.logs import level_name
+from capsulert.orchestrator.admission import SessionGate
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.namespace import Namespace
 from capsulert.orchestrator.orchestrator_config import OrchestratorConfig
@@ -107,6 +108,7 @@ class Orchestrator(Namespace):
             handles.append(WorkerActor.options(**opts).remote(ecfg, persist, cfg.torch_threads, i, log_level))
         capsule_map = CapsuleMap()
         pool = WorkerPool(handles, capsule_map, cfg.call_timeout_s, cfg.replicate_hot)
+        pool.gate = SessionGate(cfg.engine.slots, lambda: len(pool.alive()), cfg.max_queued)
         orch = cls(cfg, pool, capsule_map, owns, dir_lock)
         try:
             await asyncio.gather(*(pool.resync(i, cfg.start_timeout_s) for i in range(len(handles))))
@@ -175,6 +177,11 @@ class Orchestrator(Namespace):
         versions = list(await asyncio.gather(*(self.pool.call(w, request) for w in self.pool.alive())))
         self.pool.weights = UpdateWeights(payload, version=max(versions))
         return versions
+
+    def retry_after_s(self) -> float:
+        """When a request refused for a full admission queue is likely to find room (seconds, an estimate
+        from the recent holding times; what an HTTP 429's Retry-After says)."""
+        return self.pool.gate.retry_after_s()
 
     async def stats(self) -> list[dict]:
         return await self.pool.each(Stats())

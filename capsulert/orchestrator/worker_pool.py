@@ -29,6 +29,7 @@ from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutErr
                             RayTaskError, WorkerCrashedError)
 
 from capsulert.errors import CapsuleRTError, ConfigError, WorkerLost
+from capsulert.orchestrator.admission import SessionGate
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.event_feed import FeedReader
 from capsulert.orchestrator.worker_actor import send, send_stream
@@ -79,6 +80,7 @@ class WorkerPool:
         self.links: dict[tuple[int, int], tuple[tuple, str]] = {}
         self.link_generation = 0
         self.transfer_locks: dict[int, asyncio.Lock] = {}
+        self.gate: SessionGate | None = None  # admission of requests that need sessions (set by the Orchestrator)
 
     def __len__(self) -> int:
         return len(self.workers)

@@ -52,7 +52,7 @@ class CapsuleServer:
             self.state = ServerState(
                 orchestrator=self.orchestrator, tenants=tenants,
                 limits=Limits(opts.model_name, opts.engine.max_seq, opts.largest_n), tokens=tokens,
-                template=ChatTemplate.for_model(path, eos), admission=Admission(opts.max_inflight, metrics),
+                template=ChatTemplate.for_model(path, eos), admission=Admission(opts.max_inflight, metrics, self.orchestrator.retry_after_s),
                 metrics=metrics, metrics_url=metrics_url)
             self._app = build_app(self.state)
             self._http = (await DirectIngress.start(self._app, opts.host, opts.port, opts.access_log)

@@ -62,6 +62,11 @@ class Plan:
     snapshot_as: str | None = None
     pin: bool = False
 
+    @property
+    def sessions(self) -> int:
+        """Sessions the request holds at once (its admission reserves them): n branches of every prompt."""
+        return len(self.prompts) * self.n
+
     def params(self, branch: int) -> SamplingParams:
         return SamplingParams(**self.sampling, seed=None if self.seed is None else self.seed + branch)
 

@@ -24,6 +24,7 @@ from capsulert.model_config import ModelConfig
 from capsulert.progress import progress_bar
 from capsulert.errors import (
     ConfigError,
+    ExceedsCapacityError,
     ForeignSessionError,
     InvalidRequestError,
     NoFreeSlotError,
@@ -166,8 +167,9 @@ class Engine:
     def open(self, wait_s: float | None = None, *, prompt=None, namespace: str | None = "default") -> Session:
         """A new session, empty or prefilled with `prompt` (with EngineConfig.prefix_cache, the longest
         cached grid prefix of it in `namespace` is restored and only the rest prefilled; namespace None:
-        no prefix reuse). With every slot taken, waits up to wait_s (default: the config's slot_wait_s)
-        for one to be released, then raises NoFreeSlotError."""
+        no prefix reuse). With every slot taken, waits up to wait_s seconds (default 0: a blocking call
+        in a thread that holds the slots would wait for itself; the step scheduler's requests queue for up
+        to the config's slot_wait_s) for one to be released, then raises NoFreeSlotError."""
         with self._lock:
             session = self._take_slots(1, wait_s)[0]
             self.prefix.opened(session, namespace)
@@ -181,9 +183,10 @@ class Engine:
 
     def _take_slots(self, n: int, wait_s: float | None = None, reset: bool = True) -> list[Session]:
         """Claim n slots. reset=False when a restore overwrites every state buffer of the slot next."""
-        wait_s = self.config.slot_wait_s if wait_s is None else wait_s
-        if n > self.config.slots:
-            raise NoFreeSlotError(f"{n} slot(s) needed but the engine has {self.config.slots}; raise `slots`")
+        wait_s = 0.0 if wait_s is None else wait_s
+        if n > self.config.slots:  # could never start: refused at once, whatever the wait
+            raise ExceedsCapacityError(f"{n} slot(s) needed at once but the engine has {self.config.slots}; "
+                                       "ask for fewer or raise `slots`")
         deadline = time.monotonic() + wait_s
         while n > len(self._free):
             remaining = deadline - time.monotonic()
