@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("dir", type=Path, help="a disk_dir, a store.save() directory or a worker's pinned/")
     ls.add_argument("--namespace", help="only this namespace (default: all)")
     ls.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    rm = verbs.add_parser("rm", help="delete one capsule file (not from the disk_dir of a running engine)")
+    rm = verbs.add_parser("rm", help="delete one capsule file (refused in a directory a live engine or orchestrator owns)")
     rm.add_argument("dir", type=Path)
     rm.add_argument("name", help="capsule name (a name, never a path)")
     rm.add_argument("--namespace", default="default", help="namespace of the capsule (default: %(default)s)")
@@ -129,10 +129,12 @@ def _add_serve(sub) -> None:
                          "an earlier one of its namespace skips the prefill of the shared grid prefix)")
     sv.add_argument("--prefix-cache-mb", type=int, default=2048,
                     help="MiB the prefix cache's entries may hold alone (default: %(default)s)")
-    sv.add_argument("--slot-wait", type=float, default=30.0,
-                    help="seconds a request waits for a free session slot before 429 (default: %(default)s)")
+    sv.add_argument("--slot-wait", type=float, default=60.0,
+                    help="seconds a session may wait at a worker for a free slot (a backstop: requests queue for "
+                         "their sessions in the admission queue first; default: %(default)s)")
     sv.add_argument("--max-inflight", type=int, default=256,
-                    help="generation requests in flight; more are refused with 429 (default: %(default)s)")
+                    help="generation requests in flight, running or queued for sessions; more are refused with 429 "
+                         "and Retry-After (default: %(default)s)")
     sv.add_argument("--max-n", type=int, help="largest n per request (default: --slots)")
     sv.add_argument("--torch-threads", type=int, help="torch threads per worker")
     sv.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")

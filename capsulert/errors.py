@@ -32,11 +32,21 @@ class SessionClosedError(CapsuleRTError):
 
 
 class QueueFullError(CapsuleRTError):
-    """The worker's request queue is at its bound; retry later."""
+    """A request queue is at its bound (a worker's, the orchestrator's admission queue, the server's); retry
+    later: `retry_after_s`, when set, is how long the queue's owner expects it to take."""
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class NoFreeSlotError(CapsuleRTError):
     """Every slot of the state set holds an open session."""
+
+
+class StaleSessionError(CapsuleRTError):
+    """The session's state was computed under older weights (it was open across an update_weights): it can
+    be closed, restored into, or re-derived under the current weights (`rederive`), nothing else."""
 
 
 class ForeignSessionError(CapsuleRTError):
@@ -112,3 +122,14 @@ class PeerLinkError(WorkerLost):
 class InvalidRequestError(CapsuleRTError, ValueError):
     """An argument of a verb is out of range (n < 1 branches, negative max_new_tokens, a promotion to a
     slower tier, ...). Also a ValueError, so generic callers can catch it as one."""
+
+
+class ExceedsCapacityError(NoFreeSlotError, InvalidRequestError):
+    """A request needs more sessions at once than the engine or the orchestrator has slots: it could never
+    start, so it is refused at once instead of waiting (split it, or raise `slots`). Also a NoFreeSlotError
+    (what such a request raised before) and an InvalidRequestError (an HTTP 400)."""
+
+
+class InsufficientResourcesError(ConfigError):
+    """The Ray cluster cannot place the workers asked for (GPUs or CPUs they ask for are missing or taken);
+    raised at start instead of waiting for resources that will not come."""

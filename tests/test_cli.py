@@ -1,5 +1,6 @@
 """The `capsulert` command line: demo, capsules ls/rm, bench (capsulert.cli)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -167,6 +168,29 @@ def test_rm_damaged_file_needs_force(tmp_path, capsys):
     assert "CorruptCapsuleError" in err and "--force" in err and path.exists()
     assert cli.main(["capsules", "rm", str(tmp_path), "x", "--force"]) == 0
     assert not path.exists()
+
+
+def test_rm_is_refused_where_a_live_owner_holds_the_directory(tmp_path, capsys):
+    """Issue 29 item 3: rm used to delete a capsule file under a live owner (exit 0, file gone)."""
+    from capsulert.capsule_store import CapsuleStore
+    from capsulert.capsule_store.owner import DirLock
+
+    owned = tmp_path / "disk"
+    store = CapsuleStore(device="cpu", fingerprint="fp-test:float32", layout_version=1, disk_dir=owned)
+    path = write(owned, "x")
+    assert cli.main(["capsules", "rm", str(owned), "x"]) == 1
+    err = capsys.readouterr().err
+    assert "DiskDirInUseError" in err and f"pid {os.getpid()}" in err and path.exists()
+    # an orchestrator owns its workers' directories below its own: pinned/ of a worker is refused too
+    orch_dir = tmp_path / "orch"
+    lock = DirLock(orch_dir, "orchestrator")
+    pinned = write(orch_dir / "worker-0" / "pinned", "p")
+    assert cli.main(["capsules", "rm", str(orch_dir / "worker-0" / "pinned"), "p"]) == 1
+    assert "orchestrator" in capsys.readouterr().err and pinned.exists()
+    store.close()
+    lock.release()
+    assert cli.main(["capsules", "rm", str(owned), "x"]) == 0 and not path.exists()
+    assert cli.main(["capsules", "rm", str(orch_dir / "worker-0" / "pinned"), "p"]) == 0 and not pinned.exists()
 
 
 # ------------------------------------------------------------------------------------- entry points

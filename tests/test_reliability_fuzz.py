@@ -3,9 +3,11 @@
 One engine on the default model with a disk_dir; the rules open, append, snapshot, restore, restore in
 place, fork and close sessions, and delete, pin, unpin, promote, demote, prefetch, set budgets (random, a
 few capsules wide, so the gpu -> host -> disk -> dropped cascade and its background disk writes run),
-flush, save, load and crash. A crash closes the store without flushing (its background writes are
-cancelled, as a dead process's would be), leaves a temp file of a dead writer behind, starts a new
-engine on the same disk_dir and re-indexes what is there with load(disk_dir).
+flush, save, load, update the weights (two weight sets in turn, a new version each time), re-derive
+stale sessions, rebuild stale capsules, and crash. A crash closes the store without flushing (its
+background writes are cancelled, as a dead process's would be), leaves a temp file of a dead writer
+behind, sometimes damages one capsule file of the disk tier, and starts a new engine on the same disk_dir
+(its configured weights, version 0), whose store indexes what is there at start.
 
 Invariants, after every step:
 - no untyped exception: a rule may be refused only with a capsulert error, and a refusal changes
@@ -16,7 +18,12 @@ Invariants, after every step:
   what was saved;
 - listing == files on disk == what restores: every capsule file is a disk-tier capsule, after a flush the
   disk tier is exactly the files, and every restore (and every capsule's bytes) equals, bitwise, what was
-  snapshotted.
+  snapshotted;
+- weight versions never mix: a capsule restores only under the weights version that made it (else
+  StaleCapsuleError, changing nothing), a session open across an update is refused (StaleSessionError)
+  until re-derived, and a re-derived session or a rebuilt capsule equals a cold prefill of its tokens
+  under the current weights, bitwise; across a restart a damaged file is set aside with a typed record,
+  never indexed, and every other durable capsule comes back.
 
 Default size: 20 runs x 50 steps (a few seconds). CAPSULERT_FUZZ_EXAMPLES / CAPSULERT_FUZZ_STEPS scale it;
 CAPSULERT_FUZZ_REPORT=<file> writes the figures (operations, crashes survived, losses) as JSON.
@@ -61,11 +68,13 @@ def dead_pid() -> int:
 
 @dataclass(frozen=True)
 class Expect:
-    """What a capsule must restore to: its tokens, the next-token logits and its tensors' checksum."""
+    """What a capsule must restore to: its tokens, the next-token logits and its tensors' checksum, and
+    the weights version that made it (only that version restores it)."""
 
     tokens: tuple[int, ...]
     logits: torch.Tensor
     checksum: str
+    version: int = 0
 
 
 class CapsuleMachine(RuleBasedStateMachine):
@@ -82,6 +91,10 @@ class CapsuleMachine(RuleBasedStateMachine):
         self.pinned: set[str] = set()
         self.saves: list[tuple[Path, dict[str, Expect]]] = []
         self.dropped = self.engine.store.stats()["dropped"]
+        # the engine's weights now, and the other set: the configured weights at even versions, a nudged copy
+        # of them at odd ones (so a version names the same weights before and after a restart)
+        self.configured = {k: v.clone() for k, v in self.engine.model_weights.items()}
+        self.weights = [self.configured, None]
         s = self.engine.open()
         s.append(list(range(1, 41)))
         self.unit = s.snapshot("probe", tier="host").nbytes  # a typical capsule's bytes: budgets are multiples
@@ -134,9 +147,34 @@ class CapsuleMachine(RuleBasedStateMachine):
 
     def _expect_from(self, session, name: str) -> Expect:
         checksum = tensors_checksum(self.store.get(name)[1])
-        return Expect(tuple(session.tokens), session.logits().clone(), checksum)
+        return Expect(tuple(session.tokens), session.logits().clone(), checksum, self.engine.weights_version)
+
+    def _free_slot(self, keep=None) -> None:
+        """Close a session (never `keep`) when every slot is taken."""
+        if not self.engine.free_slots:
+            victim = next(x for x in self.sessions if x is not keep)
+            self.sessions.remove(victim)
+            victim.close()
+
+    def _cold_logits(self, tokens, keep=None) -> torch.Tensor:
+        """The next-token logits of a cold prefill of `tokens` under the current weights."""
+        self._free_slot(keep)
+        s = self.engine.open(namespace=None)
+        try:
+            s.append(list(tokens))
+            return s.logits().clone()
+        finally:
+            s.close()
+
+    def _current(self, name: str) -> bool:
+        return self.model[name].version == self.engine.weights_version
 
     def _check_restore(self, name: str) -> None:
+        if not self._current(name):  # made under other weights: refused, and nothing changes
+            ok, _ = self._try(self.engine.restore, name)
+            assert not ok, f"stale capsule {name} restored under weights version {self.engine.weights_version}"
+            FIGURES["stale_refused"] += 1
+            return
         ok, r = self._try(self.engine.restore, name)
         if not ok:  # every slot is taken: free one and retry
             self.sessions.pop(0).close()
@@ -210,6 +248,7 @@ class CapsuleMachine(RuleBasedStateMachine):
         name = self._pick(pick)
         s = self.sessions[i % len(self.sessions)]
         ok, _ = self._try(s.restore, name)
+        assert not ok or self._current(name), f"stale capsule {name} restored in place"
         if ok:
             exp = self.model[name]
             assert tuple(s.tokens) == exp.tokens and torch.equal(s.logits(), exp.logits)
@@ -218,6 +257,7 @@ class CapsuleMachine(RuleBasedStateMachine):
     def fork(self, pick, n):
         name = self._pick(pick)
         ok, branches = self._try(self.engine.fork, name, n)
+        assert not ok or self._current(name), f"stale capsule {name} forked"
         for b in branches or []:
             exp = self.model[name]
             assert tuple(b.tokens) == exp.tokens and torch.equal(b.logits(), exp.logits)
@@ -287,37 +327,102 @@ class CapsuleMachine(RuleBasedStateMachine):
             assert n == len(saved)
             self.model.update(saved)
 
+    # -- weights ------------------------------------------------------------------------------------------
+    @rule(roll=st.integers(0, 1))
+    def update_weights(self, roll):
+        """New weights in place (the other of two sets: every update is a real change), a new version."""
+        if roll:
+            return
+        FIGURES["operations"] += 1
+        if self.weights[1] is None:
+            g = torch.Generator().manual_seed(3)
+            self.weights[1] = {k: v + 0.05 * v.abs().mean() * torch.randn(v.shape, generator=g)
+                               for k, v in self.weights[0].items()}
+        version = self.engine.update_weights(self.weights[1])
+        self.weights.reverse()
+        assert version == self.engine.weights_version and all(s.stale for s in self.sessions if s.tokens)
+        FIGURES["weight_updates"] += 1
+
+    @precondition(lambda self: self.sessions)
+    @rule(i=st.integers(0, 9))
+    def rederive(self, i):
+        """A session open across an update is refused until re-derived; then it is a cold prefill."""
+        s = self.sessions[i % len(self.sessions)]
+        if s.stale:
+            ok, _ = self._try(s.logits)
+            assert not ok, "a stale session answered"
+        FIGURES["operations"] += 1
+        s.rederive()
+        assert not s.stale and torch.equal(s.logits(), self._cold_logits(s.tokens, keep=s)), \
+            "a re-derived session is not a cold prefill under the current weights"
+        FIGURES["rederived"] += 1
+
+    @rule(pick=PICK)
+    def rebuild(self, pick):
+        name = self._pick(pick)
+        stale = name in self.model and not self._current(name)
+        ok, ref = self._try(self.engine.rebuild, name)
+        if not ok:
+            return
+        assert (ref is not None) == stale, f"rebuild of {name}: {ref} (stale: {stale})"
+        if ref is not None:
+            tokens = self.model[name].tokens
+            checksum = tensors_checksum(self.store.get(name)[1])
+            self.model[name] = Expect(tokens, self._cold_logits(tokens), checksum, self.engine.weights_version)
+            self._check_restore(name)  # a cold prefill under the current weights, bitwise
+            FIGURES["rebuilt"] += 1
+
     @rule()
     def load_own_disk_dir(self):
         ok, n = self._try(self.store.load, self.disk)  # refused (ConfigError) while the disk budget is 0
         assert not ok or n == 0, "the live store's own files are all indexed already"
 
-    @rule(flushed=st.booleans(), roll=st.integers(0, 2))
-    def crash(self, flushed, roll):
-        """The process dies: the store lets go without flushing (unless `flushed` first) and a new
-        engine starts on the same disk_dir; load(disk_dir) brings back what was durable. (Only one
-        roll in three crashes, so runs also grow long histories.)"""
+    @rule(flushed=st.booleans(), roll=st.integers(0, 2), damage=st.integers(0, 1))
+    def crash(self, flushed, roll, damage):
+        """The process dies: the store lets go without flushing (unless `flushed` first), one capsule file
+        may be damaged meanwhile (one roll of `damage` in two), and a new engine starts on the same
+        disk_dir with its configured weights: its store indexes what was durable at start, setting the
+        damaged file aside. (Only one roll in three crashes, so runs also grow long histories.)"""
         if roll:
             return
         FIGURES["operations"] += 1
+        if damage == 0 and self.model:  # a durable file to damage (refused, harmlessly, without disk room)
+            self._try(self.store.demote, sorted(self.model)[0], "disk")
         if flushed:
             self.store.flush()
         on_disk = {i.name for i in self.store.list() if i.tier == "disk"}
         stray = self.disk / f".{capsule_file_name('default', 'z')}.tmp-{self.dead_pid}@{host_id()}-{'ab' * 8}"
         stray.write_bytes(b"half a capsule")  # a writer killed mid-write
         self.store.close(flush=False)
+        files = {p.name: p for p in list_capsule_files(self.disk)}
+        durable = sorted(n for n in on_disk if capsule_file_name("default", n) in files)  # written in full
+        damaged = durable[0] if damage == 0 and durable else None
+        if damaged is not None:
+            path = files[capsule_file_name("default", damaged)]
+            raw = bytearray(path.read_bytes())
+            raw[-1] ^= 0x10  # one flipped bit in its last tensor's bytes
+            path.write_bytes(bytes(raw))
         for s in self.sessions:
             s.closed = True  # its engine is gone
         self.sessions = []
         self.engine = self._engine()
-        ok, n = self._try(self.store.load, self.disk)
-        assert ok and not stray.exists()
+        assert not stray.exists()
         back = {i.name for i in self.store.list()}
-        assert back <= on_disk and (not flushed or back == on_disk), (back, on_disk)
+        assert self.store.reindexed == len(back)
+        want = on_disk - {damaged}
+        assert back <= want and (not flushed or back == want), (back, want)
+        quarantined = [Path(q.path).name for q in self.store.quarantined]
+        assert quarantined == ([capsule_file_name("default", damaged)] if damaged else []), quarantined
+        ok, n = self._try(self.store.load, self.disk)  # everything there is indexed already
+        assert ok and n == 0
         self.model = {name: self.model[name] for name in back}
         self.pinned = set()
+        if self.weights[0] is not self.configured:  # the new process runs its configured weights, version 0
+            self.weights.reverse()
         self.dropped = self.store.stats()["dropped"]
         FIGURES["crashes_survived"] += 1
+        FIGURES["crashes_with_disk_capsules"] += bool(durable)
+        FIGURES["damaged_files_set_aside"] += bool(damaged)
 
     # -- invariants -------------------------------------------------------------------------------------------
     @invariant()

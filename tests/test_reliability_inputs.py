@@ -64,3 +64,30 @@ def test_directory_errors_are_typed_and_change_nothing(make_engine, tmp_path, te
     with pytest.raises(CapsuleIOError, match="not a directory"):
         eng.store.load(a_file)
     assert same(state(eng, s), before) and a_file.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("fields", [dict(stop=["\ud800"]), dict(stop=["fine", "x\udfffy"]), dict(top_k=2 ** 70),
+                                    dict(top_k=2 ** 31)])
+def test_sampling_fields_that_mean_nothing_are_refused(engine, fields):
+    """Issue 29 item 7: a stop string with a lone surrogate (never matched: decoded text holds none) and a
+    top_k of 2^70 were accepted."""
+    from capsulert.errors import InvalidRequestError
+    from capsulert.orchestrator.orchestrator_config import sampling_params
+    from capsulert.worker.sampler import SamplingParams
+
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**fields)
+    with pytest.raises(InvalidRequestError):  # the orchestrator's and the server's path
+        sampling_params(fields)
+
+
+def test_the_largest_top_k_keeps_every_token(engine):
+    from capsulert.worker.sampler import MAX_TOP_K, SamplingParams
+
+    runs = []
+    for top_k in (MAX_TOP_K, 0):
+        s = engine.open()
+        s.append("fine")
+        runs.append(s.generate(8, SamplingParams(temperature=1.0, seed=5, top_k=top_k, ignore_eos=True)))
+        s.close()
+    assert runs[0] == runs[1]

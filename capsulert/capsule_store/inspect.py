@@ -5,8 +5,10 @@ This is what `capsulert capsules ls|rm` runs on. It relies only on the public di
 (disk.read_header, disk.list_capsule_files, capsule.capsule_file_name), so it sees exactly the files a
 store's `load` would load, and refuses the same corrupt or foreign files with the same typed errors.
 
-Do not delete from the disk_dir of a running engine: its store indexes the files it wrote and would
-report the missing file as corrupt on its next read. Delete through the engine (`store.delete`) there.
+`rm` honours the owner lock (owner.py): a directory a live store or orchestrator owns (its disk_dir, or
+a worker's directory or pinned/ below an orchestrator's) is refused with DiskDirInUseError, since its
+owner indexes the files there; delete through the owner (`store.delete`, the orchestrator's `delete`).
+`rm` holds the directory's lock while it deletes (when it has one), so no owner starts there meanwhile.
 
 A capsule cut into prefix blocks (format 2) lists the bytes of its own file as `nbytes` and the blocks it
 references beside it as `shared_nbytes` (`blocks` of them; block files are shared by the capsule files of
@@ -21,6 +23,7 @@ from pathlib import Path
 from capsulert.capsule_store.blockfiles import referenced_blocks, sweep_orphans
 from capsulert.capsule_store.capsule import capsule_file_name, validate_name
 from capsulert.capsule_store.disk import FILE_SUFFIX, fsync_dir, list_capsule_files, read_header_refs
+from capsulert.capsule_store.owner import LOCK_NAME, DirLock, check_unowned
 from capsulert.errors import CorruptCapsuleError, InvalidRequestError, UnknownCapsuleError
 
 #: every capsule in a directory of capsule files is in the disk tier
@@ -113,11 +116,23 @@ def delete(directory: str | Path, name: str, namespace: str = "default", *, forc
     The name is validated (never a path) and the file is found by the hash of (namespace, name), so
     nothing but that capsule's file can be deleted. Its header is verified first: a file that does not
     verify raises CorruptCapsuleError unless `force` (it still sits at that capsule's file name, so it
-    can only be a damaged copy of that capsule). Unknown names raise UnknownCapsuleError.
+    can only be a damaged copy of that capsule). Unknown names raise UnknownCapsuleError. A directory a
+    live owner holds (itself or a directory above it) raises DiskDirInUseError: delete through the owner.
     """
     directory = _directory(directory)
     validate_name(name)
     validate_name(namespace, "namespace")
+    check_unowned(directory)  # this directory, and those above it (an orchestrator owns its workers')
+    if not (directory / LOCK_NAME).is_file():  # never owned: nothing to hold (and no lock file left behind)
+        return _delete(directory, name, namespace, force)
+    lock = DirLock(directory, "capsulert capsules rm")  # held while deleting: no owner starts here meanwhile
+    try:
+        return _delete(directory, name, namespace, force)
+    finally:
+        lock.release()
+
+
+def _delete(directory: Path, name: str, namespace: str, force: bool) -> Path:
     path = directory / capsule_file_name(namespace, name)
     if not path.is_file():
         raise UnknownCapsuleError(_unknown_message(directory, name, namespace))

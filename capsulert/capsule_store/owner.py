@@ -12,6 +12,12 @@ owning process exits, however it exits (SIGKILL, OOM), so a lock never goes stal
 it at once and logs the dead owner it replaces (read from the JSON the lock file holds). flock locks
 belong to an open file, so a second store in the same process is refused as well. The lock file is left
 in place on release (unlinking it would race with a process that just opened it).
+
+A forked child inherits the lock's descriptor, and with it the lock: the kernel would keep the directory
+locked while the child lives, after its owner died. So a forked child closes its copies at once
+(os.register_at_fork); the parent's lock is untouched. A directory still locked although the pid its lock
+file records is dead is reported as such (another process holds the descriptor, e.g. a child forked
+before this safeguard, or one that passed the descriptor on).
 """
 from __future__ import annotations
 
@@ -114,6 +120,32 @@ def ensure_directory(directory: str | Path, *, create: bool) -> Path:
     return directory
 
 
+_LIVE_LOCKS: "weakref.WeakSet[DirLock]" = weakref.WeakSet()
+
+
+def _close_inherited_locks() -> None:
+    """In a forked child: close the lock descriptors inherited from the parent (the parent keeps its lock;
+    the child neither holds nor releases it: the objects it inherited forget their descriptor)."""
+    for lock in list(_LIVE_LOCKS):
+        lock._forget()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
+def _in_use_message(directory: Path, holder: Owner | None) -> str:
+    if holder is None:
+        who = "another live store"
+    elif holder.host == host_id() and not pid_alive(holder.pid):
+        who = (f"a process other than its recorded owner: {holder.describe()} is dead, but the lock is still "
+               f"held, by a process that inherited its lock descriptor (a child it forked); stop that process "
+               f"(`fuser {directory / LOCK_NAME}` names it) and retry")
+    else:
+        who = holder.describe()
+    return (f"capsule directory {directory} is in use by {who}; two owners would overwrite each "
+            f"other's capsule files: give each engine or orchestrator its own disk_dir")
+
+
 class DirLock:
     """The exclusive owner lock of one directory, held until release() or until this object is collected."""
 
@@ -130,10 +162,7 @@ class DirLock:
             holder = _read_owner(fd)
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                who = holder.describe() if holder else "another live store"
-                raise DiskDirInUseError(
-                    f"capsule directory {self.directory} is in use by {who}; two owners would overwrite each "
-                    f"other's capsule files: give each engine or orchestrator its own disk_dir") from None
+                raise DiskDirInUseError(_in_use_message(self.directory, holder)) from None
             raise _io_error(self.directory, "lock it (the file system must support flock)", e) from None
         previous = _read_owner(fd)
         if previous is not None:  # the kernel dropped its flock: it exited without releasing
@@ -146,7 +175,9 @@ class DirLock:
         except OSError as e:
             _release(fd)
             raise _io_error(self.directory, "write its owner lock", e) from None
+        self._fd = fd
         self._finalizer = weakref.finalize(self, _release, fd)  # a forgotten lock is dropped with its object
+        _LIVE_LOCKS.add(self)
 
     @property
     def held(self) -> bool:
@@ -154,3 +185,36 @@ class DirLock:
 
     def release(self) -> None:
         self._finalizer()  # runs _release once; later calls do nothing
+
+    def _forget(self) -> None:
+        """Close this process's copy of the descriptor without touching the lock (a forked child's)."""
+        if self._finalizer.detach() is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+
+
+def check_unowned(directory: str | Path) -> None:
+    """DiskDirInUseError when a live owner holds `directory` or a directory above it (an orchestrator owns
+    its workers' directories, a store its disk_dir); changes nothing. For tools that change a directory's
+    files without taking it over (`capsulert capsules rm`)."""
+    directory = Path(directory).resolve()
+    for d in (directory, *directory.parents):
+        path = d / LOCK_NAME
+        if not path.is_file():
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise DiskDirInUseError(_in_use_message(d, _read_owner(fd))) from None
+                continue  # a file system without flock: nobody can hold it either
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)

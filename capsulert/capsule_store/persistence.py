@@ -5,13 +5,22 @@ read (_reading: a read reference while the bytes are in use).
 The store holds disk_dir's owner lock from construction to close() (or until it is collected), so no
 other store or orchestrator writes there and the disk tier's index is exactly the capsule files there.
 Block files (blockfiles.py) live beside the capsule files; when the store starts it removes the block
-files no capsule file references (what a crash between writes leaves) and keeps the others for the
-capsule files a later load(disk_dir) indexes.
+files no capsule file references (what a crash between writes leaves).
+
+A store taking a disk_dir that holds capsule files (its own, from before a restart or a crash) indexes them
+in place at start (`reindex`, the default): one file at a time, each verified in full (blocks included);
+a file that does not verify is set aside into `quarantine/` with a warning and a typed record
+(`quarantined`), and the rest are indexed, each counted in the disk budget as it comes (oldest first:
+when the budget cannot hold them all, the oldest are dropped as budget pressure drops any capsule). So the
+disk tier survives a restart, and no file of a previous process is left unindexed and uncounted.
+`reindex=False` leaves them for an explicit `load(disk_dir)`, which indexes all of them or none.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
@@ -21,14 +30,19 @@ import torch
 from capsulert.capsule_store.blockfiles import block_file_name, referenced_blocks, stage_block, sweep_orphans
 from capsulert.capsule_store.blocks import Parts, full_specs, split
 from capsulert.capsule_store.capsule import tensor_nbytes, tensor_specs
-from capsulert.capsule_store.disk import fsync_dir, read_capsule_parts, scan_capsule_files, write_capsule_with_meta
+from capsulert.capsule_store.disk import (fsync_dir, list_capsule_files, read_capsule_parts, scan_capsule_files,
+                                         write_capsule_with_meta)
 from capsulert.capsule_store.background import BackgroundWrites
 from capsulert.capsule_store.owner import DirLock, ensure_directory
+from capsulert.capsule_store.headers import read_header_refs
 from capsulert.capsule_store.plan import Entry, Key
+from capsulert.capsule_store.quarantine import QuarantinedFile, quarantine
 from capsulert.capsule_store.tiers import pkey
-from capsulert.errors import (BudgetExceededError, CapsuleError, CapsuleIOError, ConfigError, DuplicateCapsuleError,
-                              InvalidRequestError)
+from capsulert.errors import (BudgetExceededError, CapsuleError, CapsuleInUseError, CapsuleIOError, ConfigError,
+                              DuplicateCapsuleError, InvalidRequestError)
 from capsulert.policies.base import TIERS
+
+log = logging.getLogger(__name__)
 
 
 class Persistence(BackgroundWrites):
@@ -36,12 +50,94 @@ class Persistence(BackgroundWrites):
         super().__init__(**kw)
         disk_dir = self._disk_dir
         self._closed = False
+        self._quarantined: list[QuarantinedFile] = []
         self._owner_lock = DirLock(disk_dir, "capsule store") if disk_dir is not None else None
         if disk_dir is not None:
             scan_capsule_files(disk_dir, clean=True)  # temp files of a dead previous owner's writes
             referenced = referenced_blocks(disk_dir)
             sweep_orphans(disk_dir, referenced)
             self._pools["disk"].external = referenced  # kept for the capsule files load(disk_dir) indexes
+
+    @property
+    def quarantined(self) -> list[QuarantinedFile]:
+        """The capsule files this store set aside instead of loading (quarantine.py), oldest first."""
+        with self._lock:
+            return list(self._quarantined)
+
+    def _reindex_disk(self) -> int:
+        """Index the capsule files disk_dir holds (a previous owner's), in place, one at a time; the count
+        indexed. See the module docstring."""
+        directory = self._disk_dir
+        files = list_capsule_files(directory) if directory is not None else []
+        if not files:
+            return 0
+        if not self._usable("disk"):
+            log.warning("capsule directory %s holds %d capsule file(s), but the disk tier is disabled (budget 0): "
+                        "they are not indexed (load them with store.load)", directory, len(files))
+            return 0
+        verified: set[str] = set()  # block keys read and verified already (blocks are shared by files)
+        found = []
+        for p in files:
+            try:
+                meta, parts = read_capsule_parts(p, self.fingerprint, self.layout_version, have=frozenset(verified))
+            except CapsuleError as e:  # corrupt, another model's, unreadable: set aside, go on with the rest
+                self._set_aside(p, e)
+                continue
+            verified.update(parts.refs.all_keys if parts.refs is not None else ())
+            found.append((p, meta, parts))
+        found.sort(key=lambda f: f[1].created_at)  # the newest indexed last: the most recently used
+        with self._lock:
+            for p, meta, parts in found:
+                key = (meta.namespace, meta.name)
+                plan = self._new_plan()
+                plan.enter("disk", tensor_nbytes(parts.own), parts.refs)
+                try:
+                    self._make_room(plan, "disk", frozenset({key}))
+                except BudgetExceededError as e:  # pinned capsules fill the budget: nothing to drop for it
+                    self._drop_unindexed(p, parts, e)
+                    continue
+                self._apply(plan)
+                self._index_file(p, meta, parts)
+            # what is left unreferenced: the block files of the files set aside or dropped
+            sweep_orphans(directory, referenced_blocks(directory), "its capsule files were set aside or dropped")
+            self._pools["disk"].external = Counter()  # every capsule file left is indexed
+        log.info("capsule directory %s: indexed %d capsule file(s) left by a previous owner%s", directory,
+                 len(found), f"; set aside {len(self._quarantined)}" if self._quarantined else "")
+        return len(found)
+
+    def _set_aside(self, path: Path, error: CapsuleError) -> None:
+        try:
+            _, _, refs = read_header_refs(path)
+        except CapsuleError:
+            refs = None
+        self._forget_external(refs)
+        self._quarantined.append(quarantine(path, error))
+
+    def _drop_unindexed(self, path: Path, parts: Parts, error: BudgetExceededError) -> None:
+        self._forget_external(parts.refs)
+        path.unlink(missing_ok=True)
+        self._counters["dropped"] += 1
+        self._counters["dropped_bytes"] += tensor_nbytes(parts.own) + (parts.refs.nbytes if parts.refs else 0)
+        log.warning("capsule file %s removed at start: the disk tier has no room for it (%s)", path, error)
+
+    def _forget_external(self, refs) -> None:
+        """A capsule file that will not be indexed no longer holds its blocks' files."""
+        disk = self._pools["disk"]
+        for k in refs.all_keys if refs is not None else ():
+            if disk.external[k] > 0:
+                disk.external[k] -= 1
+
+    def _index_file(self, path: Path, meta, parts: Parts) -> None:
+        """Index one verified capsule file of disk_dir in place, in the disk tier (room made by the caller)."""
+        e = self._entry(meta, "disk", path, parts)
+        self._ref("disk", e)
+        disk = self._pools["disk"]
+        for k in e.block_keys:
+            rec = disk.records[k]
+            rec.path = rec.path or path.parent / block_file_name(k)
+            if disk.external[k] > 0:
+                disk.external[k] -= 1  # its capsule file is indexed now: the reference is counted in rec.refs
+        self._insert((meta.namespace, meta.name), e)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -134,9 +230,7 @@ class Persistence(BackgroundWrites):
                 return self._adopt(scan_capsule_files(directory, clean=True))
         files = scan_capsule_files(directory, clean=True)
         loaded = self._read_all(files, cut=True)
-        tier = next((t for t in ("host", "gpu") if self._usable(t)), None)
-        if tier is None:
-            raise ConfigError("load needs the host or the gpu tier; both have budget 0")
+        tier = self._load_tier()
         keys = [(m.namespace, m.name) for m, _ in loaded]  # distinct: file names derive from them
         with self._lock:
             self._check_open()
@@ -146,11 +240,47 @@ class Persistence(BackgroundWrites):
                 plan.enter(tier, tensor_nbytes(parts.own), parts.refs)
             self._make_room(plan, tier, frozenset(keys))
             self._apply(plan)
-            for (meta, parts), key in zip(loaded, keys):
-                e = self._entry(meta, tier, None, parts)
-                self._materialize(e, tier, parts.own, None, {k: (b, None) for k, b in parts.by_key().items()})
-                self._insert(key, e)
+            for meta, parts in loaded:
+                self._insert_read(meta, parts, tier, pin=False)
             return len(loaded)
+
+    def load_file(self, path: str | Path, *, pin: bool = False, replace: bool = False):
+        """Load one capsule file, verified in full (its block files too), into the tier `load` uses, pinned
+        when `pin`; its CapsuleMeta. A capsule of its name already held is DuplicateCapsuleError, or with
+        `replace` is replaced (only once the file verified and room was found: a refusal changes nothing)."""
+        [(meta, parts)] = self._read_all([Path(path)], cut=True)
+        tier = self._load_tier()
+        key = (meta.namespace, meta.name)
+        with self._lock:
+            self._check_open()
+            old = self._entries.get(key)
+            if old is not None and not replace:
+                self._refuse_known([key])
+            plan = self._new_plan()
+            if old is not None:
+                plan.leave(old.tier, old.own_nbytes, old.blocks)
+            plan.enter(tier, tensor_nbytes(parts.own), parts.refs)
+            self._make_room(plan, tier, frozenset({key}))
+            if old is not None:
+                if old.readers:
+                    raise CapsuleInUseError(f"capsule {meta.name!r} is being read; it cannot be replaced now")
+                self._remove(key, old)
+            self._apply(plan)
+            self._insert_read(meta, parts, tier, pin)
+            return meta
+
+    def _load_tier(self) -> str:
+        tier = next((t for t in ("host", "gpu") if self._usable(t)), None)
+        if tier is None:
+            raise ConfigError("load needs the host or the gpu tier; both have budget 0")
+        return tier
+
+    def _insert_read(self, meta, parts: Parts, tier: str, pin: bool) -> None:
+        """Insert a capsule read from a file into memory tier `tier` (room made by the caller)."""
+        e = self._entry(meta, tier, None, parts)
+        e.pinned = pin
+        self._materialize(e, tier, parts.own, None, {k: (b, None) for k, b in parts.by_key().items()})
+        self._insert((meta.namespace, meta.name), e)
 
     def _read_all(self, files: list[Path], cut: bool = False) -> list[tuple]:
         """Every capsule file read and verified in full, each block file once (capsules of a prefix share
@@ -251,14 +381,6 @@ class Persistence(BackgroundWrites):
             plan.enter("disk", tensor_nbytes(parts.own), parts.refs)
         self._make_room(plan, "disk", frozenset(keys))
         self._apply(plan)
-        disk = self._pools["disk"]
-        for (p, meta, parts), key in zip(found, keys):
-            e = self._entry(meta, "disk", p, parts)
-            self._ref("disk", e)
-            for k in e.block_keys:
-                rec = disk.records[k]
-                rec.path = rec.path or p.parent / block_file_name(k)
-                if disk.external[k] > 0:
-                    disk.external[k] -= 1  # its capsule file is indexed now: the reference is counted in rec.refs
-            self._insert(key, e)
+        for p, meta, parts in found:
+            self._index_file(p, meta, parts)
         return len(found)

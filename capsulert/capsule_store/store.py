@@ -37,14 +37,17 @@ class CapsuleStore(PrefixEntries):
     def __init__(self, *, device: torch.device | str, fingerprint: str, layout_version: int,
                  budgets: dict[str, int | None] | None = None, disk_dir: str | Path | None = None,
                  policy: str | CapsulePolicy = "pinned_lru", blocks: BlockLayout | None = None,
-                 prefix_policy: str | CapsulePolicy = "cost_aware", prefix_bytes: int | None = 0):
+                 prefix_policy: str | CapsulePolicy = "cost_aware", prefix_bytes: int | None = 0,
+                 reindex: bool = True):
         """`blocks`: how to cut the capsules of `put(..., origin=blocks.origin)` into shared prefix blocks
         (None: every capsule is held whole, as it comes). `prefix_bytes`: the most bytes anonymous prefix
         entries may hold alone (0: no prefix cache; None: bounded by the tier budgets only), kept and
-        evicted in the order of `prefix_policy`."""
+        evicted in the order of `prefix_policy`. `reindex`: index the capsule files disk_dir holds now (a
+        previous owner's), in the disk tier; False leaves them for an explicit load(disk_dir)."""
         super().__init__(device=device, fingerprint=fingerprint, layout_version=layout_version, budgets=budgets,
                          disk_dir=ensure_directory(disk_dir, create=True) if disk_dir is not None else None,
                          policy=policy, blocks=blocks, prefix_policy=prefix_policy, prefix_bytes=prefix_bytes)
+        self.reindexed = self._reindex_disk() if reindex else 0  # capsule files of disk_dir indexed at start
 
     @property
     def policy(self) -> CapsulePolicy:
@@ -236,7 +239,8 @@ class CapsuleStore(PrefixEntries):
     def stats(self) -> dict:
         """Bytes, budget and count per tier, and the counters: hits, misses, promotions, demotions,
         dropped (unpinned capsules dropped because every slower tier was full; `evictions` is the same
-        count under its older name), dropped_bytes, disk_write_errors (failed background writes).
+        count under its older name), dropped_bytes, disk_write_errors (failed background writes), quarantined (capsule files set aside
+        instead of loaded: `quarantined` lists them).
         A tier's bytes are what it holds: own tensors plus each prefix block once (`blocks`: how many per
         tier, KV and grid-state blocks); `count` counts named capsules. `prefix`: the prefix cache (prefix_cache.py)."""
         with self._lock:
@@ -246,4 +250,5 @@ class CapsuleStore(PrefixEntries):
             out.update(self._counters)
             out["blocks"] = {t: sum(1 for r in self._pools[t].records.values() if r.refs) for t in TIERS}
             out["prefix"] = self._prefix_stats()
+            out["quarantined"] = len(self._quarantined)
             return out

@@ -74,9 +74,11 @@ class EventFeed:
 class FeedReader:
     """The orchestrator side for one worker: reads its feed and routes each item to its key's queue."""
 
-    def __init__(self, worker: int, open_feed: Callable[[], Any]):
+    def __init__(self, worker: int, open_feed: Callable[[], Any],
+                 on_lost: Callable[[BaseException], None] | None = None):
         self.worker = worker
         self.subs: dict[Hashable, asyncio.Queue] = {}
+        self._on_lost = on_lost  # called with the error that ended the feed (the worker's death, say)
         # in a context of its own: a feed opened while serving one request (a Ray Serve replica's) would
         # otherwise be that request's child task, and cancelled with it
         self.task = asyncio.get_running_loop().create_task(self._pump(open_feed), context=contextvars.Context())
@@ -102,6 +104,8 @@ class FeedReader:
                         q.put_nowait((kind, value))
         except Exception as e:  # noqa: BLE001 - whatever ended the feed, its consumers learn it below
             why = f"{type(e).__name__}"
+            if self._on_lost is not None:
+                self._on_lost(e)
         # no await from here on: a consumer subscribing now sees the task done and opens a new feed
         lost = WorkerLost(f"worker {self.worker} was lost while streaming ({why})")
         for q in self.subs.values():

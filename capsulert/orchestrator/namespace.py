@@ -42,6 +42,16 @@ class Namespace(CapsuleRouter):
         self.pool.opened(s)
         return s
 
+    def admitted(self, sessions: int, *, together: int = 1):
+        """An async context manager holding `sessions` session slots of the orchestrator for its body: a
+        request that will open that many sessions at once reserves them here first (in the admission queue:
+        first come first served, round robin across namespaces, bounded), so requests never hold part of
+        what they need while waiting for the rest. Refused at once: more than the workers have in all, or
+        `together` (sessions one worker must hold at once: a fork's n) more than one worker has
+        (ExceedsCapacityError); a full queue (QueueFullError with retry_after_s). See admission.py."""
+        sessions, together = int_arg(sessions, "sessions", 1), int_arg(together, "together", 1)
+        return self.pool.gate.reserve(sessions, self.ns, together=together)
+
     # ------------------------------------------------------------------ verbs
     async def open(self, prompt=None, *, worker: int | None = None) -> RemoteSession:
         """A new session (on the least loaded worker), prefilled with `prompt` when given. Its snapshots

@@ -23,8 +23,9 @@ from pydantic import ValidationError
 
 from capsulert.capsule_store import validate_name
 from capsulert.capsule_store.owner import DirLock
-from capsulert.errors import ConfigError, InvalidRequestError
+from capsulert.errors import ConfigError, InsufficientResourcesError, InvalidRequestError
 from capsulert.logs import level_name
+from capsulert.orchestrator.admission import SessionGate
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.namespace import Namespace
 from capsulert.orchestrator.orchestrator_config import OrchestratorConfig
@@ -32,6 +33,13 @@ from capsulert.orchestrator.remote_session import RemoteSession
 from capsulert.orchestrator.worker_actor import WorkerActor
 from capsulert.orchestrator.worker_pool import WorkerPool, WorkerRecord
 from capsulert.worker.verbs import GenerateResult, Ping, Request, Stats, UpdateWeights
+
+
+# Ray settings of a local Ray the orchestrator (or `capsulert serve`) starts. A call in flight on a worker
+# whose process died fails only once Ray has the death confirmed, or after this many milliseconds (Ray's
+# default: 1000); at 100 a killed worker's callers get WorkerLost in about half a second. A Ray started by
+# hand takes it as `ray start --system-config='{"timeout_ms_task_wait_for_death_info": 100}'`.
+FAST_FAILURE_RAY_CONFIG = {"timeout_ms_task_wait_for_death_info": 100}
 
 
 class Orchestrator(Namespace):
@@ -75,10 +83,14 @@ class Orchestrator(Namespace):
         owns = False
         if not ray.is_initialized():
             kw = dict(include_dashboard=False, log_to_driver=True)
-            ray.init(address=cfg.address, **kw) if cfg.address else ray.init(num_cpus=cfg.local_num_cpus, **kw)
+            if cfg.address:
+                ray.init(address=cfg.address, **kw)
+            else:
+                ray.init(num_cpus=cfg.local_num_cpus, _system_config=FAST_FAILURE_RAY_CONFIG, **kw)
             owns = True
         try:
             use_gpu = _workers_take_gpus(cfg)
+            await _check_free_resources(cfg, use_gpu)  # Ray would wait for them silently, for good
         except ConfigError:
             if owns:
                 ray.shutdown()
@@ -96,12 +108,15 @@ class Orchestrator(Namespace):
             handles.append(WorkerActor.options(**opts).remote(ecfg, persist, cfg.torch_threads, i, log_level))
         capsule_map = CapsuleMap()
         pool = WorkerPool(handles, capsule_map, cfg.call_timeout_s, cfg.replicate_hot)
+        pool.gate = SessionGate(cfg.engine.slots, lambda: len(pool.alive()), cfg.max_queued)
         orch = cls(cfg, pool, capsule_map, owns, dir_lock)
         try:
             await asyncio.gather(*(pool.resync(i, cfg.start_timeout_s) for i in range(len(handles))))
         except BaseException:
             await orch.close()
             raise
+        for i in range(len(handles)):
+            pool.watch(i)  # a worker's death is seen at once, even while nobody calls it
         return orch
 
     async def close(self) -> None:
@@ -163,11 +178,22 @@ class Orchestrator(Namespace):
         self.pool.weights = UpdateWeights(payload, version=max(versions))
         return versions
 
+    def retry_after_s(self) -> float:
+        """When a request refused for a full admission queue is likely to find room (seconds, an estimate
+        from the recent holding times; what an HTTP 429's Retry-After says)."""
+        return self.pool.gate.retry_after_s()
+
     async def stats(self) -> list[dict]:
         return await self.pool.each(Stats())
 
     async def health(self) -> list[dict]:
-        return await self.pool.each(Ping())
+        """Each worker's Ping (process, device, weights version, capsules reloaded and re-indexed at its
+        start, files it set aside, `started_s`: its start's duration), with `last_restart_s`: how long its
+        last restart took, from its death seen to its new process answering (None: never restarted)."""
+        out = await self.pool.each(Ping())
+        for h, w in zip(out, self.pool.workers):
+            h["last_restart_s"] = w.last_restart_s
+        return out
 
 
 def _workers_take_gpus(cfg: OrchestratorConfig) -> bool:
@@ -178,10 +204,42 @@ def _workers_take_gpus(cfg: OrchestratorConfig) -> bool:
     if cfg.engine.device == "cpu" or (cfg.engine.device == "auto" and gpus < 1):
         return False
     if gpus < cfg.num_workers:
-        raise ConfigError(f"each of the {cfg.num_workers} worker(s) takes a GPU of its own (device="
-                          f"{cfg.engine.device!r}), and the Ray cluster has {gpus:g}: add GPUs, start fewer "
-                          f"workers, or use device='cpu'")
+        raise InsufficientResourcesError(
+            f"each of the {cfg.num_workers} worker(s) takes a GPU of its own (device={cfg.engine.device!r}): "
+            f"{cfg.num_workers} GPU(s) asked for, and the Ray cluster has {gpus:g}: add GPUs, start fewer "
+            f"workers, or use device='cpu'")
     return True
+
+
+# resources another orchestrator just released take a moment to show as free: wait this long for them when
+# the cluster has enough in all, and refuse at once when it has not
+RESOURCE_GRACE_S = 5.0
+
+
+async def _check_free_resources(cfg: OrchestratorConfig, use_gpu: bool) -> None:
+    """InsufficientResourcesError unless the cluster has the GPUs (one per worker) and the CPUs
+    (`worker_num_cpus` each) the workers ask for free now: Ray would keep a worker it cannot place pending,
+    and the start would wait silently (a second orchestrator on a one-GPU host whose GPU a server holds)."""
+    need = {"GPU": float(cfg.num_workers if use_gpu else 0),
+            "CPU": float(cfg.num_workers * (cfg.worker_num_cpus or 0))}
+    need = {k: v for k, v in need.items() if v > 0}
+    if not need:
+        return
+    total = ray.cluster_resources()
+    deadline = asyncio.get_running_loop().time() + RESOURCE_GRACE_S
+    while True:
+        free = ray.available_resources()
+        short = [k for k, v in need.items() if free.get(k, 0) < v]
+        if not short:
+            return
+        if any(total.get(k, 0) < need[k] for k in short) or asyncio.get_running_loop().time() >= deadline:
+            break
+        await asyncio.sleep(0.2)
+    what = "; ".join(f"{need[k]:g} {k}(s) asked for ({cfg.num_workers} worker(s)), the cluster has "
+                     f"{total.get(k, 0):g}, {free.get(k, 0):g} free" for k in short)
+    raise InsufficientResourcesError(
+        f"the Ray cluster cannot place the workers now: {what} (the others are held by other actors, e.g. a "
+        f"running server's workers); free them, start fewer workers, or use device='cpu'")
 
 
 __all__ = ["GenerateResult", "Namespace", "Orchestrator", "OrchestratorConfig", "RemoteSession"]

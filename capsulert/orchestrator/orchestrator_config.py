@@ -32,6 +32,8 @@ class OrchestratorConfig(BaseModel):
         None, description="level of the workers' `capsulert` loggers, whose records reach the driver's stderr; "
                           "None: the driver's `capsulert` logger's effective level when the orchestrator starts")
     persist_pinned: bool = True
+    max_queued: int = Field(1024, ge=1, description="requests waiting in the admission queue for session slots "
+                            "(Namespace.admitted); one more is refused with QueueFullError")
     replicate_hot: int | None = Field(
         None, ge=1, description="copy a capsule to the least loaded worker when its best holder carries this many "
                                 "more sessions (open or in flight): a hot capsule spreads on demand. None: never "

@@ -1,11 +1,19 @@
 """PinnedFiles: a worker's pinned capsules written to its persist directory, so that the process Ray
-restarts in its place loads them back (pinned) and the orchestrator finds them where they were."""
+restarts in its place loads them back (pinned) and the orchestrator finds them where they were.
+
+The reload takes one file at a time: a file that does not verify (a flipped byte, a truncated write of
+another tool, another model's) is moved aside into `quarantine/` with a warning and a typed record
+(capsule_store/quarantine.py), and the worker starts with the others. A pinned capsule the store already
+indexed from its disk tier (a pinned capsule demoted to disk) is replaced by its pinned file, the copy
+written when it was pinned."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from capsulert.capsule_store import capsule_file_name, read_header
-from capsulert.capsule_store.disk import FILE_SUFFIX
+from capsulert.capsule_store import capsule_file_name
+from capsulert.capsule_store.disk import list_capsule_files
+from capsulert.capsule_store.quarantine import QuarantinedFile, quarantine
+from capsulert.errors import BudgetExceededError, CapsuleError
 
 
 class PinnedFiles:
@@ -13,17 +21,23 @@ class PinnedFiles:
 
     def __init__(self, directory: str | None):
         self.directory = Path(directory) if directory else None
+        self.quarantined: list[QuarantinedFile] = []  # the files the last reload set aside
 
     def reload(self, store) -> list[str]:
-        """Load every persisted capsule into `store`, pinned; their names."""
+        """Load every persisted capsule into `store`, pinned, one file at a time; the names loaded. A file
+        that does not verify is set aside (`quarantined`); one that verifies but finds no room (pinned
+        capsules fill the budgets) is recorded and left in place for a worker with larger budgets."""
         if self.directory is None or not self.directory.is_dir():
             return []
-        keys = [_key(p) for p in sorted(self.directory.glob("*" + FILE_SUFFIX))]
-        if keys:
-            store.load(self.directory)
-            for namespace, name in keys:
-                store.pin(name, namespace)
-        return [name for _, name in keys]
+        names = []
+        for p in list_capsule_files(self.directory):
+            try:
+                names.append(store.load_file(p, pin=True, replace=True).name)
+            except BudgetExceededError as e:
+                self.quarantined.append(quarantine(p, e, move=False))
+            except CapsuleError as e:
+                self.quarantined.append(quarantine(p, e))
+        return names
 
     def write(self, store, name: str, namespace: str) -> None:
         if self.directory is None:
@@ -50,7 +64,3 @@ class PinnedFiles:
         if self.directory is not None:
             (self.directory / capsule_file_name(namespace, name)).unlink(missing_ok=True)
 
-
-def _key(path: Path) -> tuple[str, str]:
-    meta, _ = read_header(path)
-    return meta.namespace, meta.name

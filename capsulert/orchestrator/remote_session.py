@@ -25,7 +25,7 @@ from capsulert.chat.turn import ChatReply, ChatTurn
 from capsulert.errors import InvalidRequestError, SessionClosedError, WorkerLost
 from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, sampling_params, tier_arg, tokens_arg
 from capsulert.worker.verbs import (Append, Close, FinalEvent, Generate, GenerateResult, Interrupt, ReadTokens,
-                                    Request, Restore, Snapshot, TokenEvent, Turn)
+                                    Rederive, Request, Restore, Snapshot, TokenEvent, Turn)
 
 if TYPE_CHECKING:
     from capsulert.capsule_store.capsule import CapsuleRef
@@ -64,6 +64,7 @@ class RemoteSession:
     def _check(self) -> None:
         if self.closed:
             raise SessionClosedError(f"session {self.sid} is closed; open or restore a new one")
+        self.pool.check_session(self.worker, self.pid)  # its process died: WorkerLost now, not after the restart
 
     async def _settle(self) -> GenerateResult | None:
         inflight, self._inflight = self._inflight, None
@@ -84,6 +85,7 @@ class RemoteSession:
         self._check()
         async with self._lock:
             await self._settle()
+            self._check()
             return await self.pool.call(self.worker, request, timeout=timeout)
 
     @asynccontextmanager
@@ -93,6 +95,7 @@ class RemoteSession:
         self._check()
         async with self._lock:
             await self._settle()
+            self._check()
             await self.pool.check(self.worker)
             yield next_call_id()
 
@@ -120,6 +123,13 @@ class RemoteSession:
         info = await self._run(Append(self.sid, tokens, bool(logits)), timeout)
         self.length = info.length
         return info.logits
+
+    async def rederive(self, *, timeout: float | None = None) -> int:
+        """Recompute a stale session's state (open across an update_weights) from its tokens under the
+        current weights (a prefill of them); its length."""
+        info = await self._run(Rederive(self.sid), timeout)
+        self.length = info.length
+        return info.length
 
     async def generate(self, max_new_tokens: int, sampling=None, *, timeout: float | None = None) -> GenerateResult:
         """Sample up to max_new_tokens (greedy when sampling is None); sets self.stop_reason. The worker's step
@@ -251,4 +261,8 @@ class RemoteSession:
             await self._settle()
             self.closed = True
             self.pool.closed_session(self)
+            try:
+                self.pool.check_session(self.worker, self.pid)
+            except WorkerLost:
+                return  # it died with its process: nothing to close there
             await self.pool.call(self.worker, Close(self.sid))

@@ -40,8 +40,8 @@ from capsulert.worker.verbs import (BATCHABLE, CONTROL, Append, Batch, CapsuleEx
                                     Detokenize, ExportCapsule, ExportToDir, Feed, Fork, Generate, ImportCapsule,
                                     ImportFromFile, Interrupt, LastCall, LinkProbe, ListCapsules, Open, PeerAddress,
                                     PeerClose, PeerConnect, Ping, Promote, ReadTokens, Rebuild, ReceiveCapsule,
-                                    Request, Restore, SendCapsule, Snapshot, Stats, Streamed, Tokenize, Turn,
-                                    UpdateWeights)
+                                    Rederive, Request, Restore, SendCapsule, Snapshot, Stats, Streamed, Tokenize,
+                                    Turn, UpdateWeights)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class WorkerCore(CapsuleTransfers):
 
     def __init__(self, engine_config: dict, persist_dir: str | None = None, torch_threads: int | None = None,
                  worker_index: int = 0):
+        t0 = time.perf_counter()
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.index = worker_index
@@ -64,10 +65,18 @@ class WorkerCore(CapsuleTransfers):
         self.reloaded = self.pinned.reload(self.engine.store)
         self.last_call_ms = float("nan")
         self.peers = PeerLink(self.engine.device)  # pair links to other workers, made on the orchestrator's demand
+        self.started_s = time.perf_counter() - t0  # engine start, graph capture and reloads (restart time)
         eng = self.engine
-        log.info("worker %d ready: %s on %s (%s), %d slots, %d pinned capsule(s) reloaded", worker_index,
-                 eng.config.model, eng.device, str(eng.dtype).removeprefix("torch."), eng.config.slots,
-                 len(self.reloaded))
+        log.info("worker %d ready in %.1f s: %s on %s (%s), %d slots, %d pinned capsule(s) reloaded, %d disk-tier "
+                 "capsule(s) re-indexed, %d file(s) set aside", worker_index, self.started_s, eng.config.model,
+                 eng.device, str(eng.dtype).removeprefix("torch."), eng.config.slots, len(self.reloaded),
+                 eng.store.reindexed, len(self.quarantined))
+
+    @property
+    def quarantined(self) -> list:
+        """The capsule files this worker set aside at start instead of loading (its disk tier's, its pinned
+        directory's): typed records (capsule_store/quarantine.py)."""
+        return self.engine.store.quarantined + self.pinned.quarantined
 
     # ------------------------------------------------------------------ entry points
     def execute(self, request: Request, call_id=None) -> Any:
@@ -275,7 +284,9 @@ class WorkerCore(CapsuleTransfers):
         dev = self.engine.device
         gpu = str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else None
         return {"worker": self.index, "pid": os.getpid(), "node": self.node, "device": dev.type, "gpu": gpu,
-                "weights_version": self.engine.weights_version, "reloaded": list(self.reloaded)}
+                "weights_version": self.engine.weights_version, "reloaded": list(self.reloaded),
+                "reindexed": self.engine.store.reindexed, "quarantined": [q.to_dict() for q in self.quarantined],
+                "started_s": self.started_s}
 
     def _stats(self, r: Stats, call_id) -> dict:
         sch = self.scheduler
@@ -319,7 +330,7 @@ class WorkerCore(CapsuleTransfers):
 
     #: one handler per request type: the only dispatch
     HANDLERS: dict[type, Callable] = {
-        **dict.fromkeys((Open, Append, Generate, Turn, Restore, Fork, Close), _scheduled),
+        **dict.fromkeys((Open, Append, Rederive, Generate, Turn, Restore, Fork, Close), _scheduled),
         Snapshot: _snapshot, Batch: _batch, Streamed: _streamed, Feed: _feed_items,
         Delete: _delete, Promote: _promote, Demote: _demote, Rebuild: _rebuild, UpdateWeights: _update_weights,
         ExportCapsule: _export, ImportCapsule: _import, ExportToDir: _export_to_dir, ImportFromFile: _import_from_file,

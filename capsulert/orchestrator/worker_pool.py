@@ -6,11 +6,19 @@ call_timeout_s), and the call runs once more on the new process when its request
 type says so: verbs.Request.rerunnable); otherwise it is WorkerLost. A worker that comes back has its
 capsules re-listed into the CapsuleMap, and the last weights update re-applied (at the same version, so
 the capsules of its peers are current on it too).
+
+A worker's death is seen at once, even when nobody is calling it: every worker's event feed (one Ray stream
+per worker, event_feed.py) is kept open from start, and its end by the process's death marks the worker
+down. Calls on a session of a process that died (or is being restarted) then fail with WorkerLost at once,
+instead of waiting for the restart only to learn that the session is gone (`check_session`); calls that
+may run again on the new process wait for it (bounded by call_timeout_s). Each restart's duration, from
+the death seen to the new process answering, is logged and kept (`WorkerRecord.last_restart_s`).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -21,6 +29,7 @@ from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutErr
                             RayTaskError, WorkerCrashedError)
 
 from capsulert.errors import CapsuleRTError, ConfigError, WorkerLost
+from capsulert.orchestrator.admission import SessionGate
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.event_feed import FeedReader
 from capsulert.orchestrator.worker_actor import send, send_stream
@@ -32,6 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _LOST = (RayActorError, WorkerCrashedError, ObjectLostError, GetTimeoutError)
+_DEATH = (RayActorError, ActorUnavailableError, WorkerCrashedError)  # how a call on a dead process ends
 
 
 class _Restarting(Exception):
@@ -49,6 +59,8 @@ class WorkerRecord:
     pid: int | None = None  # the process answering now: a new pid after a resync means Ray restarted it
     lost: str | None = None  # why the worker is gone for good (Ray will not restart it); calls fail at once
     device: str | None = None  # its engine's device type ("cuda", "cpu"), from its last ping
+    down_since: float | None = None  # when its process was seen dead (Ray restarts it); None while it runs
+    last_restart_s: float | None = None  # how long its last restart took, death seen to answering again
 
 
 class WorkerPool:
@@ -68,6 +80,7 @@ class WorkerPool:
         self.links: dict[tuple[int, int], tuple[tuple, str]] = {}
         self.link_generation = 0
         self.transfer_locks: dict[int, asyncio.Lock] = {}
+        self.gate: SessionGate | None = None  # admission of requests that need sessions (set by the Orchestrator)
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -181,10 +194,7 @@ class WorkerPool:
         RemoteSession's are) keys its events and is what an Interrupt names. Call `check(w)` first. A stream
         that ends before its FinalEvent (closed, cancelled, or failed) interrupts its generate: it stops at the
         next token boundary, its tokens committed."""
-        reader = self.feeds.get(w)
-        if reader is None or not reader.open:
-            handle = self.workers[w].handle
-            reader = self.feeds[w] = FeedReader(w, lambda: send_stream(handle, Feed()))
+        reader = self.watch(w)
         events = reader.subscribe(call_id)
         worker, finished = self.workers[w], False
         worker.pending += 1  # in flight until its last event, as a call is until its reply
@@ -207,6 +217,38 @@ class WorkerPool:
                 self.send(w, Interrupt(None, call_id))
             worker.pending -= 1
             reader.unsubscribe(call_id)
+
+    def watch(self, w: int) -> FeedReader:
+        """Worker w's event feed, opened when it is not open: the streams' transport, and how the death of w's
+        process is seen at once (its end by an actor error marks w down)."""
+        reader = self.feeds.get(w)
+        if reader is None or not reader.open:
+            handle = self.workers[w].handle
+            reader = self.feeds[w] = FeedReader(w, lambda: send_stream(handle, Feed()),
+                                                on_lost=lambda e: self._seen_dead(w, e))
+        return reader
+
+    def _seen_dead(self, w: int, error: BaseException) -> None:
+        """Worker w's feed ended with an actor error: its process is gone (Ray restarts it, or not)."""
+        worker = self.workers[w]
+        if self.closed or worker.lost is not None or not isinstance(error, _DEATH):
+            return
+        worker.stale = True
+        if worker.down_since is None:
+            worker.down_since = time.monotonic()
+            log.info("worker %d died (%s); its sessions are gone", w, type(error).__name__)
+
+    def check_session(self, w: int, pid: int | None) -> None:
+        """WorkerLost at once when the process that held a session of worker w (made when w's process was
+        `pid`) is gone: w is gone for good, seen dead, or answered since from another process."""
+        worker = self.workers[w]
+        if self.closed:
+            raise WorkerLost("the orchestrator is closed")
+        if worker.lost is not None:
+            raise WorkerLost(f"worker {w} is gone for good: {worker.lost}")
+        if worker.down_since is not None or (pid is not None and worker.pid is not None and worker.pid != pid):
+            raise WorkerLost(f"worker {w} died (Ray restarts it): the sessions of its old process are gone; "
+                             "restore or open a new session")
 
     async def each(self, request: Request) -> list[dict]:
         """`request` on every worker; a worker gone for good answers {"worker": i, "lost": why}."""
@@ -232,8 +274,8 @@ class WorkerPool:
                 self.workers[w].stale = True
                 raise WorkerLost(f"a worker was lost while {what} ran on worker {w}: {type(e.cause).__name__}") from None
             raise
-        except ActorUnavailableError:
-            self.workers[w].stale = True
+        except ActorUnavailableError as e:
+            self._seen_dead(w, e)
             raise _Restarting(f"worker {w} died during {what} and is restarting; the call did not complete "
                               "and its sessions are gone") from None
         except _LOST as e:
@@ -291,8 +333,19 @@ class WorkerPool:
                     raise WorkerLost(f"worker {w} did not come back within {timeout:g}s (last: {type(e).__name__})") from None
                 await asyncio.sleep(0.1)
         self.capsule_map.reload_worker(w, listing)
+        restarted = worker.pid is not None and pong["pid"] != worker.pid
         worker.sessions, worker.stale, worker.pid = stats["sessions"], False, pong["pid"]
         worker.device = pong.get("device")
+        if restarted and worker.down_since is not None:
+            worker.last_restart_s = time.monotonic() - worker.down_since
+            log.info("worker %d is back after %.2f s (its engine started in %.2f s)", w, worker.last_restart_s,
+                     pong.get("started_s") or float("nan"))
+        if restarted or worker.down_since is not None:
+            worker.down_since = None
+            if self.feeds.get(w) is not None:  # it was watched: watch the new process
+                self.watch(w)
+        for q in pong.get("quarantined") or ():
+            log.warning("worker %d set aside capsule file %s (%s: %s)", w, q["path"], q["error"], q["message"])
 
     def mark_lost(self, w: int, why: str) -> None:
         """Worker w will never answer again: calls fail at once, and its capsules leave the map."""

@@ -29,7 +29,7 @@ from capsulert.errors import CapsuleRTError, DuplicateCapsuleError, QueueFullErr
 from capsulert.chat.prompt import ChatRenderer
 from capsulert.serve.fastroute import fast_route
 from capsulert.serve.generation import RESERVED_PREFIX, Plan, Run
-from capsulert.serve.http_errors import INVALID, ApiError, ErrorKind, describe, error_body
+from capsulert.serve.http_errors import INVALID, ApiError, ErrorKind, describe, error_body, retry_headers
 from capsulert.serve.metrics import CONTENT_TYPE, CountRequests, ServerMetrics, request_namespace, stream_failed
 from capsulert.serve.plans import Limits, chat_logprobs, chat_plan, completion_logprobs, completion_plan
 from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -50,14 +50,16 @@ NO_TELEMETRY = {"tracing": False, "metrics": False, "logs": False}
 
 
 class Admission:
-    """Generation requests in flight; one past the limit is refused (429) instead of queueing unbounded."""
+    """Generation requests in flight (running, or queued for sessions in the orchestrator's admission
+    queue); one past the limit is refused (429, with Retry-After) instead of queueing unbounded."""
 
-    def __init__(self, limit: int, metrics: ServerMetrics):
-        self.limit, self.inflight, self._metrics = limit, 0, metrics
+    def __init__(self, limit: int, metrics: ServerMetrics, retry_after: Callable[[], float] = lambda: 1.0):
+        self.limit, self.inflight, self._metrics, self._retry_after = limit, 0, metrics, retry_after
 
     def enter(self) -> None:
         if self.inflight >= self.limit:
-            raise QueueFullError(f"{self.inflight} requests are in flight, the server's limit; retry later")
+            raise QueueFullError(f"{self.inflight} requests are in flight or queued, the server's limit; retry later",
+                                 retry_after_s=self._retry_after())
         self.inflight += 1
         self._metrics.inflight(self.inflight)
 
@@ -175,7 +177,8 @@ async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, 
             await _check_new_name(ns, plan.snapshot_as)
         state.admission.enter()
         entered = True
-        async with Run(ns, plan, state.metrics) as run:
+        # every session the request will hold is reserved first (a queue, not a refusal; orchestrator/admission.py)
+        async with ns.admitted(plan.sessions, together=plan.n), Run(ns, plan, state.metrics) as run:
             await run.start()
             choices, usage = await run.generate()
             capsule = await run.keep()
@@ -197,7 +200,7 @@ async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, s
             await _check_new_name(ns, plan.snapshot_as)
         state.admission.enter()
         entered = True
-        async with run:
+        async with ns.admitted(plan.sessions, together=plan.n), run:  # queued for sessions before the status line
             await run.start()
             await run.begin_stream()  # up to every choice's first token: a refusal is still a status
             started = True
@@ -249,7 +252,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         kind, body = describe(exc)
         if kind.status >= 500:
             log.warning("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-        return _json_error(kind, body)
+        return JSONResponse(body, status_code=kind.status, headers=retry_headers(kind, exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

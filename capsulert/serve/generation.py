@@ -63,6 +63,11 @@ class Plan:
     pin: bool = False
     parse_tools: bool = False  # the replies' tool-call markup becomes tool_calls (chat with tools)
 
+    @property
+    def sessions(self) -> int:
+        """Sessions the request holds at once (its admission reserves them): n branches of every prompt."""
+        return len(self.prompts) * self.n
+
     def params(self, branch: int) -> SamplingParams:
         return SamplingParams(**self.sampling, seed=None if self.seed is None else self.seed + branch)
 

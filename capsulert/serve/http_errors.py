@@ -6,6 +6,7 @@ fixed message, and its traceback goes to the server's log only.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from capsulert import errors as E
@@ -46,7 +47,9 @@ _BY_CLASS: tuple[tuple[type[E.CapsuleRTError], ErrorKind], ...] = (
     (E.InvalidCapsuleNameError, ErrorKind(400, "invalid_request_error", "invalid_capsule_name")),
     (E.SequenceTooLongError, ErrorKind(400, "invalid_request_error", "context_length_exceeded")),
     (E.InvalidTokenError, ErrorKind(400, "invalid_request_error", "invalid_tokens")),
+    (E.ExceedsCapacityError, ErrorKind(400, "invalid_request_error", "exceeds_capacity")),
     (E.InvalidRequestError, INVALID),
+    (E.StaleSessionError, ErrorKind(409, "conflict_error", "weights_updated")),
     (E.QueueFullError, RATE_LIMITED),
     (E.NoFreeSlotError, ErrorKind(429, "rate_limit_error", "no_free_slot")),
     (E.WorkerLost, UNAVAILABLE),
@@ -60,6 +63,13 @@ def kind_of(error: BaseException) -> ErrorKind:
         if isinstance(error, cls):
             return kind
     return INTERNAL
+
+
+def retry_headers(kind: ErrorKind, error: BaseException) -> dict[str, str]:
+    """`Retry-After` (whole seconds) for a 429: the refusing queue's estimate, else 1."""
+    if kind.status != 429:
+        return {}
+    return {"Retry-After": str(max(1, math.ceil(getattr(error, "retry_after_s", None) or 1)))}
 
 
 def error_body(kind: ErrorKind, message: str, param: str | None = None) -> dict:

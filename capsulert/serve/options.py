@@ -14,11 +14,11 @@ from capsulert.errors import ConfigError
 from capsulert.worker.engine_config import EngineConfig
 
 RANDOM_PREFIX = "random:"
-# a server's requests wait this long for a free session slot (then 429) instead of failing at once
-DEFAULT_SLOT_WAIT_S = 30.0
 # what a server's engine config defaults to where the engine's own defaults differ: clients resend their
-# conversations, so a server reuses the longest cached prefix of every prompt (exact: worker/prefix_cache.py)
-SERVER_ENGINE_DEFAULTS = {"slot_wait_s": DEFAULT_SLOT_WAIT_S, "prefix_cache": True}
+# conversations, so a server reuses the longest cached prefix of every prompt (exact: worker/prefix_cache.py).
+# Session slots: a request waits in the orchestrator's admission queue for all of its sessions (bounded by
+# max_inflight, not by time), so the engine's slot_wait_s is only a backstop for a worker busier than the rest
+SERVER_ENGINE_DEFAULTS = {"prefix_cache": True}
 
 
 class ServerOptions(BaseModel):
@@ -32,7 +32,8 @@ class ServerOptions(BaseModel):
     num_workers: int = Field(1, ge=1, le=64)
     torch_threads: int | None = Field(None, ge=1)
     call_timeout_s: float = Field(600.0, gt=0)
-    max_inflight: int = Field(256, ge=1, description="generation requests in flight; one more is refused with 429")
+    max_inflight: int = Field(256, ge=1, description="generation requests in flight, running or queued for sessions; "
+                              "one more is refused with 429 and Retry-After")
     max_n: int | None = Field(None, ge=1, description="largest n (choices per prompt); default: engine.slots")
     ray_address: str | None = None
     ray_metrics_port: int | None = Field(None, ge=0, le=65535, description=(
@@ -74,7 +75,8 @@ class ServerOptions(BaseModel):
 
     def orchestrator_config(self) -> dict:
         return {"engine": self.engine.model_dump(), "num_workers": self.num_workers,
-                "torch_threads": self.torch_threads, "call_timeout_s": self.call_timeout_s}
+                "torch_threads": self.torch_threads, "call_timeout_s": self.call_timeout_s,
+                "max_queued": self.max_inflight}
 
 
 def _prepare(values: dict) -> dict:

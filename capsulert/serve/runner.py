@@ -124,7 +124,9 @@ def start(opts: ServerOptions) -> None:
             ray.init(address=opts.ray_address, **init)
             _check_gpus(opts, ray.cluster_resources().get("GPU", 0), "the Ray cluster")
         else:
-            ray.init(**init, **_local_ray_metrics(opts))
+            from capsulert.orchestrator.orchestrator import FAST_FAILURE_RAY_CONFIG  # a lost worker: 503 at once
+
+            ray.init(**init, _system_config=FAST_FAILURE_RAY_CONFIG, **_local_ray_metrics(opts))
         step(f"starting {opts.num_workers} worker(s) and the HTTP server")
         logging_config = {"log_level": opts.log_level, "enable_access_log": opts.access_log}
         deployment = CapsuleServer.options(max_ongoing_requests=opts.max_inflight + 64)

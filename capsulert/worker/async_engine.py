@@ -19,8 +19,8 @@ from capsulert.chat.turn import ChatReply, ChatTurn
 from capsulert.worker.engine import Engine
 from capsulert.worker.sampler import SamplingParams
 from capsulert.worker.scheduler import Sink, StepScheduler, queue_sink, stream_item
-from capsulert.worker.verbs import (Append, Close, FinalEvent, Fork, Generate, GenerateResult, Open, Request,
-                                    Restore, SessionInfo, Snapshot, TokenEvent, Turn)
+from capsulert.worker.verbs import (Append, Close, FinalEvent, Fork, Generate, GenerateResult, Open, Rederive,
+                                    Request, Restore, SessionInfo, Snapshot, TokenEvent, Turn)
 
 
 class AsyncEngine:
@@ -147,6 +147,13 @@ class AsyncSession:
             if isinstance(ev, FinalEvent):
                 self.length = ev.result.length
             yield ev
+
+    async def rederive(self) -> int:
+        """Recompute a stale session's state (open across an update_weights) from its tokens under the
+        current weights; its length."""
+        info: SessionInfo = await self.owner.submit(Rederive(self.id))
+        self.length = info.length
+        return info.length
 
     async def snapshot(self, name: str, tier: str = "device", pin: bool = False, namespace: str = "default",
                        mode: str = "full"):

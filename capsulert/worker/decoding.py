@@ -9,6 +9,10 @@ A constrained stream (SamplingParams.constraint) fills its row of the step's tok
 draw and takes its token into its grammar state once the token is committed, once per token; a grammar
 that can take nothing more ends the generate ("grammar_end"). Constrained and unconstrained streams share
 the step: the mask is applied row by row to the sampled block (worker/constraint.py).
+
+Weight updates land between steps (they take the engine lock, which a step holds): a stream whose session
+was computed under older weights ends there, stop reason "weights_updated", so every token of a result
+was sampled under its `weights_version`, never under two.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ if TYPE_CHECKING:
 class DecodeStream:
     def __init__(self, engine: "Engine", session: "Session", max_new_tokens: int,
                  sampling: SamplingParams | None):
+        session.check_current()  # a stale session's tokens would mix two weights versions
         self.session = session
         self.params = sampling or GREEDY
         self.seed = resolve_seed(self.params)
@@ -72,6 +77,11 @@ def _advance(engine, streams, should_stop):
             continue
         if len(st.session.tokens) >= engine.config.max_seq:
             st.finish("max_seq")
+            continue
+        if st.session.weights_version != engine.weights_version:
+            # update_weights ran between two steps: every token so far was sampled under the old weights (the
+            # result's weights_version), and the next would come from old state fed through new weights
+            st.finish("weights_updated")
             continue
         live.append(st)
     need = [st for st in live if st.logits is None]

@@ -28,6 +28,7 @@ from capsulert.model_config import FULL, ModelConfig
 from capsulert.progress import progress_bar
 from capsulert.errors import (
     ConfigError,
+    ExceedsCapacityError,
     ForeignSessionError,
     InvalidRequestError,
     NoFreeSlotError,
@@ -216,8 +217,9 @@ class Engine:
     def open(self, wait_s: float | None = None, *, prompt=None, namespace: str | None = "default") -> Session:
         """A new session, empty or prefilled with `prompt` (with EngineConfig.prefix_cache, the longest
         cached grid prefix of it in `namespace` is restored and only the rest prefilled; namespace None:
-        no prefix reuse). With every slot taken, waits up to wait_s (default: the config's slot_wait_s)
-        for one to be released, then raises NoFreeSlotError."""
+        no prefix reuse). With every slot taken, waits up to wait_s seconds (default 0: a blocking call
+        in a thread that holds the slots would wait for itself; the step scheduler's requests queue for up
+        to the config's slot_wait_s) for one to be released, then raises NoFreeSlotError."""
         with self._lock:
             session = self._take_slots(1, wait_s)[0]
             self.prefix.opened(session, namespace)
@@ -231,9 +233,10 @@ class Engine:
 
     def _take_slots(self, n: int, wait_s: float | None = None, reset: bool = True) -> list[Session]:
         """Claim n slots. reset=False when a restore overwrites every state buffer of the slot next."""
-        wait_s = self.config.slot_wait_s if wait_s is None else wait_s
-        if n > self.config.slots:
-            raise NoFreeSlotError(f"{n} slot(s) needed but the engine has {self.config.slots}; raise `slots`")
+        wait_s = 0.0 if wait_s is None else wait_s
+        if n > self.config.slots:  # could never start: refused at once, whatever the wait
+            raise ExceedsCapacityError(f"{n} slot(s) needed at once but the engine has {self.config.slots}; "
+                                       "ask for fewer or raise `slots`")
         deadline = time.monotonic() + wait_s
         while n > len(self._free):
             remaining = deadline - time.monotonic()
@@ -339,6 +342,7 @@ class Engine:
     def append(self, session: Session, tokens_or_text) -> torch.Tensor:
         with self._lock:
             self._own(session)
+            session.check_current()
             new = self.codec.validate(tokens_or_text, self.config.max_seq - len(session.tokens))
             new = self.prefix.before_append(session, new)  # a cached prefix restored: only the rest is new
             for piece in self.prefix.pieces(session, new):  # cut where checkpoints are to be kept
@@ -351,6 +355,7 @@ class Engine:
         tokens left to append. For callers that append in pieces (the step scheduler)."""
         with self._lock:
             self._own(session)
+            session.check_current()
             return self.prefix.before_append(session, tokens)
 
     def _extend(self, session: Session, new: list[int]) -> None:
@@ -365,6 +370,7 @@ class Engine:
 
     def logits(self, session: Session) -> torch.Tensor:
         self._own(session)
+        session.check_current()
         if not session.tokens:
             raise InvalidRequestError("an empty session has no next-token logits; append a prompt first")
         return self.model.logits(self.state, self._slot_ids([session]))[0]
@@ -510,6 +516,28 @@ class Engine:
                         self.rebuild(info.name, info.namespace)
             return self.weights_version
 
+    def rederive(self, session: Session) -> int:
+        """Recompute a session's state from its tokens under the current weights (a stale one, open across
+        an update_weights): a cold prefill of its tokens, bitwise what a new session appending them gets;
+        the session's length."""
+        with self._lock:
+            tokens = self.begin_rederive(session)
+            if tokens:
+                self.append(session, tokens)
+            return len(session.tokens)
+
+    def begin_rederive(self, session: Session) -> list[int]:
+        """The first half of rederive (the step scheduler prefills the tokens in pieces): the slot reset to an
+        empty state under the current weights; the tokens to append again."""
+        with self._lock:
+            self._own(session)
+            tokens = list(session.tokens)
+            self._reset_slot(session.slot)
+            session.tokens, session.decoded_from = [], 0
+            session.weights_version = self.weights_version
+            self.prefix.rederiving(session)
+            return tokens
+
     def rebuild(self, name: str, namespace: str = "default"):
         """Re-derive a capsule made under older weights: prefill its own tokens under the current weights
         and replace it (same name, tier and pin). Returns the new CapsuleRef, or None when it is current."""
@@ -540,6 +568,7 @@ class Engine:
                  mode: str = "full", namespace: str = "default"):
         with self._lock:
             self._own(session)
+            session.check_current()  # a stale session's capsule would carry old state under the new version
             return self.capsules.snapshot(session, name, tier=tier, pin=pin, mode=mode, namespace=namespace)
 
     def restore(self, name: str, namespace: str = "default", wait_s: float | None = None) -> Session:
@@ -550,6 +579,7 @@ class Engine:
         with self._lock:
             self._own(session)
             tier, replay = self.capsules.restore_into(session, name, namespace)
+            session.weights_version = self.weights_version  # a capsule restores only under its own weights
             self._replay([(session, replay)] if replay else [])
             return tier
 
@@ -567,6 +597,8 @@ class Engine:
             sessions = self._take_slots(n, wait_s, reset=False)
             try:
                 read = [self.capsules.restore_into(s, name, namespace) for s in sessions]
+                for s in sessions:
+                    s.weights_version = self.weights_version
                 self._replay([(s, replay) for s, (_, replay) in zip(sessions, read) if replay])
             except BaseException:
                 for s in sessions:

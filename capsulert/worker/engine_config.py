@@ -45,8 +45,12 @@ class EngineConfig(BaseModel):
                                     "before its own grid point (else from its own): memory against restore time")
     kernels: Literal["auto", "reference", "triton"] = Field(
         "auto", description="CUDA kernels: auto = Triton + fla chunked prefill when installed")
-    slot_wait_s: float = Field(0.0, ge=0.0, le=3600.0,
-                               description="how long open/restore/fork wait for a free slot before NoFreeSlotError")
+    slot_wait_s: float = Field(60.0, ge=0.0, le=3600.0,
+                               description="how long a request that needs session slots (open, restore, fork, a turn "
+                               "restoring into a new session) waits for them in the step scheduler's queue "
+                               "(AsyncEngine, orchestrator workers, the server) before NoFreeSlotError; such "
+                               "requests start in arrival order. The blocking Engine verbs wait only when given "
+                               "wait_s")
     cuda_graphs: bool = Field(True, description="capture CUDA graphs at start (CUDA only)")
     decode_batches: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32, 64), description="batch sizes of the decode graphs (capped at slots; the largest is always captured)")
     progress: bool | None = Field(None, description="progress bars on stderr for default-model generation, weight "

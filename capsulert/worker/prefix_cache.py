@@ -53,6 +53,12 @@ class PrefixCache:
     def restored(self, session: "Session", namespace: str, canonical: bool) -> None:
         self._slots[session.slot] = _Tracked(namespace, self.engine.weights_version if canonical else None)
 
+    def rederiving(self, session: "Session") -> None:
+        """The session's slot was emptied to be prefilled again under the current weights: canonical again,
+        same namespace, nothing planned."""
+        t = self._slots.get(session.slot)
+        self._slots[session.slot] = _Tracked(t.namespace if t is not None else None, self.engine.weights_version)
+
     def claim(self, session: "Session", namespace: str) -> None:
         """The session serves `namespace` from now on (a Turn names its caller's namespace)."""
         t = self._slots.get(session.slot)

@@ -27,6 +27,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, Str
 from capsulert.errors import InvalidRequestError
 from capsulert.worker.constraint import Constraint
 
+# top_k at or above the vocabulary size keeps every token; beyond an int32 a value means nothing (refused)
+MAX_TOP_K = (1 << 31) - 1
 # temperatures below this are treated as greedy: dividing logits by them overflows to inf (vLLM: 1e-5)
 GREEDY_BELOW = 1e-5
 _MASK64 = (1 << 64) - 1
@@ -46,7 +48,7 @@ tokens outside it are never drawn, and the generate stops ("grammar_end") once t
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False)
-    top_k: StrictInt = Field(0, ge=0)
+    top_k: StrictInt = Field(0, ge=0, le=MAX_TOP_K)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: StrictInt | None = Field(None, ge=0, lt=1 << 63)
     stop_token_ids: tuple[StrictInt, ...] = Field((), validation_alias=AliasChoices("stop_token_ids", "stop_tokens"))
@@ -69,6 +71,11 @@ tokens outside it are never drawn, and the generate stops ("grammar_end") once t
     def _nonempty_stops(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         if any(not x for x in v):
             raise ValueError("stop strings must be non-empty")
+        for x in v:  # matched on decoded text, which never holds a lone surrogate: such a stop never matches
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"stop string {x!r:.40} is not valid Unicode ({e.reason} at index {e.start})") from None
         return v
 
     @property

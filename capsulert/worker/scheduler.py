@@ -4,9 +4,12 @@ Requests (typed verbs, worker/verbs.py) from any thread enter one bounded queue;
 the engine and runs steps. Each step:
 1. starts the requests that can start, in arrival order (a session's requests run one after another, in
    order; requests on different sessions do not wait for each other). Capsule verbs (snapshot, restore,
-   fork, close, delete) run here, between decode steps, so a delete never meets a restore mid-copy. A
-   request that needs a free slot waits without blocking anything, up to `slot_wait_s`, then fails with
-   NoFreeSlotError;
+   fork, close, delete) run here, between decode steps, so a delete never meets a restore mid-copy.
+   Requests that need free slots (open, restore, fork, a turn restoring into a new session) start in
+   arrival order: one that finds too few waits, without blocking anything else, and the slot-needing
+   requests after it wait behind it (a fork of 8 is never starved by a stream of opens), each up to
+   `slot_wait_s` from its arrival, then NoFreeSlotError. One that needs more slots than the engine has is
+   refused at once (ExceedsCapacityError);
 2. runs prefill work under a token budget (`step_prefill_tokens`, default one chunk): appends are cut at
    grid points, so a long prefill advances one chunk per step while decoding sessions keep producing
    tokens, and the pieces give bitwise the same state as one append. Before an append is cut, the whole
@@ -29,14 +32,14 @@ from typing import Any, Callable
 
 import torch
 
-from capsulert.errors import (InvalidRequestError, NoFreeSlotError, QueueFullError,
+from capsulert.errors import (ExceedsCapacityError, InvalidRequestError, NoFreeSlotError, QueueFullError,
                               SessionClosedError)
 from capsulert.progress import Bar, NullBar, progress_bar
 from capsulert.worker.decoding import DecodeStream, advance
 from capsulert.worker.engine import LONG_PREFILL_CHUNKS, Engine
 from capsulert.worker.session import Session
 from capsulert.worker.verbs import (SESSION, Append, Close, Delete, FinalEvent, Fork, Generate, GenerateResult,
-                                    Open, Request, Restore, SessionInfo, Snapshot, TokenEvent, Turn)
+                                    Open, Rederive, Request, Restore, SessionInfo, Snapshot, TokenEvent, Turn)
 
 
 @dataclass
@@ -179,15 +182,24 @@ class StepScheduler:
     def _start_ready(self) -> None:
         busy = self._busy()
         still = []
+        blocked: NoFreeSlotError | None = None  # an earlier request waits for slots: later ones queue behind it
         for job in self._waiting:
             if job.session is not None and job.session in busy:
                 still.append(job)  # an earlier request of this session runs first
                 continue
+            if blocked is not None and _takes_slots(job.request):
+                if time.monotonic() < job.deadline:
+                    still.append(job)  # first come, first served: a fork of 8 is not starved by opens of 1
+                else:
+                    job.sink.error(NoFreeSlotError(f"no slot came free within slot_wait_s "
+                                                   f"({self.engine.config.slot_wait_s:g} s): {blocked}"))
+                continue
             try:
                 started = self._start(job)
             except NoFreeSlotError as e:
-                if time.monotonic() < job.deadline:
+                if time.monotonic() < job.deadline and not isinstance(e, ExceedsCapacityError):
                     still.append(job)
+                    blocked = e
                 else:
                     job.sink.error(e)
                 continue
@@ -218,6 +230,10 @@ class StepScheduler:
                 job.phases.append(("append", r.prompt))
         elif isinstance(r, Append):
             job.phases.append(("append", r.tokens))
+        elif isinstance(r, Rederive):
+            tokens = eng.begin_rederive(self._session(r.session))
+            if tokens:
+                job.phases.append(("append", tokens))
         elif isinstance(r, Generate):
             job.phases.append(("generate", r.max_new_tokens, r.sampling))
         elif isinstance(r, Snapshot):
@@ -367,6 +383,12 @@ class StepScheduler:
         for j in jobs:
             if j.stream.done:
                 self._finish(j)
+
+
+def _takes_slots(r: Request) -> bool:
+    """Whether the request needs free slots to start (a new session, or n of them)."""
+    return isinstance(r, (Open, Fork)) or (isinstance(r, Restore) and r.into is None) or \
+        (isinstance(r, Turn) and r.session is None)
 
 
 def _host_logits(s: Session):

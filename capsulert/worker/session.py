@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from capsulert.errors import SessionClosedError
+from capsulert.errors import SessionClosedError, StaleSessionError
 from capsulert.worker.sampler import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,6 +33,9 @@ class Session:
         self.closed = False
         self.stop_reason: str | None = None
         self._interrupt = False
+        # the weights version the slot's state was computed under: an update_weights makes the session stale
+        # (its state mixes nothing: every verb but close, restore and rederive refuses it)
+        self.weights_version = engine.weights_version
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -44,6 +47,25 @@ class Session:
     def _check_open(self) -> None:
         if self.closed:
             raise SessionClosedError(f"session {self.id} is closed; open or restore a new one")
+
+    @property
+    def stale(self) -> bool:
+        """Whether the slot holds state computed under older weights than the engine runs now."""
+        return bool(self.tokens) and self.weights_version != self.engine.weights_version
+
+    def check_current(self) -> None:
+        """StaleSessionError when the session is stale. An empty one computed nothing: it just moves on to
+        the current weights."""
+        if self.stale:
+            raise StaleSessionError(
+                f"session {self.id} holds state computed under weights version {self.weights_version}; the "
+                f"engine runs version {self.engine.weights_version} (update_weights since): rederive() it (a "
+                "prefill of its tokens under the current weights), restore a capsule into it, or close it")
+        self.weights_version = self.engine.weights_version
+
+    def rederive(self) -> int:
+        """Recompute the state from the tokens under the current weights (a cold prefill of them); the length."""
+        return self.engine.rederive(self)
 
     def append(self, tokens_or_text: str | Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Prefill more tokens; returns the next-token logits [vocab] (fp32)."""

@@ -17,7 +17,8 @@ from capsulert.worker.sampler import SamplingParams
 
 Tokens = Union[str, Sequence[int]]
 
-STOP_REASONS = ("eos", "stop_token", "stop_string", "length", "max_seq", "interrupted", "grammar_end")
+STOP_REASONS = ("eos", "stop_token", "stop_string", "length", "max_seq", "interrupted", "grammar_end",
+                "weights_updated")
 
 # who executes a request:
 SESSION = "session"  # the worker's step scheduler: ordered per session, decodes batched across sessions
@@ -89,6 +90,13 @@ class Append(Request):
     session: int
     tokens: Tokens
     logits: bool = False
+
+
+@dataclass(frozen=True)
+class Rederive(Request):
+    """Recompute a stale session's state (open across an update_weights) from its tokens under the current
+    weights: a prefill of them, in pieces like any append. The reply is its SessionInfo."""
+    session: int
 
 
 @dataclass(frozen=True)
@@ -411,11 +419,13 @@ class GenerateResult(list):
     - `logprobs[i]`: the raw model's log-probability of token i (log_softmax of the logits, before
       temperature / top-k / top-p), and `top_logprobs[i]`: the top-k (token, logprob) pairs when
       SamplingParams.logprobs = k;
-    - `stop_reason`: eos, stop_token, stop_string, length, max_seq, interrupted, or grammar_end (the
-      output completed its SamplingParams.constraint, which can take no more tokens);
+    - `stop_reason`: eos, stop_token, stop_string, length, max_seq, interrupted, grammar_end (the
+      output completed its SamplingParams.constraint, which can take no more tokens), or weights_updated
+      (an update_weights landed between two of its steps: it ended there, its session stale);
     - `text`: the detokenized output, cut before a matched stop string (None without a tokenizer);
     - `length`: the session length afterwards; `session`: its id (scheduler / worker APIs);
-    - `weights_version`: the engine's weights version the tokens were sampled under (update_weights);
+    - `weights_version`: the weights version every one of its tokens was sampled under (a generate never
+      spans an update_weights: it ends with stop reason weights_updated instead);
     - `cached_tokens`: prompt tokens the request restored from the prefix cache instead of prefilling
       (EngineConfig.prefix_cache);
     - `restored_from`: when the request restored a capsule (a Turn with `restore`), the tier it was read

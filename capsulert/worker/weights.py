@@ -44,7 +44,7 @@ def read_update(source, cfg: ModelConfig, dtype: torch.dtype,
 def check_update(current: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor],
                  tied: bool) -> dict[str, torch.Tensor]:
     """The tensors to copy, by name; WeightUpdateError (naming the offending tensors) unless the update has
-    exactly the model's weights with their shapes and floating dtypes. An update of a model with tied
+    exactly the model's weights with their shapes and floating dtypes, every value finite. An update of a model with tied
     embeddings may carry lm_head.weight as well (HF state dicts do); it must then equal the embedding."""
     new = dict(new)
     if tied and "lm_head.weight" in new and "lm_head.weight" not in current:
@@ -63,4 +63,9 @@ def check_update(current: Mapping[str, torch.Tensor], new: Mapping[str, torch.Te
             raise WeightUpdateError(f"{name} has shape {tuple(t.shape)}, the model's is {tuple(current[name].shape)}")
         if not t.dtype.is_floating_point:
             raise WeightUpdateError(f"{name} has dtype {t.dtype}; weights are floating point")
+    for name, t in new.items():  # after the cheap checks: this one reads every byte
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise WeightUpdateError(f"{name} holds {bad} NaN or infinite value(s); a model with them samples "
+                                    "garbage (NaN logprobs), so the update is refused")
     return new

@@ -5,8 +5,9 @@ exception, a crash or a hang. Tensors are never read (safetensors is never opene
 claims exactly the bytes the file holds, so a header claiming terabytes allocates nothing.
 
 Cases: byte flips 2500, truncations/extensions 1000, length field 1000, header rewrites 2500,
-metadata rewrites 2500, store.load 600: 10,100 in all (~30 s); CAPSULERT_FUZZ_SCALE=10 runs ten times
-as many. `pytest --hypothesis-show-statistics` shows how the cases ended.
+metadata rewrites 2500, store.load 600, a restart re-indexing the directory 400 (a mutated file beside a
+sound one: the mutated one indexed exactly or set aside with a typed record, the sound one always
+indexed): 10,500 in all (~35 s); CAPSULERT_FUZZ_SCALE=10 runs ten times as many. `pytest --hypothesis-show-statistics` shows how the cases ended.
 """
 import contextlib
 import json
@@ -402,9 +403,8 @@ def test_metadata_rewrites(base, workdir, data):
 
 
 # -- 6. the same mutations through CapsuleStore.load ------------------------------------------------
-@fuzz_settings(600)
-@given(data=st.data())
-def test_store_load(base, workdir, data):
+def draw_mutation(data, base) -> tuple[str, bytes, str, bool]:
+    """(kind, mutated file bytes, its file name, whether a tensor data byte changed with the header intact)."""
     raw, n, _ = base
     kind = data.draw(st.sampled_from(["flip", "cut", "header", "meta"]))
     fname = FILE_NAME
@@ -422,15 +422,73 @@ def test_store_load(base, workdir, data):
         mutated = data.draw(header_case(base))
     else:
         mutated, fname = data.draw(meta_case(base))
-    d = workdir / "store"
+    return kind, mutated, fname, data_changed
+
+
+def empty_dir(d):
+    """`d`, emptied (files, its quarantine/ and the owner lock of an earlier case)."""
     d.mkdir(exist_ok=True)
-    for p in d.iterdir():
-        p.unlink()
+    for p in d.rglob("*"):
+        if p.is_file():
+            p.unlink()
+    return d
+
+
+@fuzz_settings(600)
+@given(data=st.data())
+def test_store_load(base, workdir, data):
+    raw, n, _ = base
+    kind, mutated, fname, data_changed = draw_mutation(data, base)
+    d = empty_dir(workdir / "store")
     out = check_file(d / fname, mutated, data_changed=data_changed, via_store=True)  # never "ok" if so
     if kind == "cut":
         assert out.startswith("CorruptCapsuleError")
     if data_changed and mutated[:8 + n] == raw[:8 + n]:  # only tensor bytes changed: the checksum catches it
         assert out == "CorruptCapsuleError (checksum)"
+
+
+# -- 7. the same mutations at a restart: a store taking the directory as its disk_dir ------------------
+KEEPER = ("zz-keeper-space", "keeper")  # a sound capsule beside the mutated one (a name no mutation makes)
+
+
+@fuzz_settings(400)
+@given(data=st.data())
+def test_restart_reindex(base, workdir, data):
+    """Issue 29 items 4-6: a store (a restarted engine or worker) indexes the capsule files of its disk_dir
+    one at a time. A mutated file must end indexed with its exact bytes, or set aside into quarantine/ with
+    a typed record, never anything else: the start never fails, and the sound file beside it is always
+    indexed, bitwise."""
+    raw, n, _ = base
+    kind, mutated, fname, data_changed = draw_mutation(data, base)
+    d = empty_dir(workdir / "restart")
+    keeper = _META.replace(name=KEEPER[1], namespace=KEEPER[0])
+    disk.write_capsule_with_meta(d, keeper, ORIG)
+    (d / fname).write_bytes(mutated)
+    t0 = time.monotonic()
+    store = CapsuleStore(device="cpu", fingerprint=FP, layout_version=LAYOUT, disk_dir=d)
+    try:
+        assert time.monotonic() - t0 < CASE_SECONDS
+        listed = {(i.namespace, i.name) for i in store.list()}
+        assert KEEPER in listed and all(torch.equal(store.get(KEEPER[1], KEEPER[0])[1][k].view(torch.uint8),
+                                                    t.contiguous().view(torch.uint8)) for k, t in ORIG.items())
+        if store.quarantined:
+            [q] = store.quarantined
+            assert q.error in {t.__name__ for t in TYPED} and q.message
+            assert q.moved_to and (d / "quarantine" / fname).read_bytes() == mutated and not (d / fname).exists()
+            assert listed == {KEEPER}
+            event(f"restart: set aside ({q.error})")
+        else:  # indexed: then it is the original capsule, byte for byte
+            assert not data_changed, "a mutated data byte was indexed silently"
+            (other,) = listed - {KEEPER}
+            meta, tensors = store.get(other[1], other[0])
+            assert tensors_checksum(tensors) == meta.checksum and sorted(tensors) == sorted(ORIG)
+            for k, t in ORIG.items():
+                assert torch.equal(tensors[k].contiguous().view(torch.uint8), t.contiguous().view(torch.uint8)), k
+            event("restart: indexed")
+        if kind == "cut":
+            assert store.quarantined
+    finally:
+        store.close()
 
 
 # -- direct regressions for what the fuzzer found ---------------------------------------------------

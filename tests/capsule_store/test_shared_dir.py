@@ -19,7 +19,7 @@ import torch
 
 from capsulert.capsule_store import CapsuleMeta, CapsuleStore, capsule_file_name, tensor_nbytes
 from capsulert.capsule_store.disk import list_capsule_files
-from capsulert.capsule_store.owner import LOCK_NAME
+from capsulert.capsule_store.owner import LOCK_NAME, check_unowned, host_id
 from capsulert.errors import CapsuleIOError, DiskDirInUseError, InvalidRequestError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,9 +36,9 @@ def meta(name, t):
                              grid=8, nbytes=tensor_nbytes(t))
 
 
-def store(disk_dir=None, **budgets):
+def store(disk_dir=None, reindex=True, **budgets):
     return CapsuleStore(device="cpu", fingerprint=FP, layout_version=LAYOUT, budgets=budgets or None,
-                        disk_dir=disk_dir)
+                        disk_dir=disk_dir, reindex=reindex)
 
 
 def exact(a, b):
@@ -115,7 +115,7 @@ def test_load_of_own_disk_dir_reindexes_what_a_dead_owner_left(tmp_path):
     on_disk = {i.name for i in a.list() if i.tier == "disk"}
     assert on_disk == {"c0", "c1", "c2", "d"}
     a.close(flush=False)  # as a crash would: memory gone (c3), files stay, lock released
-    b = store(disk)
+    b = store(disk, reindex=False)  # left for an explicit load (by default a store indexes them at start)
     assert b.list() == [] and b.load(disk) == 4
     assert {i.name: i.tier for i in b.list()} == dict.fromkeys(on_disk, "disk")
     assert {p.name for p in list_capsule_files(disk)} == {capsule_file_name("default", n) for n in on_disk}
@@ -125,3 +125,71 @@ def test_load_of_own_disk_dir_reindexes_what_a_dead_owner_left(tmp_path):
     b.delete("d")
     assert list_capsule_files(disk) == [] and b.load(disk) == 0
     assert sorted(p.name for p in disk.iterdir()) == [LOCK_NAME]
+
+
+def _holder(script: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def test_a_forked_child_of_a_dead_owner_does_not_keep_the_directory(tmp_path):
+    """Issue 29 item 7: the child inherited the lock descriptor, so the directory stayed locked while it
+    lived, after its owner died. Now a forked child closes its copy at once."""
+    disk = tmp_path / "disk"
+    holder = _holder(f"""
+        import os, time
+        from capsulert.capsule_store import CapsuleStore
+        s = CapsuleStore(device="cpu", fingerprint={FP!r}, layout_version={LAYOUT}, disk_dir={str(disk)!r})
+        child = os.fork()
+        if child == 0:
+            time.sleep(600)
+            os._exit(0)
+        print(child, flush=True)
+        time.sleep(600)
+    """)
+    child = int(holder.stdout.readline())
+    try:
+        with pytest.raises(DiskDirInUseError, match=f"pid {holder.pid}"):  # the owner itself still holds it
+            store(disk)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        os.kill(child, 0)  # the child lives on
+        s = store(disk)  # and the directory is free all the same
+        s.put(meta("a", tensors(0)), tensors(0), tier="disk")
+    finally:
+        for pid in (holder.pid, child):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        holder.wait(timeout=30)
+        holder.stdout.close()
+
+
+def test_a_lock_held_by_another_process_than_its_recorded_dead_owner_says_so(tmp_path):
+    """The lock file names a dead pid while something still holds the lock (a descriptor passed on or
+    inherited before the fork safeguard): the refusal says the recorded owner is dead and what to do."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    (disk / LOCK_NAME).write_text(f'{{"pid": {dead.pid}, "host": "{host_id()}", "role": "capsule store", '
+                                  f'"since": 0}}')
+    holder = _holder(f"""
+        import fcntl, os, time
+        fd = os.open({str(disk / LOCK_NAME)!r}, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(DiskDirInUseError, match=f"pid {dead.pid}.* is dead, but the lock is still held"):
+            store(disk)
+        with pytest.raises(DiskDirInUseError, match="is dead"):
+            check_unowned(disk / "worker-0")  # what `capsulert capsules rm` asks, from below
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    check_unowned(disk)

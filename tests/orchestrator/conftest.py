@@ -12,7 +12,10 @@ SHORT = "The capsule runtime keeps the complete state of a session at a committe
 
 @pytest.fixture(scope="session")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from capsulert.orchestrator.orchestrator import FAST_FAILURE_RAY_CONFIG
+
+    # the settings of a Ray the orchestrator starts itself (a killed worker's callers learn it at once)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=FAST_FAILURE_RAY_CONFIG)
     yield
     ray.shutdown()
 

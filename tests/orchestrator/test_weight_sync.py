@@ -81,3 +81,31 @@ async def test_a_version_must_move_forward(engine_cfg):
         with pytest.raises(WeightUpdateError, match="version"):
             eng.update_weights(weights, version=bad)
     assert eng.weights_version == 3
+
+
+async def test_a_remote_session_open_across_an_update_is_refused_until_rederived(orch, engine_cfg, default_model_dir):
+    """Issue 29 item 2 through the orchestrator: the typed refusal crosses Ray, and rederive runs as a
+    session request on the worker, bitwise a cold prefill under the new weights."""
+    from capsulert.errors import StaleSessionError
+    from capsulert.worker.engine import Engine
+
+    s = await orch.open(PROMPT)
+    await s.generate(6, NOEOS)
+    weights = load_file(str(default_model_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(21)
+    new = {k: v + 0.05 * v.abs().mean() * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+    [version] = await orch.update_weights(new)
+    with pytest.raises(StaleSessionError):
+        await s.generate(4, NOEOS)
+    with pytest.raises(StaleSessionError):
+        await s.snapshot("mixed")
+    assert [c["name"] for c in await orch.capsules() if c["name"] == "mixed"] == []
+    tokens = await s.tokens()
+    assert await s.rederive() == len(tokens)
+    got = await s.generate(8, NOEOS)
+    await s.close()
+    fresh = Engine.from_config(engine_cfg)
+    fresh.update_weights(new)
+    ref = fresh.open()
+    ref.append(tokens)
+    assert got == ref.generate(8, NOEOS) and got.weights_version == version

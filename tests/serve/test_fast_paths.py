@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -75,6 +76,10 @@ class _SlowStream:
 
 class _Namespace:
     calls: list[str] = []  # the verbs the server used, in order
+
+    @asynccontextmanager
+    async def admitted(self, sessions, *, together=1):  # the admission queue: always room here
+        yield
 
     async def open(self):
         self.calls.append("open")

@@ -127,11 +127,21 @@ def test_chat_request_checks():
     (E.InvalidCapsuleNameError("x"), 400), (E.UnknownCapsuleError("x"), 404), (E.DuplicateCapsuleError("x"), 409),
     (E.StaleCapsuleError("x"), 409), (E.QueueFullError("x"), 429), (E.NoFreeSlotError("x"), 429),
     (E.WorkerLost("x"), 503), (E.CapsuleIOError("x"), 500),
+    (E.ExceedsCapacityError("x"), 400), (E.StaleSessionError("x"), 409),
 ])
 def test_error_statuses(error, status):
     assert kind_of(error).status == status
     kind, body = describe(error)
     assert body["error"]["message"] == "x" and body["error"]["type"] == kind.type
+
+
+def test_a_429_says_when_to_come_back():
+    from capsulert.serve.http_errors import retry_headers
+
+    full = E.QueueFullError("x", retry_after_s=2.3)
+    assert retry_headers(kind_of(full), full) == {"Retry-After": "3"}
+    assert retry_headers(kind_of(E.QueueFullError("x")), E.QueueFullError("x")) == {"Retry-After": "1"}
+    assert retry_headers(kind_of(E.WorkerLost("x")), E.WorkerLost("x")) == {}
 
 
 def test_unexpected_errors_say_nothing_of_their_insides():

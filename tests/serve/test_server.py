@@ -2,6 +2,7 @@
 engine (token ids, text and logprobs bitwise), plus capsules, tenants, errors, back-pressure and metrics."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -246,6 +247,7 @@ def test_an_unknown_field_is_accepted_not_400(server):
     ({"prompt": "x", "snapshot_as": "a/b"}, None),
     ({"prompt": "x " * 600, "max_tokens": 1}, None),  # past max_seq
     ({"prompt": "x " * 600, "max_tokens": 1, "stream": True}, None),  # refused by the streaming turn itself
+    ({"prompt": "x", "top_k": 2 ** 70}, None),
 ])
 def test_bad_requests_are_400_openai_json(server, body, param):
     r = server.http("POST", "/v1/completions", json={"model": MODEL, **body})
@@ -253,6 +255,14 @@ def test_bad_requests_are_400_openai_json(server, body, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert "Traceback" not in r.text and (param is None or err["param"] == param)
+
+
+def test_a_stop_string_with_a_lone_surrogate_is_400(server):
+    """JSON can carry one (an escaped \ud800); decoded text never holds one, so it could never match."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "stop": ["a\ud800"]})  # ASCII, the surrogate escaped
+    r = server.http("POST", "/v1/completions", content=body, headers={
+        "Authorization": f"Bearer {server.keys['acme']}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], r.text
 
 
 def test_unknown_model_and_route_are_404(server, acme):
@@ -273,6 +283,7 @@ def test_past_max_inflight_is_429(server, acme):
         with pytest.raises(openai.RateLimitError) as e:
             acme.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
         assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+        assert int(e.value.response.headers["retry-after"]) >= 1  # when to come back
     finally:
         for s in held:
             s.close()  # the client goes away: the server interrupts the generates and frees their slots

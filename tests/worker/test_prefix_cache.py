@@ -13,6 +13,7 @@ import torch
 
 from safetensors.torch import load_file
 
+from capsulert.errors import StaleSessionError
 from capsulert.worker.async_engine import AsyncEngine
 from capsulert.worker.engine import GRID
 from capsulert.worker.sampler import SamplingParams
@@ -247,7 +248,8 @@ def test_a_weight_update_retires_the_cache(cached, default_model_dir):
     g = torch.Generator().manual_seed(1)
     eng.update_weights({k: (v + 0.05 * torch.randn(v.shape, generator=g) * v.abs().mean()) for k, v in weights.items()})
     before, kept = hits(eng), eng.store.stats()["prefix"]["kept"]
-    live.append(toks(200, 20))  # its state mixes both weights: neither served nor kept
+    with pytest.raises(StaleSessionError):  # its state would mix both weights: refused, neither served nor kept
+        live.append(toks(200, 20))
     live.close()
     assert eng.store.stats()["prefix"]["kept"] == kept
     r = eng.open(prompt=prompt)  # keys carry the weights version: the old entries never match

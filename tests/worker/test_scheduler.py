@@ -247,6 +247,34 @@ async def test_a_restore_waiting_for_a_slot_gets_the_one_a_close_frees(make_engi
         assert time.monotonic() - t0 < 1.0 and r.length == 20
 
 
+async def test_requests_for_slots_start_first_come_first_served(make_engine, corpus):
+    """Issue 29 item 1 at the worker: a fork of 2 waiting for slots used to lose every freed slot to later
+    opens of 1 (and fail after slot_wait_s). Now slot-needing requests start in arrival order, and one that
+    needs more slots than the engine has is refused at once."""
+    from capsulert.errors import ExceedsCapacityError
+
+    async with AsyncEngine(make_engine(slots=2, slot_wait_s=30.0)) as aeng:
+        a, b = await aeng.open(corpus[:20]), await aeng.open(corpus[:30])
+        await a.snapshot("c")
+        t0 = time.monotonic()
+        with pytest.raises(ExceedsCapacityError, match="3 slot"):
+            await aeng.fork("c", 3)  # could never start: at once, not after slot_wait_s
+        assert time.monotonic() - t0 < 2.0
+        fork = asyncio.ensure_future(aeng.fork("c", 2))
+        await asyncio.sleep(0.05)
+        later = asyncio.ensure_future(aeng.open(corpus[:10]))
+        await asyncio.sleep(0.05)
+        await a.close()  # one slot free: the open behind the fork must not take it
+        await asyncio.sleep(0.2)
+        assert not fork.done() and not later.done() and aeng.engine.free_slots == 1
+        await b.close()
+        branches = await asyncio.wait_for(fork, 5.0)
+        assert [x.length for x in branches] == [20, 20] and not later.done()
+        await branches[0].close()
+        assert (await asyncio.wait_for(later, 5.0)).length == 10
+        await branches[1].close()
+
+
 async def test_long_prefill_does_not_stall_decoding(make_engine, corpus):
     async with AsyncEngine(make_engine(max_seq=2048)) as aeng:
         decoder = await aeng.open(corpus[:20])

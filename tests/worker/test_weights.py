@@ -78,7 +78,7 @@ def test_stale_capsules_are_refused_until_rebuilt(model_dir, make_engine, tmp_pa
         engine.restore("other")
 
 
-@pytest.mark.parametrize("bad", ["missing", "extra", "shape", "dtype", "not-tensor", "architecture"])
+@pytest.mark.parametrize("bad", ["missing", "extra", "shape", "dtype", "not-tensor", "architecture", "nan", "inf"])
 def test_bad_updates_change_nothing(model_dir, make_engine, tmp_path, text, bad):
     engine = make_engine()
     s = engine.open()
@@ -96,6 +96,9 @@ def test_bad_updates_change_nothing(model_dir, make_engine, tmp_path, text, bad)
         new[name] = new[name].to(torch.int32)
     elif bad == "not-tensor":
         new[name] = [1.0]
+    elif bad in ("nan", "inf"):  # generate then sampled token 0 with logprob nan
+        new[name] = new[name].clone()
+        new[name][3, 5] = float(bad)
     else:  # a complete, consistent checkpoint of another architecture
         import json
 
