@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from capsulert.worker.graphs import ShapeKey
+from capsulert.worker.sampler import SamplingParams
 from tests.models import MODELS
 
 pytestmark = pytest.mark.gpu
@@ -59,4 +60,4 @@ def test_reference_moe_kernels_refuse_graph_capture(make_engine):
     with pytest.raises(ConfigError, match="cannot capture"):
         make_engine(device="cuda", slots=2, kernels="reference")
     eager = make_engine(device="cuda", slots=2, kernels="reference", cuda_graphs=False)
-    assert len(eager.open().generate(4)) == 4
+    assert len(eager.open(prompt="a prompt").generate(4, SamplingParams(ignore_eos=True))) == 4

@@ -19,7 +19,8 @@ NOEOS = SamplingParams(ignore_eos=True)
 
 def nudged(engine, seed=1, scale=0.05):
     g = torch.Generator().manual_seed(seed)
-    return {k: v + scale * v.abs().mean() * torch.randn(v.shape, generator=g) for k, v in engine.model_weights.items()}
+    return {k: v + scale * v.abs().mean() * torch.randn(v.shape, generator=g).to(v.device, v.dtype)
+            for k, v in engine.model_weights.items()}
 
 
 def cold(engine, tokens):
