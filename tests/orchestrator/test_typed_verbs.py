@@ -133,7 +133,9 @@ async def test_every_caller_sends_typed_requests_to_the_one_entry_point(orch_tv,
     await orch.stats()
     await asyncio.gather(s.close(), *(b.close() for b in branches))
     await acme.delete("tv-c")
-    assert {name for name, _ in spy.calls} == {"execute", "stream"}
+    # the two entry points; streams are submitted through execute (Streamed) and their events come over the
+    # worker's event feed, a stream opened when the worker starts
+    assert "execute" in {name for name, _ in spy.calls} <= {"execute", "stream"}
     sent = [args[0] for _, args in spy.calls]
     sent += [r for b in sent if isinstance(b, verbs.Batch) for r in b.requests]  # coalesced short requests
     assert all(isinstance(r, Request) for r in sent)
