@@ -70,6 +70,9 @@ def spy(orch_tv):
     worker = orch_tv.workers[0]
     real = worker.handle
     worker.handle = HandleSpy(real)
+    feed = orch_tv.pool.feeds.pop(0, None)  # opened at start: the next stream opens it again, through the spy
+    if feed is not None:
+        feed.task.cancel()
     yield worker.handle
     worker.handle = real
 
