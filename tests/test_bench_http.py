@@ -38,5 +38,5 @@ def test_no_gpu_for_the_worker_is_refused_at_once(default_model_dir, tmp_path):
     proc = serving_http("--model", str(default_model_dir), "--device", "cuda", "--ns", "1", "--out", str(tmp_path),
                         env=env, timeout=180)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "serving.py --http: ConfigError:" in proc.stderr and "GPU" in proc.stderr
+    assert "serving.py --http: InsufficientResourcesError:" in proc.stderr and "GPU" in proc.stderr
     assert "Traceback" not in proc.stderr

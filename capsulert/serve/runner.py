@@ -90,12 +90,16 @@ def _ray_metrics_url() -> str | None:
     return None
 
 
-def _local_ray_metrics(opts: ServerOptions) -> dict:
-    """ray.init arguments for Ray's own metrics: exported on the port asked for, else not collected at all, so
-    that Ray's agent opens no exporter (on this machine's network address) that nobody asked for."""
+def _local_ray_init(opts: ServerOptions) -> dict:
+    """ray.init arguments for a Ray this server starts: a lost worker seen at once (FAST_FAILURE_RAY_CONFIG:
+    503 at once), and Ray's own metrics exported on the port asked for, else not collected at all, so that
+    Ray's agent opens no exporter (on this machine's network address) that nobody asked for."""
+    from capsulert.orchestrator.orchestrator import FAST_FAILURE_RAY_CONFIG
+
+    system = dict(FAST_FAILURE_RAY_CONFIG)
     if opts.ray_metrics_port is not None:
-        return {"_metrics_export_port": opts.ray_metrics_port}
-    return {"_system_config": {"enable_metrics_collection": False}}
+        return {"_system_config": system, "_metrics_export_port": opts.ray_metrics_port}
+    return {"_system_config": {**system, "enable_metrics_collection": False}}
 
 
 def start(opts: ServerOptions) -> None:
@@ -124,9 +128,7 @@ def start(opts: ServerOptions) -> None:
             ray.init(address=opts.ray_address, **init)
             _check_gpus(opts, ray.cluster_resources().get("GPU", 0), "the Ray cluster")
         else:
-            from capsulert.orchestrator.orchestrator import FAST_FAILURE_RAY_CONFIG  # a lost worker: 503 at once
-
-            ray.init(**init, _system_config=FAST_FAILURE_RAY_CONFIG, **_local_ray_metrics(opts))
+            ray.init(**init, **_local_ray_init(opts))
         step(f"starting {opts.num_workers} worker(s) and the HTTP server")
         logging_config = {"log_level": opts.log_level, "enable_access_log": opts.access_log}
         deployment = CapsuleServer.options(max_ongoing_requests=opts.max_inflight + 64)
