@@ -37,10 +37,11 @@ def tiled_attention_ref(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, 
     SDPA's CPU kernels pick their query and key blocking from the lengths, so a row's softmax sums in an
     order that depends on the piece it is computed in. Here queries are padded to whole tiles of `tile`
     absolute positions (at least `tile` GEMM rows: CPU GEMMs take other paths for a few rows); each query
-    tile's scores are one GEMM of fixed shape over the keys up to its end, the row maximum is exact, and the numerator and the
-    denominator come from one GEMM of the probabilities with [V | 1]. The CPU GEMMs give a row the same bits
-    whatever the other rows and however many zero columns trail (tests/kernels), and masked keys are exact
-    zeros, so a row computed in a piece of 40 queries equals the row computed in a piece of 1024. fp32 inside."""
+    tile's scores are one GEMM of fixed shape over the keys up to its end, the row maximum is exact, and the
+    numerator and the denominator come from one GEMM of the probabilities with [V | 1]. The CPU GEMMs give a
+    row the same bits whatever the other rows and however many zero columns trail (tests/kernels), and
+    masked keys are exact zeros, so a row computed in a piece of 40 queries equals the row computed in a
+    piece of 1024. fp32 inside."""
     B, T, Hq, D = q.shape
     Hkv = kv_k.shape[2]
     rep = Hq // Hkv
@@ -53,17 +54,17 @@ def tiled_attention_ref(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, 
                           torch.ones(Hkv, hi, 1, device=q.device)], dim=-1)  # [Hkv, hi, D + 1]
         qt = q.new_zeros(hi - lo, Hq, D, dtype=torch.float32)
         qt[a - lo:a - lo + T] = q[b]
+        ot = torch.empty_like(qt)
         for g0 in range(lo, hi, tile):  # one query tile a pass: every GEMM of a tile has one shape
             g1 = g0 + tile
-            n = tile
-            # [Hkv, rep * n, D]: the query heads of one kv head stacked into one GEMM
-            qg = qt[g0 - lo:g1 - lo].view(n, Hkv, rep, D).permute(1, 2, 0, 3).reshape(Hkv, rep * n, D) * scale
+            # [Hkv, rep * tile, D]: the query heads of one kv head stacked into one GEMM
+            qg = qt[g0 - lo:g1 - lo].view(tile, Hkv, rep, D).permute(1, 2, 0, 3).reshape(Hkv, rep * tile, D) * scale
             s = qg @ keys[..., :g1]
-            qpos = (g0 + torch.arange(n, device=q.device)).repeat(rep)
+            qpos = (g0 + torch.arange(tile, device=q.device)).repeat(rep)
             s.masked_fill_(torch.arange(g1, device=q.device)[None, :] > qpos[:, None], float("-inf"))
             p = (s - s.amax(-1, keepdim=True)).exp()
             pv = p @ vals[:, :g1]
-            o = (pv[..., :D] / pv[..., D:]).view(Hkv, rep, n, D).permute(2, 0, 1, 3).reshape(n, Hq, D)
-            keep = slice(max(a, g0) - g0, min(a + T, g1) - g0)
-            out[b, max(a, g0) - a:min(a + T, g1) - a] = o[keep].to(q.dtype)
+            o = pv[..., :D] / pv[..., D:]
+            ot[g0 - lo:g1 - lo] = o.view(Hkv, rep, tile, D).permute(2, 0, 1, 3).reshape(tile, Hq, D)
+        out[b] = ot[a - lo:a - lo + T].to(q.dtype)
     return out

@@ -234,6 +234,7 @@ class CapsuleVerbs:
         session.tokens = list(meta.tokens[:P])
         session.decoded_from = P if P == G else meta.decoded_from
         session.stop_reason = None
+        session.weights_version = eng.weights_version  # a capsule restores only under its own weights
         self.prefix.restored(session, namespace, canonical)
         if not replay:
             return tier, None

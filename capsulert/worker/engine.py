@@ -93,7 +93,7 @@ class Engine:
         if cuda:
             from capsulert.worker.numerics import check_split_invariant_gemm, configure_cuda
 
-            configure_cuda()
+            configure_cuda()  # before the first CUDA GEMM (weights are loaded and generated without one)
             check_split_invariant_gemm(self.probe_weight(weights, model_cfg))
         self.model = HybridModel(model_cfg, weights, self._kernels(config),
                                  decode_rows=MAX_DECODE_BATCH if cuda else None, rowwise=not cuda)
@@ -132,8 +132,8 @@ class Engine:
 
     @staticmethod
     def probe_weight(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
-        """A projection whose GEMM split-K would choose first (the attention output projection, else the
-        first linear-attention output projection): the probe of check_split_invariant_gemm."""
+        """The weight check_split_invariant_gemm probes: an output projection (4096x4096 on the 9B shape), the
+        shape where split-K showed first on the H200 with default cuBLAS settings."""
         for i, kind in enumerate(cfg.layer_types):
             name = f"model.layers.{i}.self_attn.o_proj.weight" if kind == FULL else f"model.layers.{i}.linear_attn.out_proj.weight"
             if name in weights:
@@ -165,10 +165,6 @@ class Engine:
             raise ConfigError(f"invalid engine config: {e.error_count()} error(s): "
                               + "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
         device = config.torch_device()
-        if device.type == "cuda":
-            from capsulert.worker.numerics import configure_cuda
-
-            configure_cuda()  # before the first CUDA GEMM: the libraries read it once
         dtype = config.torch_dtype(device)
         if config.model.startswith(RANDOM_PREFIX):
             return cls._random(config, device, dtype)
@@ -579,7 +575,6 @@ class Engine:
         with self._lock:
             self._own(session)
             tier, replay = self.capsules.restore_into(session, name, namespace)
-            session.weights_version = self.weights_version  # a capsule restores only under its own weights
             self._replay([(session, replay)] if replay else [])
             return tier
 
@@ -597,8 +592,6 @@ class Engine:
             sessions = self._take_slots(n, wait_s, reset=False)
             try:
                 read = [self.capsules.restore_into(s, name, namespace) for s in sessions]
-                for s in sessions:
-                    s.weights_version = self.weights_version
                 self._replay([(s, replay) for s, (_, replay) in zip(sessions, read) if replay])
             except BaseException:
                 for s in sessions:

@@ -43,8 +43,8 @@ class SamplingParams(BaseModel):
     `ignore_eos`; so does any id in `stop_token_ids`, and any string in `stop` once it appears in the
     incrementally detokenized output (its tokens stay committed in the session; the result's text ends
     before it). `logprobs=k` adds the top-k logprobs of every position to the result. `constraint` makes
-the output follow a grammar (a JSON schema, any JSON object, a regex or a Lark grammar; see Constraint):
-tokens outside it are never drawn, and the generate stops ("grammar_end") once the grammar is complete."""
+    the output follow a grammar (a JSON schema, any JSON object, a regex or a Lark grammar; see Constraint):
+    tokens outside it are never drawn, and the generate stops ("grammar_end") once the grammar is complete."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False)

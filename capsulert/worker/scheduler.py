@@ -354,7 +354,7 @@ class StepScheduler:
                     raise SessionClosedError(f"session {job.session} was closed")
                 while job.prefill and budget > 0:
                     P, chunk = len(s.tokens), self.engine.chunk
-                    end = min(P + len(job.prefill), (P // chunk + 1) * chunk)  # cut at the next grid point
+                    end = min(P + len(job.prefill), (P // chunk + 1) * chunk)  # cut at the next chunk boundary
                     piece, job.prefill = job.prefill[:end - P], job.prefill[end - P:]
                     self.engine.append(s, piece)
                     budget -= end - P // self.engine.grid * self.engine.grid  # with the re-run past the grid point
