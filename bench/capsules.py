@@ -93,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def corpus_tokens(engine, need: int) -> list[int]:
-    from capsulert.worker.default_model import CORPUS_PATH
+    from capsulert.engine.default_model import CORPUS_PATH
 
     text = CORPUS_PATH.read_text(encoding="utf-8")
     reps = 1
@@ -106,7 +106,7 @@ def corpus_tokens(engine, need: int) -> list[int]:
 
 def model_dir(model: str) -> Path:
     if model == "default":
-        from capsulert.worker.default_model import ensure_default_model
+        from capsulert.engine.default_model import ensure_default_model
 
         return ensure_default_model()
     return Path(model)
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from capsulert.worker.engine import Engine
+    from capsulert.engine.engine import Engine
 
     lengths = sorted(set(args.lengths))
     chunk = args.prefill_chunk

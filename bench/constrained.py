@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from common import OUT_DIR, cuda_sync, log, machine_info, plot_lines, print_table, write_json  # noqa: E402
 
-from capsulert.worker.constraint import Constraint  # noqa: E402
-from capsulert.worker.decoding import DecodeStream, advance  # noqa: E402
-from capsulert.worker.engine import Engine  # noqa: E402
-from capsulert.worker.sampler import SamplingParams  # noqa: E402
+from capsulert.protocol.constraint import Constraint  # noqa: E402
+from capsulert.engine.decoding import DecodeStream, advance  # noqa: E402
+from capsulert.engine.engine import Engine  # noqa: E402
+from capsulert.protocol.sampling import SamplingParams  # noqa: E402
 
 BATCH = 8
 # a schema whose strings let a random-weights model write for a long time: every step stays constrained
@@ -58,7 +58,7 @@ def steps_ms(engine: Engine, constrained: int, tokens: int, sampling: dict) -> t
 def mask_ms(engine: Engine, repeats: int = 200) -> float:
     """The mask work of one step of BATCH constrained sessions alone (fill every row, unpack, mask the
     logits block), median ms: what constraining adds to a step, apart from the load of the machine."""
-    from capsulert.worker.constraint import allowed_tokens
+    from capsulert.engine.grammar import allowed_tokens
 
     states = [engine.grammars.state(Constraint(json_schema=SCHEMA)) for _ in range(BATCH)]
     prefix = engine.tokenize('{"title":"A capsule keeps')

@@ -24,12 +24,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT_DIR, hf_causal_lm, log, machine_info, median, plot_lines, print_table, write_json  # noqa: E402
 
-from capsulert.worker.default_model import REPO_ROOT  # noqa: E402
-from capsulert.worker.engine import Engine  # noqa: E402
-from capsulert.worker.graphs import GraphPlans  # noqa: E402
-from capsulert.worker.model import HybridModel  # noqa: E402
-from capsulert.worker.moe_weights import DOWN, GATE_UP  # noqa: E402
-from capsulert.worker.sampler import SamplingParams  # noqa: E402
+from capsulert.engine.default_model import REPO_ROOT  # noqa: E402
+from capsulert.engine.engine import Engine  # noqa: E402
+from capsulert.engine.graphs import GraphPlans  # noqa: E402
+from capsulert.engine.model import HybridModel  # noqa: E402
+from capsulert.engine.moe_weights import DOWN, GATE_UP  # noqa: E402
+from capsulert.protocol.sampling import SamplingParams  # noqa: E402
 
 SHAPE = REPO_ROOT / "capsulert" / "configs" / "models" / "qwen3_5-9b-shape.yaml"
 SUFFIX = 32

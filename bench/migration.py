@@ -39,8 +39,8 @@ import torch  # noqa: E402
 
 from capsulert.errors import InvalidTokenError  # noqa: E402
 from capsulert.orchestrator import Orchestrator  # noqa: E402
-from capsulert.worker.default_model import CORPUS_PATH  # noqa: E402
-from capsulert.worker.verbs import Delete, LinkProbe, ReceiveCapsule, SendCapsule, Tokenize, Turn  # noqa: E402
+from capsulert.engine.default_model import CORPUS_PATH  # noqa: E402
+from capsulert.protocol.requests import Delete, LinkProbe, ReceiveCapsule, SendCapsule, Tokenize, Turn  # noqa: E402
 
 PATHS = ("device", "object_store", "disk")
 SUFFIX = [101, 202, 303, 404]  # token ids: every model has them, tokenizer or not

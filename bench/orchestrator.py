@@ -25,9 +25,9 @@ import torch  # noqa: E402
 from common import OUT_DIR, log, machine_info, percentile, print_table, write_json  # noqa: E402
 
 from capsulert.orchestrator import EpisodeDriver, Orchestrator, best_of_n  # noqa: E402
-from capsulert.worker.engine import Engine  # noqa: E402
-from capsulert.worker.sampler import SamplingParams  # noqa: E402
-from capsulert.worker.verbs import LastCall, Ping  # noqa: E402
+from capsulert.engine.engine import Engine  # noqa: E402
+from capsulert.protocol.sampling import SamplingParams  # noqa: E402
+from capsulert.protocol.requests import LastCall, Ping  # noqa: E402
 
 PREFIX = ("You are a coding agent working in a large repository. The capsule runtime keeps the complete state "
           "of a session at a committed boundary, so the agent returns to it in milliseconds. ") * 6

@@ -24,7 +24,7 @@ MODEL = "bench"
 
 def start_server(engine_cfg: dict, threads: int, max_inflight: int) -> str:
     """`capsulert serve` in this process (local Ray + Ray Serve); its base URL."""
-    from capsulert.serve.options import ServerOptions
+    from capsulert.config.server import ServerOptions
     from capsulert.serve.runner import setup_logging, start
 
     port = free_port()

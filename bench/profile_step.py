@@ -22,8 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT_DIR, log, machine_info, print_table, write_json  # noqa: E402
 
-from capsulert.worker.default_model import REPO_ROOT  # noqa: E402
-from capsulert.worker.engine import Engine  # noqa: E402
+from capsulert.engine.default_model import REPO_ROOT  # noqa: E402
+from capsulert.engine.engine import Engine  # noqa: E402
 
 SHAPE = REPO_ROOT / "capsulert" / "configs" / "models" / "qwen3_5-9b-shape.yaml"
 KINDS = [  # first match wins

@@ -21,8 +21,8 @@ import torch  # noqa: E402
 from common import OUT_DIR, cuda_sync, log, machine_info, plot_lines, print_table, write_json  # noqa: E402
 
 from capsulert.orchestrator import EpisodeDriver, Orchestrator  # noqa: E402
-from capsulert.worker.engine import Engine  # noqa: E402
-from capsulert.worker.sampler import SamplingParams  # noqa: E402
+from capsulert.engine.engine import Engine  # noqa: E402
+from capsulert.protocol.sampling import SamplingParams  # noqa: E402
 
 PARAMS = SamplingParams(ignore_eos=True)
 

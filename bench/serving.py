@@ -42,8 +42,8 @@ import torch  # noqa: E402
 from common import OUT_DIR, hf_causal_lm, log, machine_info, percentile, plot_lines, print_table, write_json  # noqa: E402
 
 from capsulert.orchestrator import Orchestrator  # noqa: E402
-from capsulert.worker.sampler import SamplingParams  # noqa: E402
-from capsulert.worker.verbs import FinalEvent  # noqa: E402
+from capsulert.protocol.sampling import SamplingParams  # noqa: E402
+from capsulert.protocol.results import FinalEvent  # noqa: E402
 
 PARAMS = SamplingParams(ignore_eos=True)  # fixed lengths, so every N does the same work per session
 
@@ -116,7 +116,7 @@ def loop_figures(before: dict, after: dict, wall_s: float, workers: int) -> dict
 
 def hf_seconds_per_session(engine_cfg: dict, contexts, turns, gen: int, sessions: int) -> float:
     """HF transformers generate (greedy, its default dynamic cache) from context + turn, per session."""
-    from capsulert.worker.engine import Engine
+    from capsulert.engine.engine import Engine
 
     eng = Engine.from_config(engine_cfg)
     model = hf_causal_lm(eng)

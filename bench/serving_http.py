@@ -29,8 +29,8 @@ from pathlib import Path
 
 from common import OUT_DIR, log, machine_info, percentile, print_table, write_json
 
-from capsulert.worker.sampler import SamplingParams
-from capsulert.worker.verbs import FinalEvent
+from capsulert.protocol.sampling import SamplingParams
+from capsulert.protocol.results import FinalEvent
 
 PARAMS = SamplingParams(ignore_eos=True)
 MODEL = "bench"
@@ -51,7 +51,7 @@ async def start_server(engine_cfg: dict, threads: int, max_inflight: int):
     from capsulert.serve.app import build_app
     from capsulert.serve.deployment import server_state
     from capsulert.serve.ingress import DirectIngress
-    from capsulert.serve.options import ServerOptions
+    from capsulert.config.server import ServerOptions
 
     opts = ServerOptions.build(engine=engine_cfg, served_model_name=MODEL, port=free_port(), torch_threads=threads,
                                call_timeout_s=3600, max_inflight=max_inflight, log_level="WARNING")

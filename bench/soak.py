@@ -45,10 +45,10 @@ from common import OUT_DIR, log, machine_info, percentile, print_table, write_js
 from capsulert.capsule_store import tensors_checksum  # noqa: E402
 from capsulert.errors import UnknownCapsuleError, WorkerLost  # noqa: E402
 from capsulert.orchestrator import Orchestrator  # noqa: E402
-from capsulert.orchestrator.worker_actor import send  # noqa: E402
-from capsulert.worker.engine import Engine  # noqa: E402
-from capsulert.worker.sampler import SamplingParams  # noqa: E402
-from capsulert.worker.verbs import ExportCapsule, Ping  # noqa: E402
+from capsulert.worker.actor import send  # noqa: E402
+from capsulert.engine.engine import Engine  # noqa: E402
+from capsulert.protocol.sampling import SamplingParams  # noqa: E402
+from capsulert.protocol.requests import ExportCapsule, Ping  # noqa: E402
 
 TEXTS = [
     "You are a coding agent. The failing test is in the orchestrator; read it first. ",

@@ -32,7 +32,7 @@ from common import OUT_DIR, log, machine_info, print_table, write_json  # noqa: 
 
 from capsulert.errors import WorkerLost  # noqa: E402
 from capsulert.orchestrator import Orchestrator  # noqa: E402
-from capsulert.worker.sampler import SamplingParams  # noqa: E402
+from capsulert.protocol.sampling import SamplingParams  # noqa: E402
 
 PROMPT = "A worker dies in the middle of a decode step; how long until its callers know, and until it is back? "
 

@@ -50,7 +50,7 @@ import torch  # noqa: E402
 from common import (OUT_DIR, cuda_sync, log, machine_info, median, percentile, plot_lines,  # noqa: E402
                     print_table, write_json)
 
-from capsulert.worker.engine import Engine  # noqa: E402
+from capsulert.engine.engine import Engine  # noqa: E402
 
 POLICIES = ("lru", "pinned_lru", "cost_aware")
 TIER_SETUPS = ("gpu+host+disk", "gpu only")

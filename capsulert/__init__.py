@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     # in-process engine
-    "Engine": "capsulert.worker.engine",
-    "EngineConfig": "capsulert.worker.engine_config",
-    "TierBudgets": "capsulert.worker.engine_config",
-    "SamplingParams": "capsulert.worker.sampler",
-    "Session": "capsulert.worker.session",
-    "ModelConfig": "capsulert.model_config",
+    "Engine": "capsulert.engine.engine",
+    "EngineConfig": "capsulert.config.engine",
+    "TierBudgets": "capsulert.config.engine",
+    "SamplingParams": "capsulert.protocol.sampling",
+    "Session": "capsulert.engine.session",
+    "ModelConfig": "capsulert.config.model",
     # capsules: what snapshot and the store's listing return
     "CapsuleRef": "capsulert.capsule_store.capsule",
     "CapsuleInfo": "capsulert.capsule_store.capsule",
@@ -29,13 +29,13 @@ _EXPORTS: dict[str, str] = {
     "CapsuleStore": "capsulert.capsule_store.store",
     # async API (Ray)
     "Orchestrator": "capsulert.orchestrator.orchestrator",
-    "OrchestratorConfig": "capsulert.orchestrator.orchestrator_config",
+    "OrchestratorConfig": "capsulert.config.orchestrator",
     "Namespace": "capsulert.orchestrator.namespace",
-    "RemoteSession": "capsulert.orchestrator.remote_session",
-    "GenerateResult": "capsulert.worker.verbs",
-    "TokenEvent": "capsulert.worker.verbs",
-    "FinalEvent": "capsulert.worker.verbs",
-    "AsyncEngine": "capsulert.worker.async_engine",
+    "RemoteSession": "capsulert.sessions.remote",
+    "GenerateResult": "capsulert.protocol.results",
+    "TokenEvent": "capsulert.protocol.results",
+    "FinalEvent": "capsulert.protocol.results",
+    "AsyncEngine": "capsulert.sessions.local",
     "best_of_n": "capsulert.orchestrator.schedulers",
     "tree_search": "capsulert.orchestrator.schedulers",
     "Candidate": "capsulert.orchestrator.schedulers",
@@ -75,18 +75,18 @@ if TYPE_CHECKING:  # static view of the lazy names for type checkers and IDEs (p
     from capsulert import errors
     from capsulert.capsule_store.capsule import CapsuleInfo, CapsuleMeta, CapsuleRef
     from capsulert.capsule_store.store import CapsuleStore
-    from capsulert.model_config import ModelConfig
-    from capsulert.orchestrator.orchestrator_config import OrchestratorConfig
+    from capsulert.config.model import ModelConfig
+    from capsulert.config.orchestrator import OrchestratorConfig
     from capsulert.orchestrator.episodes import EpisodeDriver, Trajectory
     from capsulert.orchestrator.namespace import Namespace
     from capsulert.orchestrator.orchestrator import Orchestrator
     from capsulert.orchestrator.schedulers import Candidate, Node, Thought, best_of_n, tree_search
-    from capsulert.orchestrator.remote_session import RemoteSession
-    from capsulert.worker.async_engine import AsyncEngine
-    from capsulert.worker.verbs import FinalEvent, GenerateResult, TokenEvent
-    from capsulert.worker.engine import Engine
-    from capsulert.worker.engine_config import EngineConfig, TierBudgets
-    from capsulert.worker.sampler import SamplingParams
-    from capsulert.worker.session import Session
+    from capsulert.sessions.remote import RemoteSession
+    from capsulert.sessions.local import AsyncEngine
+    from capsulert.protocol.results import FinalEvent, GenerateResult, TokenEvent
+    from capsulert.engine.engine import Engine
+    from capsulert.config.engine import EngineConfig, TierBudgets
+    from capsulert.protocol.sampling import SamplingParams
+    from capsulert.engine.session import Session
 
     __version__: str

@@ -159,7 +159,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         raise ConfigError(f"`capsulert serve` needs the serve extra ({e.name} is not installed): "
                           "pip install 'capsulert[serve]'") from None
-    from capsulert.serve.options import ServerOptions
+    from capsulert.config.server import ServerOptions
     from capsulert.serve.runner import serve_forever
 
     engine = dict(model=args.model, device=args.device, dtype=args.dtype, slots=args.slots, max_seq=args.max_seq,
@@ -185,7 +185,7 @@ def _size(n: int) -> str:
 
 
 def _ls(directory: Path, namespace: str | None, as_json: bool) -> int:
-    from capsulert.capsule_store.inspect import scan
+    from capsulert.capsule_store.format.inspect import scan
 
     found, skipped = scan(directory, namespace)
     if as_json:
@@ -209,7 +209,7 @@ def _ls(directory: Path, namespace: str | None, as_json: bool) -> int:
 
 
 def _rm(directory: Path, name: str, namespace: str, force: bool) -> int:
-    from capsulert.capsule_store.inspect import delete
+    from capsulert.capsule_store.format.inspect import delete
     from capsulert.errors import CorruptCapsuleError
 
     try:

@@ -14,8 +14,8 @@ import torch
 
 from capsulert.logs import setup_logging
 from capsulert.model_notice import random_weights_notice
-from capsulert.worker.default_model import CORPUS_PATH
-from capsulert.worker.engine import Engine
+from capsulert.engine.default_model import CORPUS_PATH
+from capsulert.engine.engine import Engine
 
 TURNS = [
     " Question: what does the recurrent state remember?",
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 async def orchestrator_part(args, prefix: list[int], expected: list[list[int]], new_tokens: int) -> bool:
     """The same turns through the async API: a Ray worker actor owns an engine; each turn is one call."""
     from capsulert.orchestrator import Orchestrator, best_of_n
-    from capsulert.worker.sampler import SamplingParams
+    from capsulert.protocol.sampling import SamplingParams
 
     t0 = time.perf_counter()
     config = dict(engine=dict(model=args.model, device=args.device, cache_dir=args.cache_dir, slots=8, max_seq=4096, prefill_chunk=256,

@@ -3,7 +3,7 @@ has random weights, so its text is noise by design, and a user should learn that
 checkpoint, from the first lines the demo, the examples and `capsulert serve` print."""
 from __future__ import annotations
 
-RANDOM_PREFIX = "random:"  # as capsulert/worker/engine.py reads EngineConfig.model
+RANDOM_PREFIX = "random:"  # as capsulert/engine/engine.py reads EngineConfig.model
 HOW_TO_USE_A_CHECKPOINT = ("pass --model DIR, a Qwen3.5 checkpoint directory in HF format (config.json, "
                            "model*.safetensors, tokenizer.json), for real text")
 

@@ -11,7 +11,7 @@ from capsulert.model_notice import random_weights_notice
 from capsulert.orchestrator import Orchestrator
 
 SYSTEM = "You are a coding agent. Follow the repository conventions, keep changes small, and run the tests. "
-REPO = ("File capsulert/worker/engine.py: the Engine owns the model, the state set and the slots; it runs "
+REPO = ("File capsulert/engine/engine.py: the Engine owns the model, the state set and the slots; it runs "
         "prefill on a global chunk grid and decodes several slots at once. ") * 12
 TURNS = [" User: why does the test fail?", " User: add a timeout to the call.", " User: rename the helper.",
          " User: explain the chunk grid.", " User: write a docstring."]

@@ -9,7 +9,7 @@ import time
 
 from capsulert.model_notice import random_weights_notice
 from capsulert.orchestrator import Orchestrator, best_of_n
-from capsulert.worker.sampler import SamplingParams
+from capsulert.protocol.sampling import SamplingParams
 
 TASK = ("You are a careful engineer. The capsule runtime keeps the complete state of a session at a "
         "committed boundary, so an agent can return to a long shared context in milliseconds. ") * 3

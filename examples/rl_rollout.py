@@ -9,7 +9,7 @@ import time
 
 from capsulert.model_notice import random_weights_notice
 from capsulert.orchestrator import EpisodeDriver, Orchestrator
-from capsulert.worker.sampler import SamplingParams
+from capsulert.protocol.sampling import SamplingParams
 
 C0 = "You control a robot in a grid world. Each observation says where the goal is; answer with a move. " * 3
 

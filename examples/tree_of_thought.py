@@ -10,7 +10,7 @@ import time
 
 from capsulert.model_notice import random_weights_notice
 from capsulert.orchestrator import Orchestrator, Thought, tree_search
-from capsulert.worker.sampler import SamplingParams
+from capsulert.protocol.sampling import SamplingParams
 
 PROBLEM = ("Plan how to fix a failing test in a large repository. The capsule runtime keeps the complete "
            "state of a session, so each step of the plan can branch and come back. ") * 2

@@ -4,8 +4,8 @@ import io
 import pytest
 import torch
 
-from capsulert.worker.default_model import ensure_default_model, generate
-from capsulert.worker.engine import Engine
+from capsulert.engine.default_model import ensure_default_model, generate
+from capsulert.engine.engine import Engine
 from tests.models import TINY_MOE_CONFIG
 
 PROMPT = (

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from capsulert.worker.default_model import default_cache_dir
+from capsulert.engine.default_model import default_cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))

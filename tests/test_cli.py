@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import capsulert.capsule_store.disk as disk
+import capsulert.capsule_store.format.disk as disk
 from capsulert import cli
 from capsulert.capsule_store import CapsuleMeta, capsule_file_name, write_capsule
 
@@ -76,7 +76,7 @@ def test_ls_describes_an_engines_capsules_without_reading_tensors(make_engine, t
 def test_ls_starts_no_engine_and_no_ray(tmp_path):
     write(tmp_path, "a")
     code = ("import sys; from capsulert.cli import main; rc = main(['capsules', 'ls', sys.argv[1]]); "
-            "heavy = [m for m in ('ray', 'capsulert.worker.engine', 'capsulert.orchestrator') if m in sys.modules]; "
+            "heavy = [m for m in ('ray', 'capsulert.engine.engine', 'capsulert.orchestrator') if m in sys.modules]; "
             "assert rc == 0 and not heavy, heavy")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -26,9 +26,9 @@ def python(code: str, *, exe: str = sys.executable, cwd=None, env=None) -> str:
 def test_top_level_names_are_the_real_objects():
     from capsulert.capsule_store.capsule import CapsuleRef
     from capsulert.orchestrator import EpisodeDriver, Orchestrator, best_of_n, tree_search
-    from capsulert.worker.engine import Engine
-    from capsulert.worker.engine_config import EngineConfig
-    from capsulert.worker.sampler import SamplingParams
+    from capsulert.engine.engine import Engine
+    from capsulert.config.engine import EngineConfig
+    from capsulert.protocol.sampling import SamplingParams
 
     from capsulert import errors  # noqa: I001 - the import under test
     assert errors.UnknownCapsuleError.__module__ == "capsulert.errors"

@@ -9,7 +9,7 @@ import pytest
 
 from capsulert import EngineConfig
 from capsulert.progress import NullBar, progress_bar, wanted
-from capsulert.worker.engine import LONG_PREFILL_CHUNKS
+from capsulert.engine.engine import LONG_PREFILL_CHUNKS
 
 CHUNK = 128  # make_engine's prefill_chunk
 
@@ -69,7 +69,7 @@ def test_no_bar_in_captured_output_or_when_turned_off(make_engine, text, capsys,
 def test_a_long_prefill_through_the_step_scheduler_draws_one_bar_over_its_pieces(make_engine, text, capsys,
                                                                                 monkeypatch):
     from capsulert.worker.scheduler import StepScheduler, queue_sink
-    from capsulert.worker.verbs import Open
+    from capsulert.protocol.requests import Open
 
     monkeypatch.setattr("capsulert.progress.SHOW_AFTER_S", 0)
     eng = make_engine(progress=True)

@@ -47,10 +47,10 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from capsulert.capsule_store import CapsuleStore, capsule_file_name, tensors_checksum
-from capsulert.capsule_store.disk import list_capsule_files
+from capsulert.capsule_store.format.disk import list_capsule_files
 from capsulert.capsule_store.owner import host_id
 from capsulert.errors import CapsuleRTError
-from capsulert.worker.engine import Engine
+from capsulert.engine.engine import Engine
 
 EXAMPLES = int(os.environ.get("CAPSULERT_FUZZ_EXAMPLES", "20"))
 STEPS = int(os.environ.get("CAPSULERT_FUZZ_STEPS", "50"))

@@ -72,8 +72,8 @@ def test_sampling_fields_that_mean_nothing_are_refused(engine, fields):
     """Issue 29 item 7: a stop string with a lone surrogate (never matched: decoded text holds none) and a
     top_k of 2^70 were accepted."""
     from capsulert.errors import InvalidRequestError
-    from capsulert.orchestrator.orchestrator_config import sampling_params
-    from capsulert.worker.sampler import SamplingParams
+    from capsulert.config.orchestrator import sampling_params
+    from capsulert.protocol.sampling import SamplingParams
 
     with pytest.raises(InvalidRequestError):
         SamplingParams(**fields)
@@ -82,7 +82,7 @@ def test_sampling_fields_that_mean_nothing_are_refused(engine, fields):
 
 
 def test_the_largest_top_k_keeps_every_token(engine):
-    from capsulert.worker.sampler import MAX_TOP_K, SamplingParams
+    from capsulert.protocol.sampling import MAX_TOP_K, SamplingParams
 
     runs = []
     for top_k in (MAX_TOP_K, 0):

@@ -13,8 +13,8 @@ from capsulert.capsule_store.capsule import (
     token_digest,
     validate_name,
 )
-from capsulert.capsule_store.disk import (read_capsule, read_capsule_origin, read_header, write_capsule,
-                                          write_capsule_with_meta)
+from capsulert.capsule_store.format.disk import (
+    read_capsule, read_capsule_origin, read_header, write_capsule, write_capsule_with_meta)
 from capsulert.capsule_store.store import CapsuleStore
 
 __all__ = [

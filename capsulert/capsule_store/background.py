@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from capsulert.capsule_store.block_pool import BlockRecord
-from capsulert.capsule_store.disk import StagedWrite
+from capsulert.capsule_store.format.disk import StagedWrite
 from capsulert.capsule_store.moves import Moves
 from capsulert.capsule_store.plan import Entry, Key
 from capsulert.capsule_store.writer import DiskJob, DiskWriter, WriterHooks

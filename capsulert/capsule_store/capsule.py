@@ -138,7 +138,7 @@ class CapsuleMeta:
     decoded_from: int | None = None
     # a replay capsule holds only the state at the grid point replay_from <= G (KV rows [0, replay_from), the
     # recurrent and conv state there) and rebuilds the rest on restore by re-running tokens[replay_from:] as
-    # they were made (worker/capsules.py); None: the capsule holds its complete state at P
+    # they were made (engine/capsules.py); None: the capsule holds its complete state at P
     replay_from: int | None = None
     # set by build(), which checked the tokens and computed their digest itself (on the snapshot hot path)
     tokens_checked: InitVar[bool] = False

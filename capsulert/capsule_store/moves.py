@@ -19,10 +19,10 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from capsulert.capsule_store.block_pool import BlockRecord
-from capsulert.capsule_store.blockfiles import stage_block
+from capsulert.capsule_store.format.blockfiles import stage_block
 from capsulert.capsule_store.blocks import Parts
 from capsulert.capsule_store.capsule import CapsuleMeta
-from capsulert.capsule_store.disk import StagedWrite, fsync_dir, read_capsule_parts, stage_capsule
+from capsulert.capsule_store.format.disk import StagedWrite, fsync_dir, read_capsule_parts, stage_capsule
 from capsulert.capsule_store.plan import Entry, Key, Plan
 from capsulert.capsule_store.tiers import MEMORY_TIERS, RANK, TierCore, pkey
 from capsulert.capsule_store.transfer import Run, copy_tensors

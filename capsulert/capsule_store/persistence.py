@@ -27,14 +27,14 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from capsulert.capsule_store.blockfiles import block_file_name, referenced_blocks, stage_block, sweep_orphans
+from capsulert.capsule_store.format.blockfiles import block_file_name, referenced_blocks, stage_block, sweep_orphans
 from capsulert.capsule_store.blocks import Parts, full_specs, split
 from capsulert.capsule_store.capsule import tensor_nbytes, tensor_specs
-from capsulert.capsule_store.disk import (fsync_dir, list_capsule_files, read_capsule_parts, scan_capsule_files,
-                                         write_capsule_with_meta)
+from capsulert.capsule_store.format.disk import (
+    fsync_dir, list_capsule_files, read_capsule_parts, scan_capsule_files, write_capsule_with_meta)
 from capsulert.capsule_store.background import BackgroundWrites
 from capsulert.capsule_store.owner import DirLock, ensure_directory
-from capsulert.capsule_store.headers import read_header_refs
+from capsulert.capsule_store.format.headers import read_header_refs
 from capsulert.capsule_store.plan import Entry, Key
 from capsulert.capsule_store.quarantine import QuarantinedFile, quarantine
 from capsulert.capsule_store.tiers import pkey

@@ -21,10 +21,10 @@ import torch
 from capsulert.capsule_store.blocks import BlockLayout, Parts
 from capsulert.capsule_store.capsule import (CapsuleInfo, CapsuleMeta, CapsuleRef, TensorSpec, model_of,
                                              tensor_nbytes, validate_name)
-from capsulert.capsule_store.disk import write_capsule_with_meta
+from capsulert.capsule_store.format.disk import write_capsule_with_meta
 from capsulert.capsule_store.owner import ensure_directory
 from capsulert.capsule_store.plan import Entry
-from capsulert.capsule_store.prefix_cache import PrefixEntries
+from capsulert.capsule_store.prefix_entries import PrefixEntries
 from capsulert.capsule_store.tiers import RANK, check_budget, pkey, tier_name
 from capsulert.errors import (CapsuleInUseError, DuplicateCapsuleError, IncompatibleCapsuleError,
                               InvalidRequestError)

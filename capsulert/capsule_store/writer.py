@@ -28,10 +28,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from capsulert.capsule_store.blockfiles import stage_block
+from capsulert.capsule_store.format.blockfiles import stage_block
 from capsulert.capsule_store.blocks import BlockRefs
 from capsulert.capsule_store.capsule import CapsuleMeta
-from capsulert.capsule_store.disk import StagedWrite, fsync_dir, stage_capsule
+from capsulert.capsule_store.format.disk import StagedWrite, fsync_dir, stage_capsule
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""tool_choice and response_format as decoding constraints (worker/constraint.py).
+"""tool_choice and response_format as decoding constraints (engine/grammar.py).
 
 - tool_choice "required": the reply is one or more tool calls (one when parallel calls are off), each a
   `<tool_call>` block whose JSON body is {"name": one of the tools, "arguments": that tool's parameters
@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from capsulert.chat.messages import NamedToolChoice, ToolChoice, ToolSpec
 from capsulert.chat.tool_calls import CLOSE, OPEN
 from capsulert.errors import InvalidRequestError
-from capsulert.worker.constraint import Constraint, schema_text
+from capsulert.protocol.constraint import Constraint, schema_text
 
 
 class JsonSchemaFormat(BaseModel):

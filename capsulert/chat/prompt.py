@@ -59,7 +59,7 @@ class ChatRenderer:
     def encode(self, prompt: ChatPrompt) -> list[int]:
         """The prompt's token ids: the rendered text already holds the special tokens the model expects
         (a BOS among them, if any), so none is added (as transformers does)."""
-        from capsulert.worker.tokens import check_text
+        from capsulert.engine.token_codec import check_text
 
         if self.tokenizer is None:
             raise InvalidRequestError("the model has no tokenizer: a chat prompt cannot be encoded")

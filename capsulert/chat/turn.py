@@ -12,8 +12,8 @@ from capsulert.chat.messages import tool_choice_arg, tools_arg
 from capsulert.chat.prompt import ChatPrompt
 from capsulert.chat.tool_calls import ToolCall, parse_reply
 from capsulert.errors import InvalidRequestError
-from capsulert.worker.sampler import SamplingParams
-from capsulert.worker.verbs import GenerateResult
+from capsulert.protocol.sampling import SamplingParams
+from capsulert.protocol.results import GenerateResult
 
 # a generate's stop reason as OpenAI's finish_reason (a reply with tool calls finishes with "tool_calls")
 FINISH_REASON = {"eos": "stop", "stop_token": "stop", "stop_string": "stop", "interrupted": "stop",

@@ -1,7 +1,7 @@
 """Fused stages of the hybrid model's layers, plain-torch reference versions: these are the semantics.
 
 Each function composes the same torch ops, in the same order and dtypes, as the unfused code in
-capsulert/worker/model.py, so the reference path computes bitwise what the model computed before
+capsulert/engine/model.py, so the reference path computes bitwise what the model computed before
 (tests/kernels/test_fused_reference.py). The Triton versions (triton_fused.py) do each stage in one kernel,
 in fp32 with a single rounding at the end, and are tested against these within a tolerance.
 

@@ -38,7 +38,7 @@ class KernelSet:
     # the routed experts of an MoE MLP (kernels/moe.py): routing, then the experts and the combine
     moe_route: Callable
     moe_experts: Callable
-    # pack the projections that read one input into one GEMM (worker/packing.py); off on the CPU reference
+    # pack the projections that read one input into one GEMM (engine/packing.py); off on the CPU reference
     # path, whose bits stay those of the unpacked model
     packed_projections: bool = False
 

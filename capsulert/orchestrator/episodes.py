@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from capsulert.errors import InvalidRequestError
-from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, sampling_arg, tokens_arg
+from capsulert.config.orchestrator import int_arg, name_arg, sampling_arg, tokens_arg
 from capsulert.orchestrator.schedulers import maybe_await
-from capsulert.worker.sampler import SamplingParams
-from capsulert.worker.verbs import GenerateResult
+from capsulert.protocol.sampling import SamplingParams
+from capsulert.protocol.results import GenerateResult
 
 Sampling = SamplingParams | dict | None | Callable[[int, int], Any]
 

@@ -10,7 +10,7 @@ of another namespace is UnknownCapsuleError), every request carries the namespac
 never a path (validate_name refuses '/', '..' and the like; disk file names are a hash of namespace and
 name, so guessing a file name gets you an unknown capsule name, nothing more).
 
-Every verb is one typed request (worker/verbs.py) to one worker. A handle has no lifecycle verbs (close,
+Every verb is one typed request (protocol/requests.py) to one worker. A handle has no lifecycle verbs (close,
 stats, health, namespace): those are the operator's, on the Orchestrator.
 """
 from __future__ import annotations
@@ -21,12 +21,12 @@ from typing import AsyncIterator
 
 from capsulert.errors import InvalidRequestError, SessionClosedError
 from capsulert.orchestrator.capsule_map import CapsuleMap
-from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, sampling_params, samplings_arg, tokens_arg
-from capsulert.orchestrator.remote_session import RemoteSession, next_call_id
+from capsulert.config.orchestrator import int_arg, name_arg, sampling_params, samplings_arg, tokens_arg
+from capsulert.sessions.remote import RemoteSession, next_call_id
 from capsulert.orchestrator.router import CapsuleRouter
 from capsulert.orchestrator.worker_pool import WorkerPool
-from capsulert.worker.verbs import (Detokenize, FinalEvent, Fork, GenerateResult, Interrupt, Open, Restore, SessionInfo,
-                                    TokenEvent, Tokenize, Turn)
+from capsulert.protocol.requests import Detokenize, Fork, Interrupt, Open, Restore, Tokenize, Turn
+from capsulert.protocol.results import FinalEvent, GenerateResult, SessionInfo, TokenEvent
 
 
 class Namespace(CapsuleRouter):

@@ -28,11 +28,12 @@ from capsulert.logs import level_name
 from capsulert.orchestrator.admission import SessionGate
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.namespace import Namespace
-from capsulert.orchestrator.orchestrator_config import OrchestratorConfig
-from capsulert.orchestrator.remote_session import RemoteSession
-from capsulert.orchestrator.worker_actor import WorkerActor
+from capsulert.config.orchestrator import OrchestratorConfig
+from capsulert.sessions.remote import RemoteSession
+from capsulert.worker.actor import WorkerActor
 from capsulert.orchestrator.worker_pool import WorkerPool, WorkerRecord
-from capsulert.worker.verbs import GenerateResult, Ping, Request, Stats, UpdateWeights
+from capsulert.protocol.results import GenerateResult
+from capsulert.protocol.requests import Ping, Request, Stats, UpdateWeights
 
 
 # Ray settings of a local Ray the orchestrator (or `capsulert serve`) starts. A call in flight on a worker
@@ -151,7 +152,7 @@ class Orchestrator(Namespace):
         return list(self.pool.sessions)
 
     async def call(self, worker: int, request: Request, *, timeout: float | None = None) -> Any:
-        """Send one typed request (capsulert.worker.verbs) to worker `worker` and await its reply: the
+        """Send one typed request (capsulert.protocol.requests) to worker `worker` and await its reply: the
         operator's tool for what the handles do not cover (probes, exports, benchmarks). It bypasses the
         router: a request that makes or deletes a capsule leaves the router's view behind."""
         return await self.pool.call(self.pool.worker_arg(worker), request, timeout=timeout)

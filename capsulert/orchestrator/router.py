@@ -27,11 +27,11 @@ from pathlib import Path
 
 from capsulert.errors import CapsuleRTError, ConfigError, DuplicateCapsuleError, UnknownCapsuleError, WorkerLost
 from capsulert.orchestrator.capsule_map import NamespaceMap
-from capsulert.orchestrator.orchestrator_config import name_arg, tier_arg
+from capsulert.config.orchestrator import name_arg, tier_arg
 from capsulert.orchestrator.worker_pool import WorkerPool
-from capsulert.worker.verbs import (Delete, Demote, ExportCapsule, ExportToDir, ImportCapsule, ImportFromFile,
-                                    ListCapsules, PeerClose, Promote, ReceiveCapsule, Rebuild, Request,
-                                    SendCapsule)
+from capsulert.protocol.requests import (
+    Delete, Demote, ExportCapsule, ExportToDir, ImportCapsule, ImportFromFile, ListCapsules, PeerClose, Promote,
+    ReceiveCapsule, Rebuild, Request, SendCapsule)
 
 log = logging.getLogger(__name__)
 _TIER_ORDER = ("gpu", "host", "disk")  # fastest first, as workers list them
@@ -111,7 +111,7 @@ class CapsuleRouter:
                       tier: str = "gpu") -> str | None:
         """Copy capsule `name` to `worker`, byte-exact, by one of these paths (`via`):
 
-        - "device": worker to worker over a pair link (orchestrator/peer_link.py), set up on first use: the
+        - "device": worker to worker over a pair link (worker/peer_link.py), set up on first use: the
           capsule packed into one buffer on the source's engine device, sealed with its digest, received into
           one on the target's and checked there (packed_capsule.py). NCCL between CUDA workers, Gloo between
           CPU workers;

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 from capsulert.errors import InvalidRequestError
-from capsulert.orchestrator.orchestrator_config import int_arg, name_arg, samplings_arg, seeded, tokens_arg
-from capsulert.worker.sampler import SamplingParams
+from capsulert.config.orchestrator import int_arg, name_arg, samplings_arg, seeded, tokens_arg
+from capsulert.protocol.sampling import SamplingParams
 
 
 async def maybe_await(v):

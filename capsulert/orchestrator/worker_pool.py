@@ -31,13 +31,15 @@ from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutErr
 from capsulert.errors import CapsuleRTError, ConfigError, WorkerLost
 from capsulert.orchestrator.admission import SessionGate
 from capsulert.orchestrator.capsule_map import CapsuleMap
-from capsulert.orchestrator.event_feed import FeedReader
-from capsulert.orchestrator.worker_actor import send, send_stream
-from capsulert.worker.verbs import (BATCHABLE, Batch, Feed, FinalEvent, Interrupt, ListCapsules, PeerAddress,
-                                    PeerConnect, Ping, Request, Stats, Streamed, TokenEvent, UpdateWeights)
+from capsulert.worker.event_feed import FeedReader
+from capsulert.worker.actor import send, send_stream
+from capsulert.protocol.requests import (
+    BATCHABLE, Batch, Feed, Interrupt, ListCapsules, PeerAddress, PeerConnect, Ping, Request, Stats, Streamed,
+    UpdateWeights)
+from capsulert.protocol.results import FinalEvent, TokenEvent
 
 if TYPE_CHECKING:
-    from capsulert.orchestrator.remote_session import RemoteSession
+    from capsulert.sessions.remote import RemoteSession
 
 log = logging.getLogger(__name__)
 _LOST = (RayActorError, WorkerCrashedError, ObjectLostError, GetTimeoutError)

@@ -36,7 +36,7 @@ from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest
 from capsulert.serve.responses import Shape
 from capsulert.serve.streaming import DONE, EventStream, sse
 from capsulert.serve.tenants import Tenants
-from capsulert.serve.tokens import TokenText
+from capsulert.serve.token_text import TokenText
 
 if TYPE_CHECKING:
     from capsulert.orchestrator.namespace import Namespace

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from ray import serve
 
 from capsulert.serve.ingress import DirectIngress
-from capsulert.serve.options import ServerOptions
+from capsulert.config.server import ServerOptions
 
 if TYPE_CHECKING:
     from capsulert.orchestrator.orchestrator import Orchestrator
@@ -95,10 +95,10 @@ def server_state(opts: ServerOptions, orchestrator: "Orchestrator", tenants: "Te
     from capsulert.chat.prompt import ChatRenderer
     from capsulert.serve.app import Admission, ServerState
     from capsulert.serve.metrics import Deferred, PromMetrics
-    from capsulert.serve.options import model_dir, vocab_size
+    from capsulert.config.server import model_dir, vocab_size
     from capsulert.serve.plans import Limits
     from capsulert.serve.tenants import Tenants
-    from capsulert.serve.tokens import TokenText
+    from capsulert.serve.token_text import TokenText
 
     path = model_dir(opts.engine)
     tokens = TokenText.load(path, vocab_size(opts.engine))
@@ -114,7 +114,7 @@ def server_state(opts: ServerOptions, orchestrator: "Orchestrator", tenants: "Te
 
 def _eos_text(path, tokens) -> str | None:
     """The text of the model's (first) EOS token, for templates that write it."""
-    from capsulert.worker.stops import eos_ids_from_checkpoint
+    from capsulert.engine.stops import eos_ids_from_checkpoint
 
     ids = eos_ids_from_checkpoint(path, None) if path is not None else ()
     return tokens.token_id_text(ids[0]) if ids else None

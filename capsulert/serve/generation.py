@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from capsulert.errors import InvalidRequestError, UnknownCapsuleError
 from capsulert.serve.streaming import PendingTokens
-from capsulert.worker.sampler import SamplingParams
-from capsulert.worker.stops import HeldText
-from capsulert.worker.verbs import FinalEvent, GenerateResult
+from capsulert.protocol.sampling import SamplingParams
+from capsulert.engine.stops import HeldText
+from capsulert.protocol.results import FinalEvent, GenerateResult
 
 if TYPE_CHECKING:
     from capsulert.capsule_store.capsule import CapsuleRef

@@ -12,7 +12,7 @@ from capsulert.errors import InvalidRequestError, UnknownCapsuleError
 from capsulert.serve.generation import RESERVED_PREFIX, Plan, check_client_name
 from capsulert.serve.http_errors import MODEL_NOT_FOUND, ApiError
 from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest, _GenerationRequest
-from capsulert.serve.tokens import TokenText
+from capsulert.serve.token_text import TokenText
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from capsulert.chat.tool_calls import ToolCall, ToolCallStream, parse_reply
 from capsulert.chat.turn import FINISH_REASON
 from capsulert.serve.generation import Choice, Chunk, Made, Usage
 from capsulert.serve.streaming import sse
-from capsulert.serve.tokens import TokenText
+from capsulert.serve.token_text import TokenText
 
 # what sse() writes for each part of a chunk (json.dumps, compact, ensure_ascii=False)
 _string = json.encoder.encode_basestring

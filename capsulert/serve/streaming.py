@@ -1,6 +1,6 @@
 """Streaming pieces: SSE framing, and the tokens of a choice waiting for its next chunk. (What text a
 stream may show while a stop string can still match is decided in the worker: HeldText in
-capsulert/worker/stops.py.)"""
+capsulert/engine/stops.py.)"""
 from __future__ import annotations
 
 import json

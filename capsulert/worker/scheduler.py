@@ -1,6 +1,6 @@
 """StepScheduler: the worker's continuous-batching loop over one Engine.
 
-Requests (typed verbs, worker/verbs.py) from any thread enter one bounded queue; a single loop thread owns
+Requests (typed verbs, protocol/requests.py) from any thread enter one bounded queue; a single loop thread owns
 the engine and runs steps. Each step:
 1. starts the requests that can start, in arrival order (a session's requests run one after another, in
    order; requests on different sessions do not wait for each other). Capsule verbs (snapshot, restore,
@@ -15,7 +15,7 @@ the engine and runs steps. Each step:
    tokens, and the pieces give bitwise the same state as one append. Before an append is cut, the whole
    of it is looked up in the prefix cache (EngineConfig.prefix_cache): the longest cached grid prefix is
    restored and only the rest is prefilled (a Turn's `cached_tokens` counts what was served);
-3. advances every running generate by one token in one batched decode step (worker/decoding.py).
+3. advances every running generate by one token in one batched decode step (engine/decoding.py).
 Every running generate advances once per step, so a long generate never starves a short one.
 
 Results and stream events go to each request's sink from the loop thread; AsyncEngine (async_engine.py)
@@ -35,11 +35,12 @@ import torch
 from capsulert.errors import (ExceedsCapacityError, InvalidRequestError, NoFreeSlotError, QueueFullError,
                               SessionClosedError)
 from capsulert.progress import Bar, NullBar, progress_bar
-from capsulert.worker.decoding import DecodeStream, advance
-from capsulert.worker.engine import LONG_PREFILL_CHUNKS, Engine
-from capsulert.worker.session import Session
-from capsulert.worker.verbs import (SESSION, Append, Close, Delete, FinalEvent, Fork, Generate, GenerateResult,
-                                    Open, Rederive, Request, Restore, SessionInfo, Snapshot, TokenEvent, Turn)
+from capsulert.engine.decoding import DecodeStream, advance
+from capsulert.engine.engine import LONG_PREFILL_CHUNKS, Engine
+from capsulert.engine.session import Session
+from capsulert.protocol.requests import (
+    SESSION, Append, Close, Delete, Fork, Generate, Open, Rederive, Request, Restore, Snapshot, Turn)
+from capsulert.protocol.results import FinalEvent, GenerateResult, SessionInfo, TokenEvent
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 
 import capsulert.capsule_store.writer as writer_mod
 from capsulert.capsule_store import CapsuleMeta, CapsuleStore, capsule_file_name, tensor_nbytes
-from capsulert.capsule_store.disk import list_capsule_files
+from capsulert.capsule_store.format.disk import list_capsule_files
 from capsulert.errors import CapsuleIOError
 
 FP, LAYOUT = "fp-bg", 1

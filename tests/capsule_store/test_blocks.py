@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from capsulert.capsule_store import CapsuleMeta, CapsuleStore, capsule_file_name
-from capsulert.capsule_store import inspect as inspect_dir
-from capsulert.capsule_store.blockfiles import BLOCK_SUFFIX, block_file_name
+from capsulert.capsule_store.format import inspect as inspect_dir
+from capsulert.capsule_store.format.blockfiles import BLOCK_SUFFIX, block_file_name
 from capsulert.capsule_store.blocks import BlockLayout
-from capsulert.capsule_store.disk import read_header_refs
+from capsulert.capsule_store.format.disk import read_header_refs
 from capsulert.errors import CorruptCapsuleError
 
 FP, LAYOUT, ROWS, ORIGIN = "fp-blocks", 2, 8, "test-origin"

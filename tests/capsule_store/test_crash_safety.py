@@ -45,7 +45,7 @@ import pytest
 import torch
 
 from capsulert.capsule_store.capsule import capsule_file_name, tensors_checksum
-from capsulert.capsule_store.disk import FILE_SUFFIX, list_capsule_files, write_capsule
+from capsulert.capsule_store.format.disk import FILE_SUFFIX, list_capsule_files, write_capsule
 from capsulert.capsule_store.store import CapsuleStore
 from capsulert.errors import CorruptCapsuleError
 
@@ -74,7 +74,7 @@ MAKE_SRC = textwrap.dedent("""
 # "<index>:<fraction>": stop the file write of that capsule after that fraction of its bytes)
 WRITER_SRC = MAKE_SRC + textwrap.dedent("""
     import os, sys, time
-    import capsulert.capsule_store.disk as disk
+    import capsulert.capsule_store.format.disk as disk
     from capsulert.capsule_store.capsule import capsule_file_name
     from capsulert.capsule_store.store import CapsuleStore
 
@@ -164,7 +164,7 @@ def load_and_check(directory, caplog, n):
     partial = partial_files(directory)
     caplog.clear()
     store = CapsuleStore(device="cpu", fingerprint=FP, layout_version=LAYOUT)
-    with caplog.at_level(logging.WARNING, logger="capsulert.capsule_store.disk"):
+    with caplog.at_level(logging.WARNING, logger="capsulert.capsule_store.format.disk"):
         count = store.load(directory)  # must not raise
     warned = {r.getMessage() for r in caplog.records if r.levelno == logging.WARNING}
     for name in partial:  # its writer was SIGKILLed: the temp file is garbage, removed and said so

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 
-from capsulert.capsule_store import disk
+from capsulert.capsule_store.format import disk
 from capsulert.capsule_store.capsule import (
     CapsuleMeta,
     capsule_file_name,

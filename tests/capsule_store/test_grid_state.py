@@ -9,17 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from capsulert.worker.engine import GRID
+from capsulert.engine.engine import GRID
 from capsulert.capsule_store import (CapsuleMeta, CapsuleStore, capsule_file_name, read_capsule_origin,
                                      write_capsule_with_meta)
-from capsulert.capsule_store import inspect as inspect_dir
-from capsulert.capsule_store.blockfiles import BLOCK_SUFFIX, block_file_name
+from capsulert.capsule_store.format import inspect as inspect_dir
+from capsulert.capsule_store.format.blockfiles import BLOCK_SUFFIX, block_file_name
 from capsulert.capsule_store.blocks import BlockLayout, state_key
 from capsulert.capsule_store.capsule import FILE_SUFFIX
-from capsulert.capsule_store.headers import parse_file, read_header_refs
+from capsulert.capsule_store.format.headers import parse_file, read_header_refs
 from capsulert.errors import CorruptCapsuleError
-from capsulert.worker.sampler import SamplingParams
-from capsulert.worker.state import LAYOUT_VERSION
+from capsulert.protocol.sampling import SamplingParams
+from capsulert.engine.state import LAYOUT_VERSION
 
 CHUNK = GRID  # canonical state and prefix blocks every 64 tokens, whatever the prefill_chunk (128 here)
 BLOCKS = 256 // CHUNK + 1  # a context of 256 to 319 tokens: its KV blocks [0, 256) and one grid-state block

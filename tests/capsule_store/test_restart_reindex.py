@@ -5,8 +5,8 @@ into quarantine/ with a typed record and the rest are indexed, counted in the di
 import torch
 
 from capsulert.capsule_store import capsule_file_name
-from capsulert.capsule_store.blockfiles import block_files, referenced_blocks
-from capsulert.capsule_store.disk import list_capsule_files
+from capsulert.capsule_store.format.blockfiles import block_files, referenced_blocks
+from capsulert.capsule_store.format.disk import list_capsule_files
 from capsulert.capsule_store.quarantine import QUARANTINE_DIR
 
 

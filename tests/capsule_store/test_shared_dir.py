@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from capsulert.capsule_store import CapsuleMeta, CapsuleStore, capsule_file_name, tensor_nbytes
-from capsulert.capsule_store.disk import list_capsule_files
+from capsulert.capsule_store.format.disk import list_capsule_files
 from capsulert.capsule_store.owner import LOCK_NAME, check_unowned, host_id
 from capsulert.errors import CapsuleIOError, DiskDirInUseError, InvalidRequestError
 

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import capsulert.capsule_store.disk as disk_mod
+import capsulert.capsule_store.format.disk as disk_mod
 from capsulert.capsule_store import CapsuleMeta, CapsuleStore, tensor_nbytes
 from capsulert.capsule_store.capsule import capsule_file_name
-from capsulert.capsule_store.disk import list_capsule_files
+from capsulert.capsule_store.format.disk import list_capsule_files
 from capsulert.capsule_store.owner import LOCK_NAME
 from capsulert.errors import (BudgetExceededError, CapsuleInUseError, ConfigError, DuplicateCapsuleError,
                               UnknownCapsuleError)

@@ -13,10 +13,10 @@ import torch
 
 from capsulert.capsule_store import CapsuleMeta, CapsuleStore, capsule_file_name, tensor_nbytes, write_capsule
 from capsulert.capsule_store.owner import host_id, writer_tag
-from capsulert.capsule_store.tempfiles import STALE_TEMP_S, classify, temp_path
+from capsulert.capsule_store.format.tempfiles import STALE_TEMP_S, classify, temp_path
 
 FP, LAYOUT = "fp-temp", 1
-LOGGER = "capsulert.capsule_store.disk"
+LOGGER = "capsulert.capsule_store.format.disk"
 
 
 def dead_pid():

@@ -9,8 +9,8 @@ import pytest
 from capsulert.chat.prompt import ChatPrompt
 from capsulert.chat.template import ChatTemplate
 from capsulert.errors import InvalidRequestError
-from capsulert.worker.async_engine import AsyncEngine
-from capsulert.worker.sampler import SamplingParams
+from capsulert.sessions.local import AsyncEngine
+from capsulert.protocol.sampling import SamplingParams
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
@@ -24,7 +24,7 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def eng(default_model_dir):
-    from capsulert.worker.engine import Engine
+    from capsulert.engine.engine import Engine
 
     e = Engine.from_config(dict(model=str(default_model_dir), device="cpu", slots=4, max_seq=1024,
                                 prefill_chunk=128))

@@ -1,6 +1,6 @@
 """The fused references (capsulert/kernels/fused.py) compute bitwise what the model's unfused code computes.
 
-Each test writes out the model's own composition (the unfused helpers and ops of worker/model.py, as the layer code used
+Each test writes out the model's own composition (the unfused helpers and ops of engine/model.py, as the layer code used
 them, on whole projection outputs) and compares with torch.equal, on the CPU, in fp32 and bf16. Where the
 model is moving to packed projections, the reference also gets its inputs as column views of one packed
 output and must still give the unpacked model's bits.

@@ -1,5 +1,5 @@
 """The reference mixture-of-experts stages (capsulert/kernels/moe.py) and the MoE MLP built on them
-(capsulert/worker/moe.py): HF's Qwen3_5MoeSparseMoeBlock's maths, and a token's bits independent of the
+(capsulert/engine/moe.py): HF's Qwen3_5MoeSparseMoeBlock's maths, and a token's bits independent of the
 other tokens of its step."""
 import pytest
 import torch
@@ -7,9 +7,9 @@ import transformers
 
 from capsulert.kernels import moe as ref
 from capsulert.kernels.ops import reference_kernels
-from capsulert.model_config import ModelConfig
-from capsulert.worker.default_model import REPO_ROOT
-from capsulert.worker.moe import moe_mlp
+from capsulert.config.model import ModelConfig
+from capsulert.engine.default_model import REPO_ROOT
+from capsulert.engine.moe import moe_mlp
 
 MOE_CONFIGS = ["tiny_moe", "test_moe_b"]
 

@@ -1,4 +1,4 @@
-"""What batch-invariant decode on CUDA relies on (worker/model.py): at a fixed 64 rows, every 9B-shape
+"""What batch-invariant decode on CUDA relies on (engine/model.py): at a fixed 64 rows, every 9B-shape
 projection computes a row the same whatever the other rows hold and wherever the row sits. (Which row
 counts differ from a lone row is measured by bench/probes/row_stability.py; the padding makes it moot.)"""
 import pytest

@@ -5,7 +5,7 @@ import pytest_asyncio
 import ray
 
 from capsulert.orchestrator import Orchestrator
-from capsulert.worker.engine import Engine
+from capsulert.engine.engine import Engine
 
 SHORT = "The capsule runtime keeps the complete state of a session at a committed boundary. "
 

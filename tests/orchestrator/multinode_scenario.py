@@ -23,7 +23,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from capsulert.orchestrator import Orchestrator
-from capsulert.worker.verbs import ExportCapsule
+from capsulert.protocol.requests import ExportCapsule
 
 PROMPT = "Two nodes share the load; a capsule made on one continues on the other. "
 NODES = ("node_a", "node_b")

@@ -15,8 +15,8 @@ import pytest_asyncio
 
 from capsulert.errors import CapsuleError, ConfigError, PeerLinkError, UnknownCapsuleError, WorkerLost
 from capsulert.orchestrator import Orchestrator
-from capsulert.worker.verbs import (Append, Close, ExportCapsule, ListCapsules, ReceiveCapsule, Restore, SendCapsule,
-                                    Turn)
+from capsulert.protocol.requests import (
+    Append, Close, ExportCapsule, ListCapsules, ReceiveCapsule, Restore, SendCapsule, Turn)
 from tests.orchestrator.processes import kill_and_wait
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")

@@ -10,10 +10,11 @@ import ray
 
 from capsulert.errors import InvalidRequestError, WorkerLost
 from capsulert.orchestrator import Orchestrator
-from capsulert.orchestrator.event_feed import EventFeed
-from capsulert.orchestrator.worker_core import WorkerCore
-from capsulert.worker.sampler import SamplingParams
-from capsulert.worker.verbs import Feed, FinalEvent, TokenEvent
+from capsulert.worker.event_feed import EventFeed
+from capsulert.worker.core import WorkerCore
+from capsulert.protocol.sampling import SamplingParams
+from capsulert.protocol.requests import Feed
+from capsulert.protocol.results import FinalEvent, TokenEvent
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 NOEOS = SamplingParams(ignore_eos=True)

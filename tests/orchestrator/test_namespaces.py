@@ -14,8 +14,8 @@ from capsulert.capsule_store.capsule import capsule_key_hash
 from capsulert.errors import (CapsuleError, DuplicateCapsuleError, InvalidCapsuleNameError, UnknownCapsuleError,
                               WorkerLost)
 from capsulert.orchestrator import EpisodeDriver, Namespace, Orchestrator, best_of_n, tree_search
-from capsulert.worker.engine import GRID
-from capsulert.worker.verbs import ExportCapsule, ExportToDir, ImportCapsule, ImportFromFile, ListCapsules, Restore
+from capsulert.engine.engine import GRID
+from capsulert.protocol.requests import ExportCapsule, ExportToDir, ImportCapsule, ImportFromFile, ListCapsules, Restore
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 ACME = "Acme keeps its trade secrets in a capsule that nobody else may open. "

@@ -4,7 +4,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from capsulert.worker.sampler import SamplingParams
+from capsulert.protocol.sampling import SamplingParams
 
 SHORT = "The capsule runtime keeps the complete state of a session at a committed boundary. "
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -1,4 +1,4 @@
-"""A capsule packed for a transfer (orchestrator/packed_capsule.py): tensors packed straight from their
+"""A capsule packed for a transfer (capsule_store/format/wire.py): tensors packed straight from their
 pieces and viewed back, the digest (exact, order-sensitive, the same however it is computed), the seal that
 carries it with the bytes (a changed byte anywhere is caught; a failed pack is told apart), and the manifest
 (the metadata and its token ids; what does not check out is refused)."""
@@ -7,10 +7,10 @@ import torch
 
 from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.errors import CapsuleError, CorruptCapsuleError
-from capsulert.orchestrator import packed_capsule
-from capsulert.orchestrator.packed_capsule import (ALIGN, TRAILER, buffer_digest, decode_manifest, encode_manifest,
-                                                   layout, manifest_meta, pack_into, seal, tensor_views,
-                                                   unseal)
+from capsulert.capsule_store.format import wire as packed_capsule
+from capsulert.capsule_store.format.wire import (
+    ALIGN, TRAILER, buffer_digest, decode_manifest, encode_manifest, layout, manifest_meta, pack_into, seal,
+    tensor_views, unseal)
 
 
 def pack_tensors(tensors: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list]:

@@ -4,7 +4,7 @@ import pytest
 import pytest_asyncio
 
 from capsulert.orchestrator import Orchestrator
-from capsulert.worker.sampler import SamplingParams
+from capsulert.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 NOEOS = SamplingParams(ignore_eos=True)

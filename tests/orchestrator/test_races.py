@@ -25,7 +25,7 @@ from safetensors.torch import load as st_load
 from capsulert.capsule_store import tensors_checksum
 from capsulert.errors import (CapsuleInUseError, DuplicateCapsuleError, InvalidRequestError, UnknownCapsuleError)
 from capsulert.orchestrator import Orchestrator
-from capsulert.worker.verbs import ExportCapsule, ListCapsules, Restore, Stats, Turn
+from capsulert.protocol.requests import ExportCapsule, ListCapsules, Restore, Stats, Turn
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 BASE = "Race number {k}: the capsule of this prompt must never be seen half written. "

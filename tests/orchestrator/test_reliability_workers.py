@@ -13,7 +13,7 @@ import pytest_asyncio
 
 from capsulert.errors import DiskDirInUseError, WorkerLost
 from capsulert.orchestrator import Orchestrator
-from capsulert.worker.engine import Engine
+from capsulert.engine.engine import Engine
 from tests.orchestrator.processes import kill_and_wait
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

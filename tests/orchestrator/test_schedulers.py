@@ -4,7 +4,7 @@ import pytest
 import pytest_asyncio
 
 from capsulert.orchestrator import EpisodeDriver, Thought, best_of_n, tree_search
-from capsulert.worker.sampler import SamplingParams
+from capsulert.protocol.sampling import SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 PROMPT = "An agent plans its next move from the state of the repository and the failing test. "

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from capsulert.errors import SequenceTooLongError, UnknownCapsuleError
-from capsulert.worker.sampler import SamplingParams
-from capsulert.worker.verbs import FinalEvent, TokenEvent
+from capsulert.protocol.sampling import SamplingParams
+from capsulert.protocol.results import FinalEvent, TokenEvent
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 PROMPT = "The harbour master counts the boats that come back before the storm. "

@@ -12,12 +12,12 @@ import torch
 
 from capsulert.errors import (CapsuleError, CorruptCapsuleError, DuplicateCapsuleError, PeerLinkError,
                               UnknownCapsuleError)
-from capsulert.orchestrator import transfers
-from capsulert.orchestrator.packed_capsule import TRAILER
-from capsulert.orchestrator.peer_link import PeerLink, free_port
-from capsulert.orchestrator.worker_core import WorkerCore
-from capsulert.worker.verbs import (Close, Delete, ExportCapsule, Generate, Open, PeerConnect, ReceiveCapsule, SendCapsule,
-                                    Snapshot, Turn)
+from capsulert.worker import transfers
+from capsulert.capsule_store.format.wire import TRAILER
+from capsulert.worker.peer_link import PeerLink, free_port
+from capsulert.worker.core import WorkerCore
+from capsulert.protocol.requests import (
+    Close, Delete, ExportCapsule, Generate, Open, PeerConnect, ReceiveCapsule, SendCapsule, Snapshot, Turn)
 
 # 262 tokens: four shared KV blocks of 64 tokens and a tail (the store holds
 # the capsule in pieces, which the sender packs straight into place)

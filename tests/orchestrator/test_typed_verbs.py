@@ -11,12 +11,13 @@ import pytest_asyncio
 from capsulert.capsule_store.capsule import CapsuleRef
 from capsulert.errors import InvalidRequestError, WorkerLost
 from capsulert.orchestrator import EpisodeDriver, Orchestrator, Thought, best_of_n, tree_search
-from capsulert.orchestrator.worker_actor import WorkerActorBody
-from capsulert.orchestrator.worker_core import WorkerCore
-from capsulert.worker import verbs
-from capsulert.worker.async_engine import AsyncEngine
-from capsulert.worker.sampler import SamplingParams
-from capsulert.worker.verbs import GenerateResult, ListCapsules, Open, Request, Snapshot, Stats, Turn
+from capsulert.worker.actor import WorkerActorBody
+from capsulert.worker.core import WorkerCore
+from capsulert import protocol as verbs
+from capsulert.sessions.local import AsyncEngine
+from capsulert.protocol.sampling import SamplingParams
+from capsulert.protocol.results import GenerateResult
+from capsulert.protocol.requests import ListCapsules, Open, Request, Snapshot, Stats, Turn
 from tests.orchestrator.processes import kill_and_wait
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

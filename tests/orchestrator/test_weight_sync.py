@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from capsulert.errors import StaleCapsuleError, WeightUpdateError
-from capsulert.worker.sampler import SamplingParams
+from capsulert.protocol.sampling import SamplingParams
 from tests.orchestrator.processes import kill_and_wait
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -14,7 +14,7 @@ NOEOS = SamplingParams(ignore_eos=True)
 
 
 async def test_update_weights_on_every_worker_and_rebuild(orch, engine_cfg, default_model_dir):
-    from capsulert.worker.engine import Engine
+    from capsulert.engine.engine import Engine
 
     fresh = Engine.from_config(engine_cfg)  # its own engine: the shared oracle keeps the original weights
     s = await orch.open(PROMPT)
@@ -41,8 +41,8 @@ async def test_update_weights_on_every_worker_and_rebuild(orch, engine_cfg, defa
 
 
 async def test_a_restarted_worker_takes_the_last_update_again(orch, engine_cfg, default_model_dir):
-    from capsulert.worker.engine import Engine
-    from capsulert.worker.verbs import Close, Generate, Open
+    from capsulert.engine.engine import Engine
+    from capsulert.protocol.requests import Close, Generate, Open
 
     async def generate_on_worker0():
         info = await orch.call(0, Open(PROMPT))
@@ -72,7 +72,7 @@ async def test_a_restarted_worker_takes_the_last_update_again(orch, engine_cfg, 
 
 
 async def test_a_version_must_move_forward(engine_cfg):
-    from capsulert.worker.engine import Engine
+    from capsulert.engine.engine import Engine
 
     eng = Engine.from_config(engine_cfg)
     weights = {k: v.clone() for k, v in eng.model_weights.items()}
@@ -87,7 +87,7 @@ async def test_a_remote_session_open_across_an_update_is_refused_until_rederived
     """Issue 29 item 2 through the orchestrator: the typed refusal crosses Ray, and rederive runs as a
     session request on the worker, bitwise a cold prefill under the new weights."""
     from capsulert.errors import StaleSessionError
-    from capsulert.worker.engine import Engine
+    from capsulert.engine.engine import Engine
 
     s = await orch.open(PROMPT)
     await s.generate(6, NOEOS)

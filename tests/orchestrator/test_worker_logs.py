@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from capsulert.worker.engine import Engine
+from capsulert.engine.engine import Engine
 
 PROMPT = "The harbour master counts the boats that come back before the storm. " * 4
 ENGINE = dict(device="cpu", slots=2, max_seq=512, prefill_chunk=128)
@@ -80,5 +80,5 @@ def test_worker_records_reach_the_driver(default_model_dir, one_capsule_bytes, l
     dropped = [line for line in err.splitlines() if "dropped capsule default/first" in line]
     assert dropped, err[-4000:]
     assert "WARNING capsulert.capsule_store.store" in dropped[0] and "pid=" in dropped[0]  # Ray's process prefix
-    ready = [line for line in err.splitlines() if "INFO capsulert.orchestrator.worker_core: worker 0 ready" in line]
+    ready = [line for line in err.splitlines() if "INFO capsulert.worker.core: worker 0 ready" in line]
     assert bool(ready) == (level == "INFO"), err[-4000:]  # logged before the warning: it would be there

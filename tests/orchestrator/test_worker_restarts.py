@@ -16,11 +16,11 @@ import pytest
 import pytest_asyncio
 
 from capsulert.capsule_store import capsule_file_name
-from capsulert.capsule_store.blockfiles import block_files, referenced_blocks
-from capsulert.capsule_store.disk import list_capsule_files
+from capsulert.capsule_store.format.blockfiles import block_files, referenced_blocks
+from capsulert.capsule_store.format.disk import list_capsule_files
 from capsulert.errors import WorkerLost
 from capsulert.orchestrator import Orchestrator
-from capsulert.worker.sampler import SamplingParams
+from capsulert.protocol.sampling import SamplingParams
 from tests.orchestrator.processes import kill_and_wait
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

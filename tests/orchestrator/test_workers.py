@@ -11,7 +11,7 @@ import ray
 
 from capsulert.errors import WorkerLost
 from capsulert.orchestrator import Orchestrator
-from capsulert.worker.verbs import ExportCapsule
+from capsulert.protocol.requests import ExportCapsule
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 PROMPT = "Two workers share the load; a capsule made on one continues on the other. "
@@ -52,7 +52,7 @@ async def test_capsule_made_on_a_continues_bitwise_on_b(orch2, tmp_path):
 
 async def test_episode_envs_spread_over_every_worker(orch2):
     from capsulert.orchestrator import EpisodeDriver
-    from capsulert.worker.sampler import SamplingParams
+    from capsulert.protocol.sampling import SamplingParams
 
     a = await orch2.open(PROMPT, worker=0)
     await a.snapshot("env-c0")
@@ -109,7 +109,7 @@ async def test_killed_worker_fails_fast_restarts_and_reloads_pinned(orch2):
 async def test_workers_take_gpus_by_the_clusters_resources_not_the_drivers(ray_session, engine_cfg, monkeypatch):
     from capsulert.errors import ConfigError
     from capsulert.orchestrator import orchestrator as mod
-    from capsulert.orchestrator.orchestrator_config import OrchestratorConfig
+    from capsulert.config.orchestrator import OrchestratorConfig
 
     def cfg(device, n):
         return OrchestratorConfig.model_validate(dict(engine={**engine_cfg, "device": device}, num_workers=n))
@@ -132,7 +132,7 @@ async def test_start_fails_at_once_when_the_cluster_cannot_place_the_workers(ray
     the cluster has."""
     from capsulert.errors import InsufficientResourcesError
     from capsulert.orchestrator import orchestrator as mod
-    from capsulert.orchestrator.orchestrator_config import OrchestratorConfig
+    from capsulert.config.orchestrator import OrchestratorConfig
 
     with pytest.raises(InsufficientResourcesError, match="1 GPU.* asked for, and the Ray cluster has 0"):
         await Orchestrator.start(dict(engine={**engine_cfg, "device": "cuda"}, num_workers=1))

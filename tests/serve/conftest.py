@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from capsulert.worker.engine import Engine
+from capsulert.engine.engine import Engine
 
 ENGINE = dict(slots=8, max_seq=512, prefill_chunk=128)
 KEYS = {"acme": "sk-acme-test-0123456789", "globex": "sk-globex-test-0123456789"}

@@ -11,7 +11,7 @@ from capsulert.serve.generation import Choice, Chunk
 from capsulert.serve.metrics import Deferred, RequestLabels, current_request, request_namespace
 from capsulert.serve.responses import Shape
 from capsulert.serve.streaming import sse
-from capsulert.serve.tokens import TokenText
+from capsulert.serve.token_text import TokenText
 
 
 # ------------------------------------------------------------------------------------------ chunk events

@@ -18,8 +18,8 @@ from capsulert.serve.metrics import NoMetrics
 from capsulert.serve.plans import Limits
 from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest
 from capsulert.serve.tenants import Tenants
-from capsulert.serve.tokens import TokenText
-from capsulert.worker.verbs import FinalEvent, GenerateResult, TokenEvent
+from capsulert.serve.token_text import TokenText
+from capsulert.protocol.results import FinalEvent, GenerateResult, TokenEvent
 
 KEY = "sk-fast-path-0001"
 OUT = [(1734, " h\u00e9"), (1735, ' "q"\n'), (1736, "\u2603")]

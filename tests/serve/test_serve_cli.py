@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from capsulert.serve.options import ServerOptions
+from capsulert.config.server import ServerOptions
 from capsulert.serve.runner import serving_line
 from capsulert.serve.tenants import Tenants
 

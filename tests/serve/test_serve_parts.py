@@ -12,7 +12,7 @@ from capsulert import errors as E
 from capsulert.serve.http_errors import ApiError, describe, kind_of
 from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest
 from capsulert.serve.tenants import Tenants
-from capsulert.worker.stops import HeldText
+from capsulert.engine.stops import HeldText
 
 
 # ------------------------------------------------------------------------------------------------ keys

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from capsulert.chat.template import ChatTemplate
-from capsulert.worker.sampler import SamplingParams
+from capsulert.protocol.sampling import SamplingParams
 
 MODEL = "capsulert-default"  # what the server fixture serves (--served-model-name)
 PROMPT = "The capsule runtime keeps the complete state of a session at a committed boundary, so an agent can"

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from capsulert.worker.sampler import SamplingParams
+from capsulert.protocol.sampling import SamplingParams
 
 MODEL = "capsulert-default"
 WEATHER = {"type": "function", "function": {

@@ -12,7 +12,7 @@ OTHER = "Completely unrelated text about gardening, tomatoes, rain and the price
 
 @pytest.fixture
 def corpus(engine):
-    from capsulert.worker.default_model import CORPUS_PATH
+    from capsulert.engine.default_model import CORPUS_PATH
 
     return engine.tokenize(CORPUS_PATH.read_text()[:40000])
 

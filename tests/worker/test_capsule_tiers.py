@@ -53,7 +53,7 @@ def test_gpu_host_disk_then_new_process_restores_bitwise(tiered, text, tmp_path,
     script = textwrap.dedent(f"""
         import torch
         from safetensors.torch import save_file
-        from capsulert.worker.engine import Engine
+        from capsulert.engine.engine import Engine
         torch.set_num_threads({torch.get_num_threads()})  # same reduction order as this process
         eng = Engine.from_config(model={str(model_dir)!r}, device={eng.device.type!r}, slots=4, max_seq=2048, prefill_chunk=128)
         assert eng.store.load({str(saved)!r}) == 1

@@ -1,4 +1,4 @@
-"""Constrained decoding (worker/constraint.py): the token mask in the sampler, the grammar state per
+"""Constrained decoding (engine/grammar.py): the token mask in the sampler, the grammar state per
 generate, and batch invariance with constrained and unconstrained sessions sharing decode steps."""
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from capsulert.errors import InvalidRequestError
-from capsulert.worker.constraint import Constraint, allowed_tokens
-from capsulert.worker.sampler import RowDraw, SamplingParams, sample_rows
+from capsulert.protocol.constraint import Constraint
+from capsulert.engine.grammar import allowed_tokens
+from capsulert.engine.sampler import RowDraw, sample_rows
+from capsulert.protocol.sampling import SamplingParams
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "n"],
           "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "n": {"type": "integer", "minimum": 0,
@@ -93,7 +95,7 @@ def test_schema_output_is_valid_json_and_ends_with_the_grammar(make_engine):
 
 def test_grammar_advances_once_per_committed_token(make_engine):
     eng = make_engine(slots=2, max_seq=1024)
-    from capsulert.worker.decoding import DecodeStream, advance
+    from capsulert.engine.decoding import DecodeStream, advance
 
     s = eng.open(prompt="Digits: ")
     st = DecodeStream(eng, s, 40, SamplingParams(constraint=Constraint(regex=r"[0-9]{2}-[a-z]{3}")))
@@ -144,7 +146,7 @@ def test_batch_of_8_mixed_is_bitwise_each_alone(make_engine):
 
 
 def test_constraint_needs_a_tokenizer(device):
-    from capsulert.worker.engine import Engine
+    from capsulert.engine.engine import Engine
 
     eng = Engine.from_config(model="random:capsulert/configs/models/default.yaml", device=device, slots=1,
                              max_seq=256, prefill_chunk=128)

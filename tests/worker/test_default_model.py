@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import capsulert.worker.default_model as dm
-from capsulert.model_config import ModelConfig
-from capsulert.worker.loader import load_checkpoint, load_tokenizer, weights_fingerprint
+import capsulert.engine.default_model as dm
+from capsulert.config.model import ModelConfig
+from capsulert.engine.loader import load_checkpoint, load_tokenizer, weights_fingerprint
 
 pytestmark = pytest.mark.usefixtures("hf_on_cpu")  # HF runs its torch path on the CPU
 

@@ -13,8 +13,8 @@ from capsulert.errors import (
     SessionClosedError,
     UnsupportedModelError,
 )
-from capsulert.worker.engine import Engine
-from capsulert.worker.sampler import SamplingParams
+from capsulert.engine.engine import Engine
+from capsulert.protocol.sampling import SamplingParams
 
 
 def slot_state(engine, session):
@@ -148,7 +148,7 @@ def test_refusals_are_typed_and_leave_engine_usable(engine, text, tmp_path):
 
 
 def test_random_weights_engine_is_deterministic():
-    from capsulert.worker.default_model import REPO_ROOT
+    from capsulert.engine.default_model import REPO_ROOT
 
     cfg = dict(model=f"random:{REPO_ROOT / 'capsulert/configs/models/test_a.yaml'}", device="cpu", slots=2, max_seq=256, prefill_chunk=64)
     a, b = Engine.from_config(cfg), Engine.from_config(cfg)

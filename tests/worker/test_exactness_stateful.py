@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from capsulert.worker.sampler import SamplingParams
+from capsulert.protocol.sampling import SamplingParams
 
 MAX_SEQ = 1024
 SLOTS = 6
@@ -135,7 +135,7 @@ class ExactnessMachine(RuleBasedStateMachine):
 def test_exactness_state_machine(make_engine, tmp_path):
     engine = make_engine(slots=SLOTS, max_seq=MAX_SEQ, disk_dir=str(tmp_path / "disk"))
     replay = make_engine(slots=1, max_seq=MAX_SEQ)
-    from capsulert.worker.default_model import CORPUS_PATH
+    from capsulert.engine.default_model import CORPUS_PATH
 
     ExactnessMachine.engine = engine
     ExactnessMachine.replay_engine = replay

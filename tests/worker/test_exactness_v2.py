@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from capsulert.errors import InvalidRequestError
-from capsulert.worker.engine import GRID
-from capsulert.worker.sampler import SamplingParams
+from capsulert.engine.engine import GRID
+from capsulert.protocol.sampling import SamplingParams
 from tests.worker.test_engine import slot_state
 from tests.models import MODELS
 
@@ -19,7 +19,7 @@ GREEDY = SamplingParams(ignore_eos=True)  # these tests need long generations: E
 
 @pytest.fixture
 def corpus(engine):
-    from capsulert.worker.default_model import CORPUS_PATH
+    from capsulert.engine.default_model import CORPUS_PATH
 
     return engine.tokenize(CORPUS_PATH.read_text()[:40000])
 

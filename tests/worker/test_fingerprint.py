@@ -9,9 +9,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from capsulert.errors import IncompatibleCapsuleError, ModelLoadError
-from capsulert.worker import fingerprint
-from capsulert.worker.engine import Engine
-from capsulert.worker.fingerprint import checkpoint_fingerprint
+from capsulert.engine import fingerprint
+from capsulert.engine.engine import Engine
+from capsulert.engine.fingerprint import checkpoint_fingerprint
 
 WEIGHTS = "model.safetensors"
 

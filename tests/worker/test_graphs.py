@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from capsulert.worker.graphs import ShapeKey
-from capsulert.worker.sampler import SamplingParams
+from capsulert.engine.graphs import ShapeKey
+from capsulert.protocol.sampling import SamplingParams
 from tests.models import MODELS
 
 pytestmark = pytest.mark.gpu

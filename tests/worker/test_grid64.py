@@ -11,8 +11,8 @@ import torch
 
 from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.errors import IncompatibleCapsuleError
-from capsulert.worker.engine import GRID, prefill_pieces
-from capsulert.worker.sampler import SamplingParams
+from capsulert.engine.engine import GRID, prefill_pieces
+from capsulert.protocol.sampling import SamplingParams
 
 NOEOS = SamplingParams(ignore_eos=True)
 
@@ -138,7 +138,7 @@ def test_capsule_of_the_previous_layout_reads_its_grid_and_is_refused(make_engin
     legacy = meta.to_json().replace('"grid":128', '"prefill_chunk":128')  # what layout 2 wrote
     assert '"prefill_chunk"' in legacy and CapsuleMeta.from_json(legacy) == meta
     with monkeypatch.context() as m:  # an engine of the previous layout saves a capsule
-        m.setattr("capsulert.worker.capsules.LAYOUT_VERSION", 2)
+        m.setattr("capsulert.engine.capsules.LAYOUT_VERSION", 2)
         old = make_engine()
         s = old.open()
         s.append(toks(150, 5))

@@ -1,4 +1,4 @@
-"""capsulert.worker.loader against checkpoints written by HF transformers (and broken ones)."""
+"""capsulert.engine.loader against checkpoints written by HF transformers (and broken ones)."""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from capsulert.model_config import ModelConfig
+from capsulert.config.model import ModelConfig
 from capsulert.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from capsulert.worker.loader import expected_shapes, load_checkpoint, load_tokenizer, weights_fingerprint
+from capsulert.engine.loader import expected_shapes, load_checkpoint, load_tokenizer, weights_fingerprint
 
 CONFIGS = Path(__file__).resolve().parents[2] / "capsulert" / "configs" / "models"
 TEST_CONFIGS = ["test_a", "test_b", "test_c", "tiny_moe", "test_moe_b"]
@@ -125,11 +125,11 @@ def test_load_conditional_generation_layout(name, tmp_path, caplog):
     cfg = _cfg(name)
     model = _hf_model(cfg, seed=2)
     _vlm_checkpoint(tmp_path, cfg, model)
-    with caplog.at_level(logging.INFO, logger="capsulert.worker.loader"):
+    with caplog.at_level(logging.INFO, logger="capsulert.engine.loader"):
         got_cfg, weights = load_checkpoint(tmp_path)
     assert got_cfg == cfg
     _assert_matches_hf(weights, model, tied=cfg.tie_word_embeddings)
-    notes = [r for r in caplog.records if r.name == "capsulert.worker.loader"]
+    notes = [r for r in caplog.records if r.name == "capsulert.engine.loader"]
     assert len(notes) == 1 and "4" in notes[0].getMessage()
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from capsulert.errors import ConfigError, ModelLoadError
-from capsulert.model_config import ModelConfig
-from capsulert.worker.loader import load_checkpoint
+from capsulert.config.model import ModelConfig
+from capsulert.engine.loader import load_checkpoint
 from tests.worker.test_loader import _assert_matches_hf, _cfg, _hf_model, _random_weights, _write
 
 def test_moe_config_from_the_multimodal_config_and_hf_defaults():

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from capsulert.kernels.ops import reference_kernels
-from capsulert.worker.loader import load_checkpoint
-from capsulert.worker.model import HybridModel
-from capsulert.worker.packing import PACKS
-from capsulert.worker.state import StateLayout, StateSet
+from capsulert.engine.loader import load_checkpoint
+from capsulert.engine.model import HybridModel
+from capsulert.engine.packing import PACKS
+from capsulert.engine.state import StateLayout, StateSet
 
 PACKED = dataclasses.replace(reference_kernels(), packed_projections=True)
 

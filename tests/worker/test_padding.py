@@ -54,7 +54,7 @@ def test_padded_decode_rows_touch_only_the_scratch_slot(engine, text):
 
 
 def test_prefill_buckets_cover_the_chunk():
-    from capsulert.worker.graphs import prefill_buckets
+    from capsulert.engine.graphs import prefill_buckets
 
     assert prefill_buckets(256) == [16, 32, 64, 128, 256]
     assert prefill_buckets(64) == [16, 32, 64]
@@ -63,7 +63,7 @@ def test_prefill_buckets_cover_the_chunk():
 def test_decode_buckets_always_cover_the_largest_batch():
     """Every decode batch up to min(slots, 64) has a captured graph (a batch above the largest bucket used
     to crash with a bare StopIteration)."""
-    from capsulert.worker.graphs import decode_buckets
+    from capsulert.engine.graphs import decode_buckets
 
     assert decode_buckets((1, 2, 4, 8), 12) == (1, 2, 4, 8, 12)
     assert decode_buckets((1, 2, 4, 8, 16, 32, 64), 64) == (1, 2, 4, 8, 16, 32, 64)

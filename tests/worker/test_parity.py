@@ -7,9 +7,9 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from capsulert.model_config import ModelConfig
-from capsulert.worker.default_model import REPO_ROOT, init_weights
-from capsulert.worker.engine import Engine
+from capsulert.config.model import ModelConfig
+from capsulert.engine.default_model import REPO_ROOT, init_weights
+from capsulert.engine.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("hf_on_cpu")  # HF runs its torch path on the CPU
 

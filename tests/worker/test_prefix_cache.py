@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from capsulert.errors import StaleSessionError
-from capsulert.worker.async_engine import AsyncEngine
-from capsulert.worker.engine import GRID
-from capsulert.worker.sampler import SamplingParams
-from capsulert.worker.verbs import Close
+from capsulert.sessions.local import AsyncEngine
+from capsulert.engine.engine import GRID
+from capsulert.protocol.sampling import SamplingParams
+from capsulert.protocol.requests import Close
 from tests.models import MODELS
 
 CHUNK = GRID  # checkpoints every 64 tokens (the fixture prefills in pieces of 128)

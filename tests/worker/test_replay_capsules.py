@@ -11,10 +11,10 @@ import asyncio
 import pytest
 import torch
 
-from capsulert.worker.engine import GRID
+from capsulert.engine.engine import GRID
 from capsulert.capsule_store import CapsuleMeta
 from capsulert.errors import IncompatibleCapsuleError, UnsupportedStateModeError
-from capsulert.worker.sampler import SamplingParams
+from capsulert.protocol.sampling import SamplingParams
 from tests.models import MODELS
 
 CHUNK = GRID  # canonical state and prefix blocks every 64 tokens, whatever the prefill_chunk (128 here)
@@ -230,7 +230,7 @@ def test_meta_records_how_the_state_was_made_and_reads_files_without_it():
 
 
 async def test_the_step_scheduler_keeps_and_restores_replay_capsules_among_other_sessions(make_engine):
-    from capsulert.worker.async_engine import AsyncEngine
+    from capsulert.sessions.local import AsyncEngine
 
     eng = make_engine(slots=8)
     async with AsyncEngine(eng) as aeng:

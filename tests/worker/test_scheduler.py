@@ -7,16 +7,17 @@ import pytest
 import torch
 
 from capsulert.errors import InvalidRequestError, NoFreeSlotError, QueueFullError, UnknownCapsuleError
-from capsulert.worker.async_engine import AsyncEngine
-from capsulert.worker.sampler import SamplingParams
-from capsulert.worker.verbs import Append, Delete, FinalEvent, Generate, Open, Ping, Promote, Restore, TokenEvent
+from capsulert.sessions.local import AsyncEngine
+from capsulert.protocol.sampling import SamplingParams
+from capsulert.protocol.requests import Append, Delete, Generate, Open, Ping, Promote, Restore
+from capsulert.protocol.results import FinalEvent, TokenEvent
 
 NOEOS = SamplingParams(ignore_eos=True)
 
 
 @pytest.fixture
 def corpus(engine):
-    from capsulert.worker.default_model import CORPUS_PATH
+    from capsulert.engine.default_model import CORPUS_PATH
 
     return engine.tokenize(CORPUS_PATH.read_text()[:30000])
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from capsulert.errors import StaleCapsuleError, StaleSessionError
-from capsulert.worker.async_engine import AsyncEngine
-from capsulert.worker.sampler import SamplingParams
-from capsulert.worker.verbs import FinalEvent
+from capsulert.sessions.local import AsyncEngine
+from capsulert.protocol.sampling import SamplingParams
+from capsulert.protocol.results import FinalEvent
 
 NOEOS = SamplingParams(ignore_eos=True)
 

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from capsulert.errors import StaleCapsuleError, WeightUpdateError
-from capsulert.worker.engine import Engine
-from capsulert.worker.sampler import SamplingParams
+from capsulert.engine.engine import Engine
+from capsulert.protocol.sampling import SamplingParams
 from tests.models import MODELS
 
 
@@ -102,8 +102,8 @@ def test_bad_updates_change_nothing(model_dir, make_engine, tmp_path, text, bad)
     else:  # a complete, consistent checkpoint of another architecture
         import json
 
-        from capsulert.model_config import ModelConfig
-        from capsulert.worker.default_model import init_weights
+        from capsulert.config.model import ModelConfig
+        from capsulert.engine.default_model import init_weights
 
         cfg = ModelConfig.from_file(_config_path("test_a"))
         new = tmp_path / "other"

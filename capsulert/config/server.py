@@ -1,0 +1,120 @@
+"""ServerOptions: everything `capsulert serve` is configured with, validated once at the edge (pydantic).
+
+The driver builds it from the command line and hands it, as a plain dict, to the Ray Serve replica,
+which validates it again: both sides agree on one schema and the replica never trusts a bare dict.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from capsulert.errors import ConfigError
+from capsulert.config.engine import EngineConfig
+
+RANDOM_PREFIX = "random:"
+# what a server's engine config defaults to where the engine's own defaults differ: clients resend their
+# conversations, so a server reuses the longest cached prefix of every prompt (exact: engine/prefix_reuse.py).
+# Session slots: a request waits in the orchestrator's admission queue for all of its sessions (bounded by
+# max_inflight, not by time), so the engine's slot_wait_s is only a backstop for a worker busier than the rest
+SERVER_ENGINE_DEFAULTS = {"prefix_cache": True}
+
+
+class ServerOptions(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine: EngineConfig = EngineConfig(**SERVER_ENGINE_DEFAULTS)
+    served_model_name: str | None = Field(None, description="the model id clients send; default: derived from engine.model")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    keys_file: str | None = Field(None, description="YAML mapping API keys to namespaces; None: no auth, one namespace")
+    num_workers: int = Field(1, ge=1, le=64)
+    torch_threads: int | None = Field(None, ge=1)
+    call_timeout_s: float = Field(600.0, gt=0)
+    max_inflight: int = Field(256, ge=1, description="generation requests in flight, running or queued for sessions; "
+                              "one more is refused with 429 and Retry-After")
+    max_n: int | None = Field(None, ge=1, description="largest n (choices per prompt); default: engine.slots")
+    ray_address: str | None = None
+    ray_metrics_port: int | None = Field(None, ge=0, le=65535, description=(
+        "export Ray's and Ray Serve's own metrics from Ray's metrics agent on this port (a local Ray only); None: "
+        "Ray collects and exports none, and nothing but the server listens (its GET /metrics has capsulert's)"))
+    stats_interval_s: float = Field(5.0, gt=0, description="how often the queue-depth gauge polls the workers")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    access_log: bool = False
+    direct_ingress: bool = Field(True, description=(
+        "the replica serves HTTP on host:port itself (uvicorn on the replica's event loop): a request reaches "
+        "the app without the hop through Ray Serve's proxy; False: Serve's proxy listens on host:port and "
+        "forwards every request to the replica (one more process and round trip per request)"))
+
+    @classmethod
+    def build(cls, **values) -> "ServerOptions":
+        """Validated options; relative paths made absolute here, since Ray's processes run elsewhere."""
+        values = _prepare(values)
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            raise ConfigError("invalid server options: " + "; ".join(
+                f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors(include_url=False))) from None
+
+    @property
+    def model_name(self) -> str:
+        """The id /v1/models lists and requests must name."""
+        if self.served_model_name:
+            return self.served_model_name
+        model = self.engine.model
+        if model == "default":
+            return "default"
+        if model.startswith(RANDOM_PREFIX):
+            return "random-" + Path(model[len(RANDOM_PREFIX):]).stem
+        return Path(model).resolve().name
+
+    @property
+    def largest_n(self) -> int:
+        return self.max_n or self.engine.slots
+
+    def orchestrator_config(self) -> dict:
+        return {"engine": self.engine.model_dump(), "num_workers": self.num_workers,
+                "torch_threads": self.torch_threads, "call_timeout_s": self.call_timeout_s,
+                "max_queued": self.max_inflight}
+
+
+def _prepare(values: dict) -> dict:
+    def absolute(p):
+        return None if p is None else str(Path(p).expanduser().resolve())
+
+    values = dict(values)
+    if values.get("keys_file") is not None:
+        values["keys_file"] = absolute(values["keys_file"])
+    engine = values.get("engine")
+    if isinstance(engine, dict):
+        engine = {**SERVER_ENGINE_DEFAULTS, **engine}
+        model = engine.get("model")
+        if isinstance(model, str) and model.startswith(RANDOM_PREFIX):
+            engine["model"] = RANDOM_PREFIX + absolute(model[len(RANDOM_PREFIX):])
+        elif isinstance(model, str) and model != "default":
+            engine["model"] = absolute(model)
+        for key in ("disk_dir", "cache_dir"):
+            if isinstance(engine.get(key), str):
+                engine[key] = absolute(engine[key])
+        values["engine"] = engine
+    return values
+
+
+def model_dir(engine: EngineConfig) -> Path | None:
+    """The checkpoint directory of the served model (tokenizer, chat template); None for random weights."""
+    if engine.model.startswith(RANDOM_PREFIX):
+        return None
+    if engine.model == "default":
+        from capsulert.engine.default_model import ensure_default_model
+
+        return ensure_default_model(Path(engine.cache_dir) if engine.cache_dir else None, engine.progress)
+    return Path(engine.model)
+
+
+def vocab_size(engine: EngineConfig) -> int:
+    from capsulert.config.model import ModelConfig
+
+    if engine.model.startswith(RANDOM_PREFIX):
+        return ModelConfig.from_file(engine.model[len(RANDOM_PREFIX):]).vocab_size
+    return ModelConfig.from_file(model_dir(engine) / "config.json").vocab_size

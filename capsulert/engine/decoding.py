@@ -1,0 +1,140 @@
+"""One session's generate in flight (DecodeStream), and the batched step that advances many of them.
+
+`advance` is the unit both the blocking `Engine.generate` and the step scheduler run: it samples one token
+for every stream from its current logits (one vectorised draw per group of at most MAX_DECODE_BATCH), feeds
+the tokens in one batched decode step per group, and applies each stream's stop rule. Streams never share
+anything but the step, so a stream's tokens do not depend on its partners (batch invariance).
+
+A constrained stream (SamplingParams.constraint) fills its row of the step's token bitmask before the
+draw and takes its token into its grammar state once the token is committed, once per token; a grammar
+that can take nothing more ends the generate ("grammar_end"). Constrained and unconstrained streams share
+the step: the mask is applied row by row to the sampled block (engine/grammar.py).
+
+Weight updates land between steps (they take the engine lock, which a step holds): a stream whose session
+was computed under older weights ends there, stop reason "weights_updated", so every token of a result
+was sampled under its `weights_version`, never under two.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from capsulert.engine.grammar import allowed_tokens
+from capsulert.protocol.sampling import GREEDY, SamplingParams
+from capsulert.engine.sampler import RowDraw, resolve_seed, sample_rows
+from capsulert.engine.stops import HeldText, StopRule, TextStream
+from capsulert.protocol.results import GenerateResult, TokenEvent
+
+if TYPE_CHECKING:
+    from capsulert.engine.engine import Engine
+    from capsulert.engine.session import Session
+
+
+class DecodeStream:
+    def __init__(self, engine: "Engine", session: "Session", max_new_tokens: int,
+                 sampling: SamplingParams | None):
+        session.check_current()  # a stale session's tokens would mix two weights versions
+        self.session = session
+        self.params = sampling or GREEDY
+        self.seed = resolve_seed(self.params)
+        self.rule = StopRule(self.params, engine.eos_token_ids, max_new_tokens)
+        self.has_text = engine.tokenizer is not None
+        self.text = TextStream(engine.detokenize if self.has_text else None)
+        self.held = HeldText(tuple(self.params.stop))  # the output's text, and what the events showed of it
+        self.result = GenerateResult(weights_version=engine.weights_version)
+        self.logits: torch.Tensor | None = None  # next-token logits row (fp32 [vocab])
+        self.done = max_new_tokens == 0
+        constraint = self.params.constraint
+        self.grammar = None if constraint is None or self.done else engine.grammars.state(constraint)
+        if self.done:
+            self.finish("length")
+
+    def finish(self, reason: str) -> str:
+        """End the generate; the text its events have not shown yet ("" without a tokenizer)."""
+        self.done = True
+        self.session.stop_reason = self.result.stop_reason = reason
+        self.result.length = len(self.session.tokens)
+        if not self.has_text:
+            return ""
+        # past a stop string the text ends before it; otherwise an incomplete character at the end is released
+        final = self.held.text if reason == "stop_string" else self.held.seen + self.text.flush()
+        self.result.text = final
+        return self.held.finish(final)
+
+
+def advance(engine: "Engine", streams: list[DecodeStream],
+            should_stop: Callable[[DecodeStream], bool] | None = None) -> list[tuple[DecodeStream, TokenEvent]]:
+    """One token for every live stream. Returns the (stream, event) pairs produced, in stream order. Holds
+    the engine lock throughout: the graphs' static inputs and outputs are shared by every step."""
+    with engine.lock:
+        return _advance(engine, streams, should_stop)
+
+
+def _advance(engine, streams, should_stop):
+    live = []
+    for st in streams:
+        if st.done:
+            continue
+        if len(st.session.tokens) >= engine.config.max_seq:
+            st.finish("max_seq")
+            continue
+        if st.session.weights_version != engine.weights_version:
+            # update_weights ran between two steps: every token so far was sampled under the old weights (the
+            # result's weights_version), and the next would come from old state fed through new weights
+            st.finish("weights_updated")
+            continue
+        live.append(st)
+    need = [st for st in live if st.logits is None]
+    if need:
+        for st, row in zip(need, engine.logits_rows([st.session for st in need])):
+            st.logits = row
+    events = []
+    groups = engine.decode_groups(live)
+    for group in groups:
+        logits = engine.pad_logits([st.logits for st in group])
+        draws = sample_rows(logits, [RowDraw(st.params, st.seed, len(st.session.tokens)) for st in group],
+                            _allowed(engine, group, logits))
+        # copied out of the graph's output buffer: the next group's replay, or another thread's step between
+        # ours, reuses it
+        block = engine.decode([st.session for st in group], draws.tokens)[:len(group)].clone()
+        for r, st in enumerate(group):
+            token = draws.tokens[r]
+            st.logits = block[r]
+            res = st.result
+            res.append(token)
+            res.logprobs.append(draws.logprobs[r])
+            top = draws.top_logprobs[r]  # empty unless this stream asked for logprobs
+            if st.params.logprobs:
+                res.top_logprobs.append(top)
+            if st.grammar is not None:
+                st.grammar.accept(token)  # the token is committed: the grammar takes it, once
+            delta = st.text.push(token)
+            shown = None if delta is None else st.held.push(delta)
+            reason = st.rule.check(token, len(res.tokens), st.held.cut is not None)
+            if reason is None and st.grammar is not None and st.grammar.complete:
+                reason = "grammar_end"
+            if reason is None and len(st.session.tokens) >= engine.config.max_seq:
+                reason = "max_seq"  # full: no token can follow this one
+            if reason is None and should_stop is not None and should_stop(st):
+                reason = "interrupted"
+            if reason is not None:
+                rest = st.finish(reason)
+                if shown is not None:  # the last event carries the rest: the events add up to the result
+                    shown += rest
+            else:
+                res.length = len(st.session.tokens)
+            events.append((st, TokenEvent(token, draws.logprobs[r], shown, len(res.tokens) - 1, tuple(top))))
+    return events
+
+
+def _allowed(engine: "Engine", group: list[DecodeStream], block: torch.Tensor) -> torch.Tensor | None:
+    """The step's boolean token mask [rows, vocab] when a stream of the group is constrained (each such
+    stream fills its own row; the others and the padding rows allow everything), else None."""
+    if all(st.grammar is None for st in group):
+        return None
+    bitmask = engine.grammars.bitmask(block.shape[0])
+    for r, st in enumerate(group):
+        if st.grammar is not None:
+            st.grammar.fill(bitmask, r)
+    return allowed_tokens(bitmask, block.shape[1], block.device)

@@ -1,0 +1,172 @@
+"""Graph plans: CUDA graphs captured once over the static state set, keyed by ShapeKey.
+
+A plan reads its inputs from static buffers (token ids, slot ids, valid lengths) and positions from
+`state.pos`, so one captured graph serves every slot and every position. Prefill of n tokens replays the
+graph of the smallest bucket >= n with the tail marked as padding; a decode batch of b sessions replays
+the graph of the smallest batch bucket >= b, padding rows pointing at the scratch slot. Capture shows a
+progress bar over the shapes warmed up and captured on a terminal (capsulert/progress.py). Sessions whose
+decode reaches a grid point in one step re-derive it together: a prefill of `grid` tokens for each of b
+slots replays the (prefill, b, grid) graph of the decode batch bucket.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from capsulert.progress import Bar, progress_bar
+from capsulert.engine.model import HybridModel
+from capsulert.engine.state import StateSet
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, order=True)
+class ShapeKey:
+    phase: str  # "prefill" or "decode"
+    batch: int
+    tokens: int
+
+
+def decode_buckets(wanted: tuple[int, ...], largest: int) -> tuple[int, ...]:
+    """The captured decode batch sizes: the wanted ones below `largest`, plus `largest` itself, so every
+    batch up to it has a graph."""
+    return tuple(sorted({b for b in wanted if 1 <= b < largest} | {largest}))
+
+
+def prefill_buckets(prefill_chunk: int, smallest: int = 16) -> list[int]:
+    out, t = [], smallest
+    while t < prefill_chunk:
+        out.append(t)
+        t *= 2
+    return out + [prefill_chunk]
+
+
+class GraphPlans:
+    def __init__(self, model: HybridModel, state: StateSet, scratch_slot: int, max_seq: int,
+                 prefill_chunk: int, decode_batches: tuple[int, ...], grid: int):
+        self.model, self.state, self.scratch = model, state, scratch_slot
+        self.grid = grid
+        self.max_seq = max_seq
+        self.prefill_sizes = prefill_buckets(prefill_chunk)
+        self.decode_batches = tuple(sorted(decode_batches))
+        dev = state.layout.device
+        bmax = max(self.decode_batches)
+        self.tokens = torch.zeros(max(bmax, 1), prefill_chunk, dtype=torch.long, device=dev)
+        self.slots = torch.full((bmax,), scratch_slot, dtype=torch.long, device=dev)
+        self.valid = torch.ones(bmax, dtype=torch.long, device=dev)
+        rows = model.decode_rows or bmax
+        self.logits = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.capture_s = 0.0
+        self.warmup_s = 0.0  # part of capture_s: first runs of every shape (Triton compiles and autotuning)
+        self.warmup_by_key: dict[ShapeKey, float] = {}
+
+    def _run(self, key: ShapeKey) -> None:
+        B, T = key.batch, key.tokens
+        # the scratch slot absorbs padding rows; keep its position in range whatever ran before
+        self.state.pos[self.scratch:self.scratch + 1].zero_()
+        decode = key.phase == "decode"
+        self.model.forward(self.state, self.slots[:B], self.tokens[:B, :T], self.max_seq,
+                           None if decode else self.valid[:B], decode=decode)
+        if decode:
+            logits = self.model.logits(self.state, self.slots[:B])
+            self.logits[:logits.shape[0]].copy_(logits)
+
+    def capture(self, prefill: bool = True, progress: bool | None = None) -> None:
+        """Warm up every shape, then capture its graph; `progress`: a bar over both passes (None: on a
+        terminal)."""
+        keys = [ShapeKey("decode", b, 1) for b in self.decode_batches]
+        keys += [ShapeKey("prefill", 1, t) for t in self.prefill_sizes] if prefill else []
+        keys += [ShapeKey("prefill", b, self.grid) for b in self.decode_batches if b > 1] if prefill else []
+        with progress_bar(2 * len(keys), "capsulert: CUDA graphs", progress=progress, unit="shape") as bar:
+            self._capture(keys, bar)
+        log.info("captured %d CUDA graphs in %.1f s (warm-up of every shape %.1f s)", len(keys), self.capture_s,
+                 self.warmup_s)
+
+    def _capture(self, keys: list[ShapeKey], bar: Bar) -> None:
+        t0 = time.perf_counter()
+        saved = {n: b.clone() for n, b in self.state.buffers.items() if n in ("pos",)}
+        self.slots.fill_(self.scratch)
+        self.valid.fill_(1)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        bar.set_postfix_str("warm-up")
+        with torch.cuda.stream(side):
+            for key in keys:  # warm up every shape (allocator, Triton compiles and autotuning) before capture
+                t = time.perf_counter()
+                self._run(key)
+                torch.cuda.synchronize()
+                self.warmup_by_key[key] = time.perf_counter() - t
+                bar.update()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.warmup_s = time.perf_counter() - t0
+        # A dead engine still in a reference cycle is freed by the cyclic garbage collector whenever it runs;
+        # if that happens mid-capture, destroying its CUDA graphs and freeing its blocks invalidates the
+        # capture ("operation failed due to a previous error during capture"). torch no longer collects on
+        # entering a capture, so collect now and keep the collector off until every graph is captured.
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        bar.set_postfix_str("capture")
+        try:
+            for i, key in enumerate(keys):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self._run(key)
+                self.pool = g.pool()
+                self.graphs[key] = g
+                log.debug("captured CUDA graph %d/%d (%s b=%d t=%d)", i + 1, len(keys), key.phase, key.batch, key.tokens)
+                bar.update()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        torch.cuda.synchronize()
+        for n, b in saved.items():
+            self.state.buffers[n].copy_(b)
+        self.capture_s = time.perf_counter() - t0
+
+    def prefill(self, slot: int, tokens: list[int]) -> None:
+        n = len(tokens)
+        T = next((t for t in self.prefill_sizes if t >= n), None)
+        if T is None:
+            raise ValueError(f"a prefill piece of {n} tokens exceeds the chunk {self.prefill_sizes[-1]}")
+        row = torch.zeros(T, dtype=torch.long)
+        row[:n] = torch.tensor(tokens)
+        self.tokens[0, :T].copy_(row, non_blocking=True)
+        self.slots[0] = slot
+        self.valid[0] = n
+        self.graphs[ShapeKey("prefill", 1, T)].replay()
+
+    def prefill_rows(self, slots: list[int], rows: list[list[int]]) -> None:
+        """`grid` tokens for each slot at once (the grid points decode reached); padding rows run in the
+        scratch slot."""
+        n, T = len(slots), self.grid
+        B = next((b for b in self.decode_batches if b >= n), None)
+        if B is None or any(len(r) != T for r in rows):
+            raise ValueError(f"a batched prefill takes at most {self.decode_batches[-1]} rows of {T} tokens")
+        pad = B - n
+        self.tokens[:B, :T].copy_(torch.tensor(rows + [[0] * T] * pad), non_blocking=True)
+        self.slots[:B].copy_(torch.tensor(slots + [self.scratch] * pad), non_blocking=True)
+        self.valid[:B].fill_(T)
+        self.graphs[ShapeKey("prefill", B, T)].replay()
+
+    def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
+        """One token for each slot; returns the next-token logits block (row r for slots[r]; the graph's
+        static output buffer: copy what must outlive the next replay)."""
+        n = len(slots)
+        B = next((b for b in self.decode_batches if b >= n), None)
+        if B is None:
+            raise ValueError(f"a decode step of {n} sessions exceeds the largest captured batch "
+                             f"{self.decode_batches[-1]}; the engine splits larger batches")
+        pad = B - n
+        self.tokens[:B, 0].copy_(torch.tensor(tokens + [0] * pad), non_blocking=True)
+        self.slots[:B].copy_(torch.tensor(slots + [self.scratch] * pad), non_blocking=True)
+        self.valid[:B].fill_(1)
+        self.graphs[ShapeKey("decode", B, 1)].replay()
+        return self.logits

@@ -1,0 +1,217 @@
+"""Qwen3.5 hybrid text model (Gated DeltaNet + gated full attention) running on a StateSet; its MLPs are dense
+or, for a Qwen3.5-MoE config, mixtures of experts (engine/moe.py).
+
+Functional: weights are plain tensors, every piece of session state lives in the StateSet and is
+updated in place. One forward handles B slots x T tokens: prefill (B = 1, T <= prefill_chunk, chunked
+gated delta rule) or decode (T = 1, recurrent step). Positions are read from `state.pos` on the device.
+
+Batch invariance of decode: a session's logits must not depend on the batch it runs in. GEMM kernels and
+reductions pick their algorithm (tiling, split-K, split reductions) from the number of rows, so a row's bits
+change with the batch size (measured on the H200: 4096x4096 projections from 25 rows on, the down projection
+from 9, RMSNorm's reduction at 2-8 rows vs 1 or 64). Two ways out, by device:
+- `decode_rows=R` (CUDA): every dense op of a decode step (norms, projections, gates, the LM head) runs on
+  exactly R rows, the batch padded with zero rows; only the ops that touch per-slot state (conv, recurrent
+  step, KV write, attention) run on the real rows, and those are per-row kernels. One shape for every batch
+  costs ~2% of the GEMM time (bench/probes/row_stability.py).
+- `rowwise=True` (CPU): a decode step (and the logits) runs each row through the model alone, so a row's
+  result equals its solo result by construction. CPU kernels are batch-variant in many places: GEMMs at
+  M = 1 use gemv; vectorised transcendental ops (softplus, exp, sigmoid) compute an element in the vector
+  body or in the scalar tail depending on the tensor's size, with different bits; reductions over a
+  non-innermost dim change order with the other rows' contents.
+Neither (decode_rows=None, rowwise=False) is the plain batch-dependent path benchmarks compare against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from capsulert.config.model import FULL, ModelConfig
+from capsulert.kernels.fused import gated_delta_gates, gated_delta_qk
+from capsulert.kernels.ops import KernelSet, reference_kernels
+from capsulert.engine.moe import moe_mlp
+from capsulert.engine.packing import PACKS, pack_layer, split_sizes
+from capsulert.engine.state import StateSet
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero rows appended along dim 0 up to `rows`."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))])
+
+
+@dataclass(frozen=True)
+class Layer:
+    index: int
+    kind: str  # "linear_attention" or "full_attention"
+    state_index: int  # index into the linear-layer or attention-layer buffers
+    w: dict[str, torch.Tensor]
+
+
+class HybridModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kernels: KernelSet | None = None,
+                 decode_rows: int | None = None, rowwise: bool = False):
+        self.cfg = cfg
+        self.decode_rows = decode_rows  # pad every dense op of a decode step to this many rows
+        self.rowwise = rowwise  # run each decode row through the model alone
+        self.kernels = kernels or reference_kernels()
+        self.embed = weights["model.embed_tokens.weight"]
+        self.norm = weights["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        attn_idx = {layer: i for i, layer in enumerate(cfg.attention_layers)}
+        lin_idx = {layer: i for i, layer in enumerate(cfg.linear_layers)}
+        self.layers: list[Layer] = []
+        for i, kind in enumerate(cfg.layer_types):
+            prefix = f"model.layers.{i}."
+            w = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+            if kind != FULL:
+                w["conv"] = w["linear_attn.conv1d.weight"][:, 0, :]
+                w["neg_A"] = -w["linear_attn.A_log"].float().exp()
+            if self.kernels.packed_projections:
+                pack_layer(weights, prefix, w)
+            state_index = attn_idx[i] if kind == FULL else lin_idx[i]
+            self.layers.append(Layer(i, kind, state_index, w))
+        rot = cfg.rotary_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=self.device) / rot))
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def refresh_derived(self) -> None:
+        """Recompute, in place, what __init__ derived from the weights (after the weights changed)."""
+        for layer in self.layers:
+            if layer.kind != FULL:
+                layer.w["neg_A"].copy_(-layer.w["linear_attn.A_log"].float().exp())
+
+    @torch.inference_mode()
+    def forward(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, kv_len: int,
+                valid: torch.Tensor | None = None, decode: bool = False) -> None:
+        """Run tokens [B, T] for slots [B] at positions state.pos[slots] + t; updates every state buffer
+        of those slots in place, stores the last token's hidden state in last_hidden and advances pos.
+
+        decode=True: one token per slot (T = 1) through the recurrent step, batch-invariant (module doc).
+        `valid` [B] (device) marks only the first valid[b] tokens of a row as real: the rest is padding
+        that a captured graph of a fixed T carries; it neither writes state nor advances pos."""
+        B = tokens.shape[0]
+        if decode and self.rowwise and B > 1:
+            for i in range(B):
+                self.forward(state, slots[i:i + 1], tokens[i:i + 1], kv_len, decode=True)
+            return
+        start = state.pos[slots].long()
+        if decode and self.decode_rows is not None:
+            if B > self.decode_rows:
+                raise ValueError(f"a decode step holds at most {self.decode_rows} rows, got {B}")
+            tokens = pad_rows(tokens, self.decode_rows)
+            rope_start = pad_rows(start, self.decode_rows)
+        else:
+            rope_start = start
+        h = self.embed[tokens]
+        positions = rope_start[:, None] + torch.arange(tokens.shape[1], device=self.device)
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        rope = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
+        eps = self.cfg.rms_norm_eps
+        add_rms_norm = self.kernels.add_rms_norm
+        delta = None  # the previous block's output, added to the residual stream by the next norm
+        for layer in self.layers:
+            w = layer.w
+            h, x = add_rms_norm(h, delta, w["input_layernorm.weight"], eps)
+            if layer.kind == FULL:
+                x = self._attention(layer, x, state, slots, start, kv_len, rope, decode)
+            else:
+                x = self._gated_delta_net(layer, x, state, slots, decode, valid)
+            h, x = add_rms_norm(h, x, w["post_attention_layernorm.weight"], eps)
+            delta = self._mlp(w, x, B)
+        h = (h + delta)[:B]
+        if valid is None:
+            state.last_hidden.index_copy_(0, slots, h[:, -1])
+            state.pos.index_add_(0, slots, torch.full_like(slots, tokens.shape[1], dtype=torch.int32))
+        else:
+            last = h[torch.arange(h.shape[0], device=self.device), valid - 1]
+            state.last_hidden.index_copy_(0, slots, last)
+            state.pos.index_add_(0, slots, valid.to(torch.int32))
+
+    def logits(self, state: StateSet, slots: torch.Tensor) -> torch.Tensor:
+        """Next-token logits (fp32) from the slots' last hidden state: [decode_rows, vocab] with the real rows
+        first when decode_rows is set, else [B, vocab]. Always the batch-invariant path, so the logits after an
+        append and those of a decode step are computed alike."""
+        if self.rowwise and slots.shape[0] > 1:
+            return torch.cat([self.logits(state, slots[i:i + 1]) for i in range(slots.shape[0])])
+        h = state.last_hidden[slots]
+        if self.decode_rows is not None:
+            h = pad_rows(h, self.decode_rows)
+        h = self.kernels.add_rms_norm(h, None, self.norm, self.cfg.rms_norm_eps)[1]
+        return F.linear(h, self.lm_head).float()
+
+    # ------------------------------------------------------------------ mixers
+    def _attention(self, layer, x, state, slots, start, kv_len, rope, decode: bool):
+        cfg, w = self.cfg, layer.w
+        R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
+        B = slots.shape[0]
+        D = cfg.head_dim
+        q_gate, k, v = self._project(w, "attn_in", x)
+        q, gate = q_gate.view(R, T, -1, 2 * D).chunk(2, dim=-1)
+        gate = gate.reshape(R, T, -1)
+        cos, sin = rope
+        q = self.kernels.head_norm_rope(q, w["self_attn.q_norm.weight"], cos, sin, cfg.rotary_dim, cfg.rms_norm_eps)
+        k = self.kernels.head_norm_rope(k.view(R, T, -1, D), w["self_attn.k_norm.weight"], cos, sin, cfg.rotary_dim,
+                                        cfg.rms_norm_eps)
+        v = v.view(R, T, -1, D)
+        kv_k, kv_v = state.kv_k[layer.state_index], state.kv_v[layer.state_index]
+        self.kernels.write_kv(kv_k, kv_v, slots, start, k[:B], v[:B])
+        attend = self.kernels.attention if decode else self.kernels.prefill_attention
+        o = attend(q[:B], kv_k, kv_v, slots, start, kv_len, D**-0.5)
+        o = pad_rows(o, R).reshape(R, T, -1) * torch.sigmoid(gate)
+        return F.linear(o, w["self_attn.o_proj.weight"])
+
+    def _gated_delta_net(self, layer, x, state, slots, decode: bool, valid):
+        cfg, w = self.cfg, layer.w
+        R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
+        B = slots.shape[0]
+        Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        mixed, z, b, a = self._project(w, "gdn_in", x)
+        z = z.view(R, T, Hv, Dv)
+        li = layer.state_index
+        conv_buf, ssm_buf = state.conv[li], state.ssm[li]
+        if decode:  # conv, gates, q/k norms and the recurrent step on the real rows only
+            mixed = self.kernels.conv_step(mixed[:B, 0], conv_buf, slots, w["conv"])
+            o = self.kernels.gated_delta_step_fused(mixed, a[:B, 0], b[:B, 0], w["neg_A"], w["linear_attn.dt_bias"],
+                                                    ssm_buf, slots, Hk, Dk, Dv)
+            o = pad_rows(o, R)[:, None]
+            o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
+            return F.linear(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
+        mixed = self.kernels.conv_prefill(mixed, conv_buf, slots, w["conv"], valid)
+        q, k, v = torch.split(mixed, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
+        q = q.reshape(R, T, Hk, Dk)
+        k = k.reshape(R, T, Hk, Dk)
+        v = v.reshape(R, T, Hv, Dv)
+        g, beta = gated_delta_gates(a, b, w["neg_A"], w["linear_attn.dt_bias"])
+        if valid is not None:  # padding tokens neither decay nor write the state
+            real = (torch.arange(T, device=x.device)[None, :] < valid[:, None]).float()[..., None]
+            beta = beta * real
+            g = g * real
+        q, k = gated_delta_qk(q, k, Hv)
+        o = self.kernels.gated_delta_prefill(q, k, v.float(), g, beta, ssm_buf, slots)
+        o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
+        return F.linear(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
+
+    def _project(self, w: dict[str, torch.Tensor], pack: str, x: torch.Tensor) -> list[torch.Tensor]:
+        """The projections of group `pack` of x: one GEMM over the packed weight when packed, else one each."""
+        if pack in w:
+            return list(F.linear(x, w[pack]).split(split_sizes(w, pack), dim=-1))
+        return [F.linear(x, w[n]) for n in PACKS[pack]]
+
+    def _mlp(self, w: dict[str, torch.Tensor], x: torch.Tensor, real_rows: int) -> torch.Tensor:
+        """The dense MLP, or the MoE block of an MoE model (engine/moe.py); rows from real_rows on are the
+        padding of a fixed-shape decode step (the MoE routes only the real ones)."""
+        if self.cfg.is_moe:
+            return moe_mlp(self.cfg, self.kernels, w, x, real_rows)
+        if "mlp_in" in w:
+            y = self.kernels.silu_mul(F.linear(x, w["mlp_in"]))
+        else:
+            gate, up = self._project(w, "mlp_in", x)
+            y = F.silu(gate) * up
+        return F.linear(y, w["mlp.down_proj.weight"])

@@ -1,0 +1,120 @@
+"""Automatic exact prefix reuse (EngineConfig.prefix_cache): the engine's side.
+
+Per session the cache knows its namespace (the prompts it may be served from and its checkpoints go to;
+None: it takes part in nothing) and whether its slot holds canonical state: state a cold prefill of its
+tokens computes under the current weights. A fresh session does; a session restored from a capsule of
+this engine's own numerics does; one restored from another origin (a file made on another device, an
+import), or one that lived across a weight update, does not, and then it is neither served nor kept, and
+its snapshots stay whole instead of sharing blocks.
+
+- Before an append (`before_append`): the longest cached grid prefix of the session's tokens plus the new
+  ones past its own grid point is restored into the slot (capsules.restore_prefix) and only the rest is
+  prefilled. The checkpoints to keep on the way are planned then: the branch point (the deepest grid
+  point where the store's blocks still follow the new tokens: another prompt shares the prefix up to
+  there, so the next one will too) and the new tokens' last grid point. The append is cut at those
+  points (`pieces`) and each is kept when reached (`reached`).
+- When a session closes: its last grid point is kept (it covers the grid points decode crossed).
+The store decides whether a checkpoint is admitted (cost-aware) and evicts anonymous entries first.
+
+Only grid checkpoints are ever kept: by the exactness contract the state at a grid point is bitwise what a
+cold prefill of the prefix computes, so a checkpoint found by its tokens is exact. The state between grid
+points is not: decode computes a token's KV row and its state update with the one-token decode kernels,
+whose arithmetic differs from the chunked prefill's, so decode-made state off the grid is a function of how
+the tokens were produced, not of the tokens alone, and a cold prefill would not reproduce it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from capsulert.engine.capsules import CapsuleVerbs
+    from capsulert.engine.session import Session
+
+
+@dataclass
+class _Tracked:
+    namespace: str | None
+    epoch: int | None  # the weights version the slot's state is canonical under (None: not canonical)
+    planned: int = 0  # length up to which `keep` was planned (pieces of one append plan nothing again)
+    keep: list[int] = field(default_factory=list)  # grid points to keep checkpoints at, ascending
+
+
+class PrefixCache:
+    def __init__(self, verbs: "CapsuleVerbs", enabled: bool):
+        self.verbs, self.engine = verbs, verbs.engine
+        self.enabled = enabled and verbs.store.prefix_enabled
+        self._slots: dict[int, _Tracked] = {}
+
+    # -- sessions ---------------------------------------------------------------------------------
+    def opened(self, session: "Session", namespace: str | None) -> None:
+        self._slots[session.slot] = _Tracked(namespace, self.engine.weights_version)
+
+    def restored(self, session: "Session", namespace: str, canonical: bool) -> None:
+        self._slots[session.slot] = _Tracked(namespace, self.engine.weights_version if canonical else None)
+
+    def rederiving(self, session: "Session") -> None:
+        """The session's slot was emptied to be prefilled again under the current weights: canonical again,
+        same namespace, nothing planned."""
+        t = self._slots.get(session.slot)
+        self._slots[session.slot] = _Tracked(t.namespace if t is not None else None, self.engine.weights_version)
+
+    def claim(self, session: "Session", namespace: str) -> None:
+        """The session serves `namespace` from now on (a Turn names its caller's namespace)."""
+        t = self._slots.get(session.slot)
+        if t is not None:
+            t.namespace = namespace
+
+    def canonical(self, session: "Session") -> bool:
+        t = self._slots.get(session.slot)
+        return t is not None and t.epoch == self.engine.weights_version
+
+    def _serving(self, session: "Session") -> _Tracked | None:
+        t = self._slots.get(session.slot)
+        ok = self.enabled and t is not None and t.namespace is not None and t.epoch == self.engine.weights_version
+        return t if ok else None
+
+    def closing(self, session: "Session") -> None:
+        """Keep the last grid point of a session that is being released."""
+        t = self._serving(session)
+        if t is not None:
+            self.verbs.keep_checkpoint(session, t.namespace)  # type: ignore[arg-type]
+        self._slots.pop(session.slot, None)
+
+    # -- appends ----------------------------------------------------------------------------------
+    def before_append(self, session: "Session", new: list[int]) -> list[int]:
+        """Restore the longest cached grid prefix of tokens + new into the slot; the tokens left to prefill.
+        Plans the checkpoints this append keeps."""
+        t = self._serving(session)
+        P, grid = len(session.tokens), self.engine.grid
+        end = P + len(new)
+        if t is None or t.planned >= end:
+            return new
+        full = session.tokens + new
+        match = self.verbs.store.match_prefix(t.namespace, self.engine.fingerprint, full,  # type: ignore[arg-type]
+                                              grid, after=P // grid * grid)
+        if match.grid and self.verbs.restore_prefix(session, match, full):
+            new = full[match.grid:]
+        start = len(session.tokens)
+        points = {match.shared, end // grid * grid} - set(match.checkpoints)
+        t.keep = sorted(p for p in points if start < p <= end)
+        t.planned = end
+        return new
+
+    def pieces(self, session: "Session", new: list[int]) -> list[list[int]]:
+        """`new` cut at the session's planned keep points."""
+        t = self._slots.get(session.slot)
+        cuts = [p - len(session.tokens) for p in (t.keep if t is not None else ())]
+        cuts = [c for c in cuts if 0 < c < len(new)]
+        return [new[a:b] for a, b in zip([0] + cuts, cuts + [len(new)]) if b > a]
+
+    def reached(self, session: "Session") -> None:
+        """After a piece: keep the checkpoint when the session stands on a planned keep point."""
+        t = self._serving(session)
+        if t is None:
+            return
+        P = len(session.tokens)
+        if t.keep and t.keep[0] <= P:
+            if t.keep[0] == P:
+                self.verbs.keep_checkpoint(session, t.namespace)  # type: ignore[arg-type]
+            t.keep = [p for p in t.keep if p > P]

@@ -1,0 +1,122 @@
+"""Session: a handle on one slot of the engine's state set. All work is done by the Engine."""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from capsulert.errors import SessionClosedError, StaleSessionError
+from capsulert.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from capsulert.capsule_store.capsule import CapsuleRef
+    from capsulert.chat.turn import ChatReply
+    from capsulert.engine.engine import Engine
+    from capsulert.protocol.results import GenerateResult
+
+_ids = itertools.count()
+
+
+class Session:
+    """Host-side view of a slot: the token ids committed so far, all of them folded into the slot's live
+    state."""
+
+    def __init__(self, engine: "Engine", slot: int):
+        self.engine = engine
+        self.slot = slot
+        self.id = next(_ids)
+        self.tokens: list[int] = []
+        # tokens[:decoded_from] came through the prefill path, the rest through one-token decode steps: with
+        # the tokens this says how the state was made (None: unknown, restored from a capsule without it)
+        self.decoded_from: int | None = 0
+        self.closed = False
+        self.stop_reason: str | None = None
+        self._interrupt = False
+        # the weights version the slot's state was computed under: an update_weights makes the session stale
+        # (its state mixes nothing: every verb but close, restore and rederive refuses it)
+        self.weights_version = engine.weights_version
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"slot={self.slot} len={len(self.tokens)}"
+        return f"Session(id={self.id}, {state})"
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionClosedError(f"session {self.id} is closed; open or restore a new one")
+
+    @property
+    def stale(self) -> bool:
+        """Whether the slot holds state computed under older weights than the engine runs now."""
+        return bool(self.tokens) and self.weights_version != self.engine.weights_version
+
+    def check_current(self) -> None:
+        """StaleSessionError when the session is stale. An empty one computed nothing: it just moves on to
+        the current weights."""
+        if self.stale:
+            raise StaleSessionError(
+                f"session {self.id} holds state computed under weights version {self.weights_version}; the "
+                f"engine runs version {self.engine.weights_version} (update_weights since): rederive() it (a "
+                "prefill of its tokens under the current weights), restore a capsule into it, or close it")
+        self.weights_version = self.engine.weights_version
+
+    def rederive(self) -> int:
+        """Recompute the state from the tokens under the current weights (a cold prefill of them); the length."""
+        return self.engine.rederive(self)
+
+    def append(self, tokens_or_text: str | Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Prefill more tokens; returns the next-token logits [vocab] (fp32)."""
+        return self.engine.append(self, tokens_or_text)
+
+    def logits(self) -> torch.Tensor:
+        return self.engine.logits(self)
+
+    def append_chat(self, messages, tools=None, *, add_generation_prompt: bool = True,
+                    **template_kwargs) -> torch.Tensor:
+        """Append `messages` (OpenAI-style dicts) rendered by the checkpoint's chat template, listing
+        `tools` (OpenAI tool definitions) where the template lists tools, and opening the assistant's
+        turn; returns the next-token logits. The template sees exactly these messages: give a new
+        session the whole conversation, or a session that holds the earlier turns only the new ones."""
+        from capsulert.chat.prompt import ChatPrompt
+
+        return self.append(ChatPrompt.of(messages, tools, add_generation_prompt, **template_kwargs))
+
+    def chat(self, messages, max_new_tokens: int = 256, sampling: SamplingParams | None = None, *, tools=None,
+             tool_choice="auto", response_format=None, parallel_tool_calls: bool = True,
+             **template_kwargs) -> "ChatReply":
+        """One chat turn: append_chat(messages, tools), then generate the assistant's reply and parse it
+        (ChatReply: content, tool_calls, finish_reason, result). tool_choice "required" or a named
+        function, and response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema":
+        {"schema": ...}}), constrain the reply by grammar (capsulert/chat/formats.py)."""
+        from capsulert.chat.turn import ChatTurn
+
+        turn = ChatTurn.plan(messages, sampling, tools=tools, tool_choice=tool_choice,
+                             response_format=response_format, parallel_tool_calls=parallel_tool_calls,
+                             **template_kwargs)
+        self.append(turn.prompt)
+        return turn.reply(self.generate(max_new_tokens, turn.sampling))
+
+    def generate(self, max_new_tokens: int, sampling: SamplingParams | None = None) -> "GenerateResult":
+        """Sample up to max_new_tokens; each produced token is committed to the state before the next.
+        The result is the list of tokens, with logprobs, text and stop reason (protocol/results.py)."""
+        return self.engine.generate([self], max_new_tokens, [sampling] if sampling else None)[0]
+
+    def interrupt(self) -> None:
+        """Stop a running generate at the next token boundary (thread-safe flag)."""
+        self._interrupt = True
+
+    def snapshot(self, name: str, tier: str = "gpu", pin: bool = False, mode: str = "full",
+                 namespace: str = "default") -> "CapsuleRef":
+        return self.engine.snapshot(self, name, tier=tier, pin=pin, mode=mode, namespace=namespace)
+
+    def restore(self, name: str, namespace: str = "default") -> str:
+        """Replace this session's state with the capsule's, in place (rollback, episode reset); returns the
+        tier the capsule was read from (gpu, host or disk)."""
+        return self.engine.restore_into(self, name, namespace)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.engine.release(self)

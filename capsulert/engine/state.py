@@ -1,0 +1,113 @@
+"""The state set: every piece of live session state, as named buffers with a slot dimension.
+
+Allocated once when the engine starts and never re-allocated, resized or replaced: forward passes update
+them in place, snapshot/restore copy between them and capsules. Data pointers are stable for the life of
+the engine (tested), which is what lets captured CUDA graphs and capsules refer to them.
+
+`ssm_grid` / `conv_grid` hold the recurrent and conv state of each slot at its last grid point
+G = floor(len / 64) * 64 (engine.GRID). Appends re-run the tokens [G, len) from there, so a prefill
+split on the grid, a restore + append, and a cold prefill all run the same kernels on the same shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from capsulert.config.model import ModelConfig
+
+# 3: as 2 (the live state at P, KV [0, P), plus the grid checkpoint off the grid) on the 64-token grid; 2 kept
+# its grid checkpoint and prefix blocks every prefill_chunk tokens
+LAYOUT_VERSION = 3
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    slots: int
+    max_seq: int
+    attn_layers: int
+    linear_layers: int
+    kv_heads: int
+    head_dim: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_dim: int
+    conv_width: int
+    hidden: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, slots: int, max_seq: int, dtype, device) -> "StateLayout":
+        return cls(
+            slots=slots,
+            max_seq=max_seq,
+            attn_layers=len(cfg.attention_layers),
+            linear_layers=len(cfg.linear_layers),
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            v_heads=cfg.linear_num_value_heads,
+            k_dim=cfg.linear_key_head_dim,
+            v_dim=cfg.linear_value_head_dim,
+            conv_dim=cfg.conv_dim,
+            conv_width=cfg.linear_conv_kernel_dim - 1,
+            hidden=cfg.hidden_size,
+            dtype=dtype,
+            device=torch.device(device),
+        )
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Buffer name -> (shape, dtype). The slot dimension is 1 for attention/linear buffers, 0 otherwise."""
+        kv = (self.attn_layers, self.slots, self.max_seq, self.kv_heads, self.head_dim)
+        ssm = (self.linear_layers, self.slots, self.v_heads, self.k_dim, self.v_dim)
+        conv = (self.linear_layers, self.slots, self.conv_dim, self.conv_width)
+        return {
+            "kv_k": (kv, self.dtype),
+            "kv_v": (kv, self.dtype),
+            "ssm": (ssm, torch.float32),
+            "conv": (conv, self.dtype),
+            "ssm_grid": (ssm, torch.float32),
+            "conv_grid": (conv, self.dtype),
+            "pos": ((self.slots,), torch.int32),
+            "last_hidden": ((self.slots, self.hidden), self.dtype),
+        }
+
+
+class StateSet:
+    """Owner of the live-state buffers. Nothing else allocates session state."""
+
+    def __init__(self, layout: StateLayout):
+        self.layout = layout
+        self.buffers: dict[str, torch.Tensor] = {
+            name: torch.zeros(shape, dtype=dtype, device=layout.device)
+            for name, (shape, dtype) in layout.shapes().items()
+        }
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        buffers = self.__dict__.get("buffers")
+        if buffers is not None and name in buffers:
+            return buffers[name]
+        raise AttributeError(name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+    def data_ptrs(self) -> dict[str, int]:
+        return {name: t.data_ptr() for name, t in self.buffers.items()}
+
+    def slot_view(self, name: str, slot: int) -> torch.Tensor:
+        """The part of buffer `name` that belongs to one slot (a view, no copy)."""
+        t = self.buffers[name]
+        return t[:, slot] if t.dim() >= 4 else t[slot]
+
+    def save_grid(self, slot: int) -> None:
+        """The slot's live recurrent/conv state becomes its grid checkpoint."""
+        self.ssm_grid[:, slot].copy_(self.ssm[:, slot])
+        self.conv_grid[:, slot].copy_(self.conv[:, slot])
+
+    def load_grid(self, slot: int) -> None:
+        """Rewind the slot's live recurrent/conv state to its grid checkpoint."""
+        self.ssm[:, slot].copy_(self.ssm_grid[:, slot])
+        self.conv[:, slot].copy_(self.conv_grid[:, slot])

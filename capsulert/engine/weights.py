@@ -1,0 +1,71 @@
+"""New weights for a running engine (RL weight sync): checked like a checkpoint load, then copied into the
+buffers the model already reads, so captured CUDA graphs and every data pointer stay valid.
+
+Each update bumps the engine's weights version, which its fingerprint carries ("<model>@w<N>"): capsules
+made under older weights are refused with StaleCapsuleError until rebuilt (Engine.rebuild re-prefills a
+capsule's own tokens under the new weights).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from capsulert.errors import CapsuleRTError, InvalidRequestError, WeightUpdateError
+from capsulert.config.model import ModelConfig
+from capsulert.engine.moe_weights import fuse_experts, is_per_expert
+
+
+def read_update(source, cfg: ModelConfig, dtype: torch.dtype,
+                progress: bool | None = None) -> Mapping[str, torch.Tensor]:
+    """The tensors of an update: a mapping of HF names to tensors, or an HF checkpoint directory of the
+    same architecture (safetensors only; `progress`: a bar over its tensors, None: on a terminal). An MoE
+    model's experts may come fused (HF's state_dict) or one by one (HF's save_pretrained): they are fused."""
+    if isinstance(source, (str, Path)):
+        from capsulert.engine.loader import load_checkpoint
+
+        try:
+            new_cfg, tensors = load_checkpoint(source, dtype=dtype, device="cpu", progress=progress)
+        except CapsuleRTError as e:
+            raise WeightUpdateError(f"cannot load the update from {source}: {e}") from None
+        if new_cfg.to_hf_dict() != cfg.to_hf_dict():
+            raise WeightUpdateError(f"the checkpoint at {source} has another architecture than the running model")
+        return tensors
+    if isinstance(source, Mapping):
+        per_expert = {k: v for k, v in source.items() if isinstance(k, str) and is_per_expert(k)}
+        if not per_expert:
+            return source
+        rest = {k: v for k, v in source.items() if k not in per_expert}
+        return {**rest, **fuse_experts(per_expert, cfg, set(rest), WeightUpdateError)}
+    raise InvalidRequestError(f"update_weights takes a mapping of tensors or a checkpoint path, got {type(source).__name__}")
+
+
+def check_update(current: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor],
+                 tied: bool) -> dict[str, torch.Tensor]:
+    """The tensors to copy, by name; WeightUpdateError (naming the offending tensors) unless the update has
+    exactly the model's weights with their shapes and floating dtypes, every value finite. An update of a model with tied
+    embeddings may carry lm_head.weight as well (HF state dicts do); it must then equal the embedding."""
+    new = dict(new)
+    if tied and "lm_head.weight" in new and "lm_head.weight" not in current:
+        head = new.pop("lm_head.weight")
+        emb = new.get("model.embed_tokens.weight")
+        if emb is not None and not (head is emb or torch.equal(head, emb)):
+            raise WeightUpdateError("the model ties lm_head to the embeddings but the update's lm_head.weight differs")
+    missing, extra = sorted(set(current) - set(new)), sorted(set(new) - set(current))
+    if missing or extra:
+        raise WeightUpdateError(f"update does not match the model's weights: missing {missing[:5]}"
+                                f"{'…' if len(missing) > 5 else ''}, unexpected {extra[:5]}{'…' if len(extra) > 5 else ''}")
+    for name, t in new.items():
+        if not isinstance(t, torch.Tensor):
+            raise WeightUpdateError(f"{name} is a {type(t).__name__}, not a tensor")
+        if tuple(t.shape) != tuple(current[name].shape):
+            raise WeightUpdateError(f"{name} has shape {tuple(t.shape)}, the model's is {tuple(current[name].shape)}")
+        if not t.dtype.is_floating_point:
+            raise WeightUpdateError(f"{name} has dtype {t.dtype}; weights are floating point")
+    for name, t in new.items():  # after the cheap checks: this one reads every byte
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise WeightUpdateError(f"{name} holds {bad} NaN or infinite value(s); a model with them samples "
+                                    "garbage (NaN logprobs), so the update is refused")
+    return new

@@ -1,0 +1,393 @@
+"""The verbs of a worker as typed requests, and what they return, defined once.
+
+Every layer passes these objects as they are: the in-process async engine builds them from method calls,
+the orchestrator's RemoteSession / Namespace build them from theirs, the Ray worker receives them (plain
+frozen dataclasses pickle by value) and runs each by its type: no dispatch by method-name strings, no verb
+written again per layer. Sessions are named by integer ids the worker's step scheduler hands out.
+
+Each request type says who executes it (`lane`) and whether a call may be run again on a restarted
+worker (`rerunnable`), so the transport and the retry rules follow from the type alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence, Union
+
+from capsulert.protocol.sampling import SamplingParams
+
+Tokens = Union[str, Sequence[int]]
+
+
+# who executes a request:
+SESSION = "session"  # the worker's step scheduler: ordered per session, decodes batched across sessions
+STORE = "store"  # the capsule store and the weights outside the scheduler: one at a time per worker
+CONTROL = "control"  # reads and interrupts: answer while anything else runs
+TRANSFER = "transfer"  # worker-to-worker transfers: each blocks until its peer's half runs (see TransferRequest)
+LANES = (SESSION, STORE, CONTROL, TRANSFER)
+
+
+@dataclass(frozen=True)
+class Request:
+    """The base of every verb (session verbs subclass it directly)."""
+
+    lane: ClassVar[str] = SESSION
+    # every effect lives in the worker's memory (sessions, unpinned capsules, reads): a call the worker
+    # died under may run once more on the restarted process
+    memory_only: ClassVar[bool] = True
+
+    @property
+    def target(self) -> int | None:
+        """The existing session this request works on; None when it works on none (or makes a new one)."""
+        return getattr(self, "session", None)
+
+    @property
+    def rerunnable(self) -> bool:
+        """Whether running it again on a restarted worker equals running it once: its effects live in
+        worker memory and it names no existing session (those died with the old process)."""
+        return self.memory_only and self.target is None
+
+
+@dataclass(frozen=True)
+class StoreRequest(Request):
+    """A capsule store or weights verb: files and moves that may outlive the call, so never rerun."""
+    lane: ClassVar[str] = STORE
+    memory_only: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class ControlRequest(Request):
+    """A read or an interrupt."""
+    lane: ClassVar[str] = CONTROL
+
+
+@dataclass(frozen=True)
+class TransferRequest(Request):
+    """One half of a worker-to-worker transfer over a pair link (worker/peer_link.py): it blocks until
+    the peer runs the other half, so it has a lane of its own. Not the session lane (its calls are the step
+    scheduler's), not the store lane (one at a time: a send waiting there for its receiver would hold up the
+    worker's imports and exports, and two workers migrating to each other while the object store path runs
+    would wait on each other for good), not the control lane (its few threads must answer health checks and
+    interrupts). Its own threads let a send and a receive run while the worker keeps serving. Never rerun:
+    the peer's half is gone with the old process."""
+    lane: ClassVar[str] = TRANSFER
+    memory_only: ClassVar[bool] = False
+
+
+# ---------------------------------------------------------------------- session verbs (step scheduler)
+@dataclass(frozen=True)
+class Open(Request):
+    """A new session, optionally prefilled with `prompt`. `namespace`: the prefix cache's namespace the
+    session is served from and keeps its checkpoints in (None: no prefix reuse until a Turn names one)."""
+    prompt: Tokens | None = None
+    namespace: str | None = None
+
+
+@dataclass(frozen=True)
+class Append(Request):
+    """Prefill more tokens; with `logits`, the reply carries the next-token logits."""
+    session: int
+    tokens: Tokens
+    logits: bool = False
+
+
+@dataclass(frozen=True)
+class Rederive(Request):
+    """Recompute a stale session's state (open across an update_weights) from its tokens under the current
+    weights: a prefill of them, in pieces like any append. The reply is its SessionInfo."""
+    session: int
+
+
+@dataclass(frozen=True)
+class Generate(Request):
+    session: int
+    max_new_tokens: int
+    sampling: SamplingParams | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot(Request):
+    """A named capsule of the session's complete state; `pin` keeps it from eviction and, on a worker with
+    a persist directory, on disk across restarts. `mode` "replay" keeps only the state at the last grid
+    point and the tokens, and re-runs the tokens past it on restore (engine/capsules.py): far smaller,
+    slower to restore."""
+    memory_only: ClassVar[bool] = False
+    session: int
+    name: str
+    tier: str = "device"
+    pin: bool = False
+    namespace: str = "default"
+    mode: str = "full"
+
+
+@dataclass(frozen=True)
+class Restore(Request):
+    """Restore capsule `name` into a new session, or into `into` in place (rollback, episode reset)."""
+    name: str
+    namespace: str = "default"
+    into: int | None = None
+
+    @property
+    def target(self) -> int | None:
+        return self.into
+
+
+@dataclass(frozen=True)
+class Fork(Request):
+    name: str
+    n: int
+    namespace: str = "default"
+
+
+@dataclass(frozen=True)
+class Close(Request):
+    """Close a session; closing one the worker does not hold (any more) does nothing."""
+    session: int
+
+
+@dataclass(frozen=True)
+class Batch(Request):
+    """Short session requests to one worker in one round trip: the orchestrator coalesces the calls its
+    callers make at the same moment (the resets of many RL envs, many closes). The worker submits them to
+    the step scheduler in order; the reply holds, in order, each request's reply or its error (one
+    refusal does not fail the others)."""
+    requests: tuple[Request, ...]
+
+    @property
+    def rerunnable(self) -> bool:
+        return all(r.rerunnable for r in self.requests)
+
+
+# what a Batch may hold: short requests with no stream and no call-targeted interrupt
+BATCHABLE = (Restore, Close)
+
+
+@dataclass(frozen=True)
+class Delete(Request):
+    """Delete a capsule (and its persisted file). It runs between decode steps in arrival order with the
+    restores, so a restore submitted before it reads the whole capsule and one after fails with
+    UnknownCapsuleError (never CapsuleInUseError)."""
+    memory_only: ClassVar[bool] = False
+    name: str
+    namespace: str = "default"
+
+
+@dataclass(frozen=True)
+class Turn(Request):
+    """A chained turn in one round trip: [restore capsule `restore` (into `session` in place, or into a new
+    session when `session` is None)], append `suffix`, generate; `close` closes the session afterwards."""
+    session: int | None = None
+    restore: str | None = None
+    suffix: Tokens | None = None
+    max_new_tokens: int = 0
+    sampling: SamplingParams | None = None
+    namespace: str = "default"
+    close: bool = False
+
+
+@dataclass(frozen=True)
+class Streamed(Request):
+    """A Generate or Turn whose events go into the worker's event feed under `key` (orchestrator/
+    event_feed.py) instead of a stream of its own; the reply (None) comes once it is submitted, and an
+    Interrupt(key) stops it at the next token boundary."""
+    request: Generate | Turn
+    key: Any
+
+    @property
+    def target(self) -> int | None:
+        return self.request.target
+
+    @property
+    def rerunnable(self) -> bool:
+        return False  # its events went to a feed that died with the worker
+
+
+@dataclass(frozen=True)
+class Feed(Request):
+    """The worker's event feed, as a stream (lists of (key, kind, value) items); one open at a time."""
+
+
+# ---------------------------------------------------------------------- capsule store and weights verbs
+@dataclass(frozen=True)
+class Promote(StoreRequest):
+    name: str
+    tier: str
+    namespace: str = "default"
+
+
+@dataclass(frozen=True)
+class Demote(StoreRequest):
+    name: str
+    tier: str | None = None
+    namespace: str = "default"
+
+
+@dataclass(frozen=True)
+class Rebuild(StoreRequest):
+    """Re-derive a stale capsule under the current weights; the reply says whether it was stale."""
+    name: str
+    namespace: str = "default"
+
+
+@dataclass(frozen=True)
+class ExportCapsule(StoreRequest):
+    """A capsule as host bytes for another worker: a CapsuleExport (meta JSON, checksum, safetensors bytes,
+    block origin)."""
+    memory_only: ClassVar[bool] = True  # a read
+    name: str
+    namespace: str = "default"
+
+
+@dataclass(frozen=True)
+class ImportCapsule(StoreRequest):
+    """Store a capsule exported by ExportCapsule. `payload` is its reply, or a reference to it in the
+    transport's object store (fetched on the worker: the bytes go worker to worker). With `namespace`,
+    a capsule of another namespace is refused."""
+    payload: Any
+    tier: str = "device"
+    pin: bool = False
+    namespace: str | None = None
+
+
+@dataclass(frozen=True)
+class ExportToDir(StoreRequest):
+    """Write a capsule as a verified capsule file into `directory`; the reply is its path."""
+    name: str
+    directory: str
+    namespace: str = "default"
+
+
+@dataclass(frozen=True)
+class ImportFromFile(StoreRequest):
+    path: str
+    tier: str = "device"
+    pin: bool = False
+    namespace: str | None = None
+
+
+@dataclass(frozen=True)
+class UpdateWeights(StoreRequest):
+    """New weights in place: a checkpoint path, or safetensors bytes (or a reference to them in the
+    transport's object store); never pickle. The reply is the new weights version: the next one, or
+    `version` when given (a restarted worker catching up with the others takes their version, so their
+    capsules are current on it too)."""
+    source: Any
+    rebuild_pinned: bool = False
+    version: int | None = None
+
+
+# ---------------------------------------------------------------------- worker-to-worker transfers
+@dataclass(frozen=True)
+class PeerConnect(TransferRequest):
+    """Join pair link `peer_key` with worker `peer` as `rank`; both workers are sent it at once, rank 0
+    hosts the link's store at host:port (PeerAddress). Fails with PeerLinkError after `timeout_s`."""
+    peer_key: str
+    peer: int
+    rank: int
+    host: str
+    port: int
+    timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class SendCapsule(TransferRequest):
+    """Send a capsule over pair link `peer_key` to the worker running the matching ReceiveCapsule: its
+    tensors packed into one buffer on the engine device, sealed with their digest, sent in one op. The
+    manifest (metadata, origin, tensor names, dtypes, shapes and offsets) goes first; the buffer only once
+    the receiver said yes. The reply says whether the receiver took it (or why it refused)."""
+    name: str
+    peer_key: str
+    namespace: str = "default"
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class ReceiveCapsule(TransferRequest):
+    """Receive the capsule a SendCapsule sends over `peer_key` into one buffer on the engine device, check
+    it (name when given, namespace, not held yet: all before any byte moves; then the digest) and store it
+    like ImportCapsule; a refusal or a failure stores nothing."""
+    peer_key: str
+    tier: str = "device"
+    pin: bool = False
+    namespace: str | None = None
+    timeout_s: float = 60.0
+    name: str | None = None  # the capsule the orchestrator asked to move: the sender's must be this one
+
+
+@dataclass(frozen=True)
+class LinkProbe(TransferRequest):
+    """Benchmark only: send (or receive) an `nbytes` buffer `repeats` times over pair link `peer_key`, with
+    nothing else around it; the reply is the seconds each took on this worker (the raw link speed)."""
+    peer_key: str
+    nbytes: int
+    send: bool
+    repeats: int = 5
+    timeout_s: float = 60.0
+
+
+# ---------------------------------------------------------------------- control verbs
+@dataclass(frozen=True)
+class Ping(ControlRequest):
+    """The worker's index, process id, Ray node, engine device (and the UUID of its GPU), weights version and
+    the pinned capsules it reloaded at start."""
+
+
+@dataclass(frozen=True)
+class PeerAddress(ControlRequest):
+    """(host, port): this worker's node address and a TCP port free on it now, for a pair link's store."""
+
+
+@dataclass(frozen=True)
+class PeerClose(ControlRequest):
+    """Drop pair link `peer_key` now: its peer was lost, so an op still blocked on it fails at once instead
+    of at its deadline (the control lane answers while the transfer lane waits)."""
+    memory_only: ClassVar[bool] = False  # never rerun: a restarted process holds no link to drop
+    peer_key: str
+
+
+@dataclass(frozen=True)
+class Stats(ControlRequest):
+    """Slots, sessions, queue, decode steps and capsule store figures of the worker."""
+
+
+@dataclass(frozen=True)
+class ListCapsules(ControlRequest):
+    """The capsules of `namespace` (None: of every namespace)."""
+    namespace: str | None = None
+
+
+@dataclass(frozen=True)
+class ReadTokens(ControlRequest):
+    """Every token id the session has committed (answers while it generates)."""
+    session: int
+
+
+@dataclass(frozen=True)
+class Tokenize(ControlRequest):
+    text: str
+
+
+@dataclass(frozen=True)
+class Detokenize(ControlRequest):
+    tokens: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Interrupt(ControlRequest):
+    """Stop the generate of call `call_id` on `session` at its next token boundary (tokens committed); an
+    interrupt may overtake the call it names. The reply says whether the session exists. A call that opens
+    its own session (a Turn restoring into a new one) is named by `call_id` alone (session None; the reply
+    is then False): its caller never learns the session's id."""
+    session: int | None
+    call_id: Any = None
+
+
+@dataclass(frozen=True)
+class LastCall(ControlRequest):
+    """Milliseconds the worker's last session or store request spent inside it (transport cost probes)."""
+
+__all__ = ['Request', 'StoreRequest', 'ControlRequest', 'TransferRequest', 'Open', 'Append', 'Rederive', 'Generate',
+           'Snapshot', 'Restore', 'Fork', 'Close', 'Batch', 'Delete', 'Turn', 'Streamed', 'Feed', 'Promote',
+           'Demote', 'Rebuild', 'ExportCapsule', 'ImportCapsule', 'ExportToDir', 'ImportFromFile', 'UpdateWeights',
+           'PeerConnect', 'SendCapsule', 'ReceiveCapsule', 'LinkProbe', 'Ping', 'PeerAddress', 'PeerClose', 'Stats',
+           'ListCapsules', 'ReadTokens', 'Tokenize', 'Detokenize', 'Interrupt', 'LastCall', 'SESSION', 'STORE',
+           'CONTROL', 'TRANSFER', 'LANES', 'BATCHABLE']

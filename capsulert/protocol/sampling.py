@@ -1,0 +1,69 @@
+"""SamplingParams: how a generate draws its tokens and when it stops, checked once when made."""
+from __future__ import annotations
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+
+from capsulert.errors import InvalidRequestError
+from capsulert.protocol.constraint import Constraint
+
+# top_k at or above the vocabulary size keeps every token; beyond an int32 a value means nothing (refused)
+MAX_TOP_K = (1 << 31) - 1
+# temperatures below this are treated as greedy: dividing logits by them overflows to inf (vLLM: 1e-5)
+GREEDY_BELOW = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+class SamplingParams(BaseModel):
+    """temperature 0 (or below 1e-5) means greedy (argmax); otherwise sample from the temperature-scaled,
+    top-k / top-p filtered distribution. `seed` fixes the session's random stream (None: a fresh random
+    seed per generate call).
+
+    Stops: every EOS id of the model's config.json / generation_config.json stops a generate unless
+    `ignore_eos`; so does any id in `stop_token_ids`, and any string in `stop` once it appears in the
+    incrementally detokenized output (its tokens stay committed in the session; the result's text ends
+    before it). `logprobs=k` adds the top-k logprobs of every position to the result. `constraint` makes
+    the output follow a grammar (a JSON schema, any JSON object, a regex or a Lark grammar; see Constraint):
+    tokens outside it are never drawn, and the generate stops ("grammar_end") once the grammar is complete."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_k: StrictInt = Field(0, ge=0, le=MAX_TOP_K)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: StrictInt | None = Field(None, ge=0, lt=1 << 63)
+    stop_token_ids: tuple[StrictInt, ...] = Field((), validation_alias=AliasChoices("stop_token_ids", "stop_tokens"))
+    stop: tuple[str, ...] = ()
+    ignore_eos: StrictBool = False
+    logprobs: StrictInt = Field(0, ge=0, le=20)
+    constraint: Constraint | None = None
+
+    def __init__(self, **data):
+        for key in ("temperature", "top_p"):
+            if isinstance(data.get(key), bool):
+                raise InvalidRequestError(f"invalid SamplingParams: {key}: expected a number, got a bool")
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise InvalidRequestError(f"invalid SamplingParams: {_short(e)}") from None
+
+    @field_validator("stop")
+    @classmethod
+    def _nonempty_stops(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not x for x in v):
+            raise ValueError("stop strings must be non-empty")
+        for x in v:  # matched on decoded text, which never holds a lone surrogate: such a stop never matches
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"stop string {x!r:.40} is not valid Unicode ({e.reason} at index {e.start})") from None
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
+GREEDY = SamplingParams()
+
+
+def _short(e: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors())
