@@ -28,8 +28,9 @@ def start_server(engine_cfg: dict, threads: int, max_inflight: int) -> str:
     from capsulert.serve.runner import setup_logging, start
 
     port = free_port()
-    opts = ServerOptions.build(engine=engine_cfg, served_model_name=MODEL, port=port, torch_threads=threads,
-                               call_timeout_s=3600, max_inflight=max_inflight, log_level="WARNING")
+    opts = ServerOptions.build(
+        orchestrator=dict(engine=engine_cfg, torch_threads=threads, call_timeout_s=3600, max_queued=max_inflight),
+        served_model_name=MODEL, port=port, log_level="WARNING")
     setup_logging("WARNING")
     start(opts)
     return f"http://127.0.0.1:{port}/v1"

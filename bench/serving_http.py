@@ -53,8 +53,9 @@ async def start_server(engine_cfg: dict, threads: int, max_inflight: int):
     from capsulert.serve.ingress import DirectIngress
     from capsulert.config.server import ServerOptions
 
-    opts = ServerOptions.build(engine=engine_cfg, served_model_name=MODEL, port=free_port(), torch_threads=threads,
-                               call_timeout_s=3600, max_inflight=max_inflight, log_level="WARNING")
+    opts = ServerOptions.build(
+        orchestrator=dict(engine=engine_cfg, torch_threads=threads, call_timeout_s=3600, max_queued=max_inflight),
+        served_model_name=MODEL, port=free_port(), log_level="WARNING")
     orch = await Orchestrator.start(opts.orchestrator_config())
     try:
         http = await DirectIngress.start(build_app(server_state(opts, orch)), opts.host, opts.port, access_log=False)

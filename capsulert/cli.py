@@ -166,12 +166,12 @@ def _serve(args: argparse.Namespace) -> int:
                   prefill_chunk=args.prefill_chunk, disk_dir=args.disk_dir, cache_dir=args.cache_dir,
                   slot_wait_s=args.slot_wait, prefix_cache=args.prefix_cache,
                   prefix_cache_bytes=args.prefix_cache_mb << 20)
+    orchestrator = dict(engine=engine, num_workers=args.num_workers, torch_threads=args.torch_threads,
+                        max_queued=args.max_inflight, address=args.ray_address)
     opts = ServerOptions.build(
-        engine=engine, served_model_name=args.served_model_name, host=args.host, port=args.port,
-        keys_file=args.keys, num_workers=args.num_workers, torch_threads=args.torch_threads,
-        max_inflight=args.max_inflight, max_n=args.max_n, ray_address=args.ray_address,
-        ray_metrics_port=args.ray_metrics_port, log_level=args.log_level, access_log=args.access_log,
-        direct_ingress=not args.serve_proxy)
+        orchestrator=orchestrator, served_model_name=args.served_model_name, host=args.host, port=args.port,
+        keys_file=args.keys, max_n=args.max_n, ray_metrics_port=args.ray_metrics_port, log_level=args.log_level,
+        access_log=args.access_log, direct_ingress=not args.serve_proxy)
     return serve_forever(opts)
 
 

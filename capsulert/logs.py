@@ -13,6 +13,7 @@ import sys
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LEVEL_ENV = "CAPSULERT_LOG_LEVEL"  # the level when none is given (Ray's worker setup hook passes none)
 DEFAULT_LEVEL = "INFO"
+HANDLER_NAME = "capsulert"  # marks the one stderr handler setup_logging adds
 
 
 def setup_logging(level: str | int | None = None) -> None:
@@ -20,10 +21,10 @@ def setup_logging(level: str | int | None = None) -> None:
     per process: a second call only changes the level."""
     logger = logging.getLogger("capsulert")
     logger.setLevel(level or os.environ.get(LEVEL_ENV, DEFAULT_LEVEL))
-    if not any(getattr(h, "_capsulert", False) for h in logger.handlers):
+    if not any(h.get_name() == HANDLER_NAME for h in logger.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(LOG_FORMAT))
-        handler._capsulert = True  # type: ignore[attr-defined]
+        handler.set_name(HANDLER_NAME)
         logger.addHandler(handler)
         logger.propagate = False  # Ray workers configure the root logger too: one line per record
 

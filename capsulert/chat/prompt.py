@@ -9,6 +9,7 @@ from typing import Any
 
 from capsulert.chat.messages import messages_arg, tools_arg
 from capsulert.errors import InvalidRequestError
+from capsulert.protocol.tokens import check_text
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,6 @@ class ChatRenderer:
     def encode(self, prompt: ChatPrompt) -> list[int]:
         """The prompt's token ids: the rendered text already holds the special tokens the model expects
         (a BOS among them, if any), so none is added (as transformers does)."""
-        from capsulert.engine.token_codec import check_text
-
         if self.tokenizer is None:
             raise InvalidRequestError("the model has no tokenizer: a chat prompt cannot be encoded")
         text = self.text(prompt)

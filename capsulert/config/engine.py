@@ -6,6 +6,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from capsulert.config.scheduler import SchedulerConfig
 from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK
 
 
@@ -53,6 +54,7 @@ class EngineConfig(BaseModel):
                                "wait_s")
     cuda_graphs: bool = Field(True, description="capture CUDA graphs at start (CUDA only)")
     decode_batches: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32, 64), description="batch sizes of the decode graphs (capped at slots; the largest is always captured)")
+    scheduler: SchedulerConfig = SchedulerConfig()
     progress: bool | None = Field(None, description="progress bars on stderr for default-model generation, weight "
                                   "loading, graph capture and long prefills: None = when stderr is a terminal "
                                   "(never in Ray workers unless True)")

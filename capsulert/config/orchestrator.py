@@ -10,7 +10,7 @@ from capsulert.capsule_store import validate_name
 from capsulert.errors import CapsuleRTError, ConfigError, InvalidRequestError, InvalidTokenError
 from capsulert.config.engine import EngineConfig
 from capsulert.protocol.sampling import SamplingParams
-from capsulert.engine.token_codec import check_text
+from capsulert.protocol.tokens import check_text
 
 
 class OrchestratorConfig(BaseModel):

@@ -10,32 +10,33 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from capsulert.errors import ConfigError
 from capsulert.config.engine import EngineConfig
+from capsulert.config.orchestrator import OrchestratorConfig
+from capsulert.errors import ConfigError
 
 RANDOM_PREFIX = "random:"
-# what a server's engine config defaults to where the engine's own defaults differ: clients resend their
-# conversations, so a server reuses the longest cached prefix of every prompt (exact: engine/prefix_reuse.py).
-# Session slots: a request waits in the orchestrator's admission queue for all of its sessions (bounded by
-# max_inflight, not by time), so the engine's slot_wait_s is only a backstop for a worker busier than the rest
-SERVER_ENGINE_DEFAULTS = {"prefix_cache": True}
+# where a server's orchestrator defaults differ from a library caller's (config/orchestrator.py):
+# - engine.prefix_cache: clients resend their conversations, so a server reuses the longest cached prefix of every
+#   prompt (exact: engine/prefix_reuse.py);
+# - call_timeout_s: an HTTP request may hold a long generate, bounded by the client's own timeout;
+# - max_queued: the generation requests in flight, running or queued for sessions, before one more is refused
+#   with 429 and Retry-After. A request waits in the admission queue for all of its sessions (bounded by this,
+#   not by time), so the engine's slot_wait_s is only a backstop for a worker busier than the rest.
+SERVER_ORCHESTRATOR_DEFAULTS = {"engine": {"prefix_cache": True}, "call_timeout_s": 600.0, "max_queued": 256}
 
 
 class ServerOptions(BaseModel):
+    """`orchestrator` configures the workers the server runs on (its engine, their number, timeouts, the
+    admission bound); every other field is the HTTP server's own."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    engine: EngineConfig = EngineConfig(**SERVER_ENGINE_DEFAULTS)
+    orchestrator: OrchestratorConfig = OrchestratorConfig(**SERVER_ORCHESTRATOR_DEFAULTS)
     served_model_name: str | None = Field(None, description="the model id clients send; default: derived from engine.model")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     keys_file: str | None = Field(None, description="YAML mapping API keys to namespaces; None: no auth, one namespace")
-    num_workers: int = Field(1, ge=1, le=64)
-    torch_threads: int | None = Field(None, ge=1)
-    call_timeout_s: float = Field(600.0, gt=0)
-    max_inflight: int = Field(256, ge=1, description="generation requests in flight, running or queued for sessions; "
-                              "one more is refused with 429 and Retry-After")
     max_n: int | None = Field(None, ge=1, description="largest n (choices per prompt); default: engine.slots")
-    ray_address: str | None = None
     ray_metrics_port: int | None = Field(None, ge=0, le=65535, description=(
         "export Ray's and Ray Serve's own metrics from Ray's metrics agent on this port (a local Ray only); None: "
         "Ray collects and exports none, and nothing but the server listens (its GET /metrics has capsulert's)"))
@@ -46,6 +47,24 @@ class ServerOptions(BaseModel):
         "the replica serves HTTP on host:port itself (uvicorn on the replica's event loop): a request reaches "
         "the app without the hop through Ray Serve's proxy; False: Serve's proxy listens on host:port and "
         "forwards every request to the replica (one more process and round trip per request)"))
+
+    # read-only views of the orchestrator's fields the server reads most
+    @property
+    def engine(self) -> EngineConfig:
+        return self.orchestrator.engine
+
+    @property
+    def num_workers(self) -> int:
+        return self.orchestrator.num_workers
+
+    @property
+    def max_inflight(self) -> int:
+        """Generation requests in flight (running or queued for sessions) before a 429: the admission bound."""
+        return self.orchestrator.max_queued
+
+    @property
+    def ray_address(self) -> str | None:
+        return self.orchestrator.address
 
     @classmethod
     def build(cls, **values) -> "ServerOptions":
@@ -74,9 +93,7 @@ class ServerOptions(BaseModel):
         return self.max_n or self.engine.slots
 
     def orchestrator_config(self) -> dict:
-        return {"engine": self.engine.model_dump(), "num_workers": self.num_workers,
-                "torch_threads": self.torch_threads, "call_timeout_s": self.call_timeout_s,
-                "max_queued": self.max_inflight}
+        return self.orchestrator.model_dump()
 
 
 def _prepare(values: dict) -> dict:
@@ -86,18 +103,22 @@ def _prepare(values: dict) -> dict:
     values = dict(values)
     if values.get("keys_file") is not None:
         values["keys_file"] = absolute(values["keys_file"])
-    engine = values.get("engine")
-    if isinstance(engine, dict):
-        engine = {**SERVER_ENGINE_DEFAULTS, **engine}
-        model = engine.get("model")
-        if isinstance(model, str) and model.startswith(RANDOM_PREFIX):
-            engine["model"] = RANDOM_PREFIX + absolute(model[len(RANDOM_PREFIX):])
-        elif isinstance(model, str) and model != "default":
-            engine["model"] = absolute(model)
-        for key in ("disk_dir", "cache_dir"):
-            if isinstance(engine.get(key), str):
-                engine[key] = absolute(engine[key])
-        values["engine"] = engine
+    orch = values.get("orchestrator", {})
+    if isinstance(orch, dict):
+        orch = {**SERVER_ORCHESTRATOR_DEFAULTS, **orch}
+        engine = orch["engine"]
+        if isinstance(engine, dict):
+            engine = {**SERVER_ORCHESTRATOR_DEFAULTS["engine"], **engine}
+            model = engine.get("model")
+            if isinstance(model, str) and model.startswith(RANDOM_PREFIX):
+                engine["model"] = RANDOM_PREFIX + absolute(model[len(RANDOM_PREFIX):])
+            elif isinstance(model, str) and model != "default":
+                engine["model"] = absolute(model)
+            for key in ("disk_dir", "cache_dir"):
+                if isinstance(engine.get(key), str):
+                    engine[key] = absolute(engine[key])
+            orch["engine"] = engine
+        values["orchestrator"] = orch
     return values
 
 

@@ -9,6 +9,7 @@ import torch
 
 from capsulert.chat.prompt import ChatPrompt, ChatRenderer
 from capsulert.errors import InvalidTokenError, SequenceTooLongError
+from capsulert.protocol.tokens import check_text
 
 # a BPE token covers at least one byte of text, so text longer than this many characters per token of
 # room cannot fit; checked before tokenising (a 1 GB prompt is refused without reading it all)
@@ -58,18 +59,6 @@ class TokenCodec:
                 f"{len(tokens)} tokens do not fit: the session holds {self.max_seq - room} of max_seq={self.max_seq}"
             )
         return tokens
-
-
-def check_text(text: object) -> str:
-    """`text` if it is a str the tokenizer can take (valid Unicode: no lone surrogate); else InvalidTokenError."""
-    if not isinstance(text, str):
-        raise InvalidTokenError(f"text must be a str, got {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidTokenError(f"text is not valid Unicode: {e.reason} at index {e.start} "
-                                f"({text[e.start:e.end]!r}); lone surrogates cannot be tokenized") from None
-    return text
 
 
 def token_list(value: object) -> list:

@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from capsulert.errors import InvalidRequestError, InvalidTokenError
-from capsulert.engine.token_codec import check_text
+from capsulert.protocol.tokens import check_text
 
 
 @lru_cache(maxsize=1)

@@ -50,9 +50,9 @@ def test_a_missing_extra_is_one_line():
 
 
 def test_the_startup_line_says_when_the_weights_are_random(tmp_path):
-    line = serving_line(ServerOptions.build(engine={"model": "default"}, port=8123), Tenants.load(None))
+    line = serving_line(ServerOptions.build(orchestrator={"engine": {"model": "default"}}, port=8123), Tenants.load(None))
     assert line.startswith("serving 'default' at http://127.0.0.1:8123/v1 (no API keys: one namespace)")
     assert "random weights" in line and "--model DIR" in line and "Qwen3.5" in line
     (tmp_path / "config.json").write_text("{}")  # a checkpoint directory: its weights are what they are
-    line = serving_line(ServerOptions.build(engine={"model": str(tmp_path)}), Tenants.load(None))
+    line = serving_line(ServerOptions.build(orchestrator={"engine": {"model": str(tmp_path)}}), Tenants.load(None))
     assert "random" not in line and "--model" not in line

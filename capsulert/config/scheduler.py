@@ -1,0 +1,15 @@
+"""SchedulerConfig: the worker's step scheduler (worker/scheduler.py), part of every engine's config so the
+in-process AsyncEngine and the orchestrator's workers read the same values."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SchedulerConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_queue: int = Field(1024, ge=1, description="requests waiting for the step loop; one more is refused with "
+                           "QueueFullError (the orchestrator's admission queue bounds what reaches a worker first)")
+    step_prefill_tokens: int | None = Field(None, ge=1, description="prompt tokens one step prefills across all "
+                                            "sessions before the next decode step (a long prompt cannot stall the "
+                                            "others' decoding for longer); None: the engine's prefill_chunk")
