@@ -120,22 +120,3 @@ def _prepare(values: dict) -> dict:
             orch["engine"] = engine
         values["orchestrator"] = orch
     return values
-
-
-def model_dir(engine: EngineConfig) -> Path | None:
-    """The checkpoint directory of the served model (tokenizer, chat template); None for random weights."""
-    if engine.model.startswith(RANDOM_PREFIX):
-        return None
-    if engine.model == "default":
-        from capsulert.engine.default_model import ensure_default_model
-
-        return ensure_default_model(Path(engine.cache_dir) if engine.cache_dir else None, engine.progress)
-    return Path(engine.model)
-
-
-def vocab_size(engine: EngineConfig) -> int:
-    from capsulert.config.model import ModelConfig
-
-    if engine.model.startswith(RANDOM_PREFIX):
-        return ModelConfig.from_file(engine.model[len(RANDOM_PREFIX):]).vocab_size
-    return ModelConfig.from_file(model_dir(engine) / "config.json").vocab_size

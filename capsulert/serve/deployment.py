@@ -95,7 +95,7 @@ def server_state(opts: ServerOptions, orchestrator: "Orchestrator", tenants: "Te
     from capsulert.chat.prompt import ChatRenderer
     from capsulert.serve.app import Admission, ServerState
     from capsulert.serve.metrics import Deferred, PromMetrics
-    from capsulert.config.server import model_dir, vocab_size
+    from capsulert.serve.model_files import model_dir, vocab_size
     from capsulert.serve.plans import Limits
     from capsulert.serve.tenants import Tenants
     from capsulert.serve.token_text import TokenText

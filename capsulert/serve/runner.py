@@ -19,7 +19,8 @@ from capsulert.progress import progress_bar
 from capsulert.errors import ConfigError
 from capsulert.logs import LEVEL_ENV, setup_logging
 from capsulert.model_notice import random_weights_notice
-from capsulert.config.server import ServerOptions, model_dir, vocab_size
+from capsulert.config.server import ServerOptions
+from capsulert.serve.model_files import model_dir, vocab_size
 from capsulert.serve.tenants import Tenants
 
 APP_NAME = "capsulert"
