@@ -340,11 +340,20 @@ class Engine:
             self._own(session)
             session.check_current()
             new = self.codec.validate(tokens_or_text, self.config.max_seq - len(session.tokens))
-            new = self.prefix.before_append(session, new)  # a cached prefix restored: only the rest is new
-            for piece in self.prefix.pieces(session, new):  # cut where checkpoints are to be kept
+            # a cached prefix restored: only the rest is new
+            self.append_checked(session, self.prefix.before_append(session, new))
+            return self.logits(session)
+
+    def append_checked(self, session: Session, ids: list[int]) -> None:
+        """Append token ids checked already (TokenCodec.validate, the session's room included), computing no
+        logits: the step scheduler's prefill pieces, whose tokens were checked once when the request's
+        prefill began (after reuse_prefix, which plans the prefix cache's checkpoints they are cut at)."""
+        with self._lock:
+            self._own(session)
+            session.check_current()
+            for piece in self.prefix.pieces(session, ids):  # cut where checkpoints are to be kept
                 self._extend(session, piece)
                 self.prefix.reached(session)
-            return self.logits(session)
 
     def reuse_prefix(self, session: Session, tokens: list[int]) -> list[int]:
         """Restore the longest cached grid prefix of the session's tokens + `tokens` (prefix cache); the

@@ -34,6 +34,10 @@ class Request:
     # every effect lives in the worker's memory (sessions, unpinned capsules, reads): a call the worker
     # died under may run once more on the restarted process
     memory_only: ClassVar[bool] = True
+    # a simple session verb: the name of the Engine method that runs it, called by the worker's step
+    # scheduler as method(session, **the request's other fields) with no code of its own in worker/ (the
+    # reply is the session's SessionInfo); None: the worker's dispatch table names the request's handler
+    engine_method: ClassVar[str | None] = None
 
     @property
     def target(self) -> int | None:

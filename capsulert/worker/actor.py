@@ -1,4 +1,4 @@
-"""WorkerActor: the Ray actor that owns one Engine (a WorkerCore), and how a typed request reaches it.
+"""WorkerActor: the Ray actor that owns one Engine (through its WorkerCore), and how a typed request reaches it.
 
 The actor has one entry point, `execute(request, call_id)`, and its streaming twin `stream` (a Ray
 streaming generator). Which Ray concurrency group a call runs in follows from the request's lane:
@@ -42,25 +42,26 @@ def _fetch_inputs(request: Request) -> Request:
     return replace(request, **{k: ray.get(v) for k, v in refs.items()}) if refs else request
 
 
-class WorkerActorBody(WorkerCore):
-    """WorkerCore with its entry points as Ray actor methods (the class Ray wraps; pickled by reference)."""
+class WorkerActorBody:
+    """The class Ray wraps (pickled by reference): it holds the worker's WorkerCore and offers its two entry
+    points as Ray actor methods."""
 
     def __init__(self, engine_config: dict, persist_dir: str | None = None, torch_threads: int | None = None,
                  worker_index: int = 0, log_level: str = "WARNING"):
         setup_logging(log_level)  # first: the engine's start (model generation, loading) logs too
         if engine_config.get("progress") is None:  # nobody watches a worker's stderr as a terminal
             engine_config = {**engine_config, "progress": False}
-        super().__init__(engine_config, persist_dir, torch_threads, worker_index)
         # which Ray node runs this worker (health() shows it): placement on a cluster is Ray's choice
-        self.node = ray.get_runtime_context().get_node_id()
+        self.core = WorkerCore(engine_config, persist_dir, torch_threads, worker_index,
+                               node=ray.get_runtime_context().get_node_id())
 
     @ray.method(concurrency_group=SESSION_GROUP)
     def execute(self, request: Request, call_id=None):
-        return super().execute(_fetch_inputs(request), call_id)
+        return self.core.execute(_fetch_inputs(request), call_id)
 
     @ray.method(concurrency_group=SESSION_GROUP, num_returns="streaming")
     def stream(self, request: Request, call_id=None):
-        yield from super().stream(request, call_id)
+        yield from self.core.stream(request, call_id)
 
 
 #: The Ray actor class. Spawn with WorkerActor.options(num_gpus=..., max_restarts=...).remote(engine_config, ...)

@@ -1,14 +1,25 @@
 """WorkerCore: the body of a WorkerActor, owning one Engine (model, state set, capsule store) and its step
-scheduler.
+scheduler, and holding the worker's parts: the scheduler, the running calls, the event feed, the pinned
+files, the pair links and the capsule transfers over them (transfers.py).
 
 It has one entry point, `execute(request)`, and its streaming twin `stream(request)`: a typed request
 (protocol/requests.py) runs by the handler its type maps to. Session requests go to the step scheduler (ordered
 per session, decodes batched across every caller); store requests call the capsule store and the weights;
-control requests read and interrupt. Sessions are named by integer ids that stay unique across actor
-restarts. Everything returned is plain data (verbs.py results, CapsuleRef, token lists, numpy logits);
-capsules cross actors as safetensors bytes (never pickle), or worker to worker over a pair link as one
-packed buffer on the engine device (SendCapsule / ReceiveCapsule, see peer_link.py). Pinned capsules are also written to
-`persist_dir` and reloaded (pinned) when the worker starts again, whichever caller pinned them.
+control requests read and interrupt; transfer requests run the worker's CapsuleTransfers. Sessions are named
+by integer ids that stay unique across actor restarts. Everything returned is plain data (protocol/results.py,
+CapsuleRef, token lists, numpy logits); capsules cross actors as safetensors bytes (never pickle), or worker to
+worker over a pair link as one packed buffer on the engine device (SendCapsule / ReceiveCapsule, see
+peer_link.py). Pinned capsules are also written to `persist_dir` and reloaded (pinned) when the worker starts
+again, whichever caller pinned them.
+
+The dispatch, and its invariant: every request type maps to exactly one handler, in `WorkerCore.HANDLERS`
+(a session request's maps to `_scheduled`, which hands it to the scheduler; its starter, the loop-side half,
+is its one entry of `starters.STARTERS`), and nothing else dispatches on a request's type. A *simple
+session verb*, one that runs one Engine method on one session, has no entry in either table: its request
+type names the method (`Request.engine_method`, e.g. `engine_method = "truncate"` for `Truncate(session,
+n)`), both tables route it (WorkerCore.handler, starters.starter), and the scheduler runs it in the
+session's order as `method(session, **the request's other fields)`, replying the session's SessionInfo.
+Adding one touches protocol/requests.py and the engine, nothing in worker/.
 """
 from __future__ import annotations
 
@@ -35,27 +46,39 @@ from capsulert.worker.running_calls import RunningCalls
 from capsulert.worker.transfers import CapsuleTransfers, check_namespace
 from capsulert.engine.engine import Engine
 from capsulert.worker.scheduler import Sink, StepScheduler, queue_sink, stream_item
+from capsulert.worker.starters import STARTERS
 from capsulert.engine.state import LAYOUT_VERSION
 from capsulert.protocol.requests import (
-    BATCHABLE, CONTROL, Append, Batch, Close, Delete, Demote, Detokenize, ExportCapsule, ExportToDir, Feed, Fork,
-    Generate, ImportCapsule, ImportFromFile, Interrupt, LastCall, LinkProbe, ListCapsules, Open, PeerAddress,
-    PeerClose, PeerConnect, Ping, Promote, ReadTokens, Rebuild, ReceiveCapsule, Rederive, Request, Restore,
-    SendCapsule, Snapshot, Stats, Streamed, Tokenize, Turn, UpdateWeights)
+    BATCHABLE, CONTROL, SESSION, Batch, Close, Delete, Demote, Detokenize, ExportCapsule, ExportToDir, Feed,
+    Generate, ImportCapsule, ImportFromFile, Interrupt, LastCall, LinkProbe, ListCapsules, PeerAddress, PeerClose,
+    PeerConnect, Ping, Promote, ReadTokens, Rebuild, ReceiveCapsule, Request, SendCapsule, Snapshot, Stats,
+    Streamed, Tokenize, Turn, UpdateWeights)
 from capsulert.protocol.results import CapsuleExport
 
 log = logging.getLogger(__name__)
+# the requests that stream (stream()); the others answer once (execute())
+STREAMS = (Generate, Turn, Feed)
+Handler = Callable[["WorkerCore", Request, Any], Any]
 
 
-class WorkerCore(CapsuleTransfers):
+def _on_transfers(method: Callable[[CapsuleTransfers, Request], Any]) -> Handler:
+    """The handler of a transfer request: `method` of the worker's CapsuleTransfers."""
+    def handle(core: WorkerCore, r: Request, call_id) -> Any:
+        return method(core.transfers, r)
+    handle.__name__ = handle.__qualname__ = f"transfers.{method.__name__}"
+    return handle
+
+
+class WorkerCore:
     """The actor's body (a plain class, so it is usable and testable in-process too)."""
 
     def __init__(self, engine_config: dict, persist_dir: str | None = None, torch_threads: int | None = None,
-                 worker_index: int = 0):
+                 worker_index: int = 0, node: str | None = None):
         t0 = time.perf_counter()
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.index = worker_index
-        self.node: str | None = None  # the Ray node id, set by the actor (None in-process)
+        self.node = node  # the Ray node id (None in-process)
         self.engine = Engine.from_config(dict(engine_config))
         # ids never reused by a restarted actor: a session of the old process is unknown to the new one
         self.scheduler = StepScheduler(self.engine, first_id=random.getrandbits(40) << 20)
@@ -65,6 +88,7 @@ class WorkerCore(CapsuleTransfers):
         self.reloaded = self.pinned.reload(self.engine.store)
         self.last_call_ms = float("nan")
         self.peers = PeerLink(self.engine.device)  # pair links to other workers, made on the orchestrator's demand
+        self.transfers = CapsuleTransfers(self.engine.store, self.engine.device, self.peers, self._put, worker_index)
         self.started_s = time.perf_counter() - t0  # engine start, graph capture and reloads (restart time)
         eng = self.engine
         log.info("worker %d ready in %.1f s: %s on %s (%s), %d slots, %d pinned capsule(s) reloaded, %d disk-tier "
@@ -81,7 +105,7 @@ class WorkerCore(CapsuleTransfers):
     # ------------------------------------------------------------------ entry points
     def execute(self, request: Request, call_id=None) -> Any:
         """Run one typed request; its reply. `call_id` names the call for interrupts (Interrupt.call_id)."""
-        handler = self._handler(request)
+        handler = self.handler(type(request))
         if isinstance(request, Feed):
             raise InvalidRequestError("Feed is a stream: send it with stream(), not execute()")
         if request.lane == CONTROL:
@@ -99,11 +123,11 @@ class WorkerCore(CapsuleTransfers):
         ends with the FinalEvent. A consumer that goes away (or an interrupt) stops the generate at the next
         token boundary, its tokens committed. For a Feed: the worker's event feed (event_feed.py), the
         events of every Streamed request as (key, kind, value) items, until another Feed opens."""
-        if isinstance(request, Feed):
-            yield from self._handler(request)(self, request, call_id)
-            return
-        if not isinstance(request, (Generate, Turn)):
+        if not isinstance(request, STREAMS):
             raise InvalidRequestError(f"only Generate, Turn and Feed stream, not {type(request).__name__}")
+        if isinstance(request, Feed):
+            yield from self.handler(Feed)(self, request, call_id)
+            return
         self._require_session(request)
         events: queue.Queue = queue.Queue()
         job = self.scheduler.submit(request, queue_sink(events.put))
@@ -124,11 +148,17 @@ class WorkerCore(CapsuleTransfers):
                 self.scheduler.cancel(job)
             self.calls.untrack(call_id)
 
-    def _handler(self, request: Request) -> Callable:
-        handler = self.HANDLERS.get(type(request))
+    @classmethod
+    def handler(cls, request_type: type) -> Handler:
+        """The handler of a request type: its entry of HANDLERS, or, for a simple session verb (one naming
+        its Engine method), the scheduler's, which has one starter for them all."""
+        handler = cls.HANDLERS.get(request_type)
+        if handler is None and issubclass(request_type, Request) and request_type.lane == SESSION \
+                and request_type.engine_method is not None:
+            handler = WorkerCore._scheduled
         if handler is None:
             raise InvalidRequestError(f"a worker runs typed requests (capsulert.protocol.requests), "
-                                      f"not {type(request).__name__}")
+                                      f"not {request_type.__name__}")
         return handler
 
     # ------------------------------------------------------------------ session requests (step scheduler)
@@ -328,16 +358,18 @@ class WorkerCore(CapsuleTransfers):
     def _last_call(self, r: LastCall, call_id) -> float:
         return self.last_call_ms
 
-    #: one handler per request type: the only dispatch
-    HANDLERS: dict[type, Callable] = {
-        **dict.fromkeys((Open, Append, Rederive, Generate, Turn, Restore, Fork, Close), _scheduled),
-        Snapshot: _snapshot, Batch: _batch, Streamed: _streamed, Feed: _feed_items,
-        Delete: _delete, Promote: _promote, Demote: _demote, Rebuild: _rebuild, UpdateWeights: _update_weights,
+    #: the worker's dispatch: one handler per request type, in this one table. A session request goes to the
+    #: step scheduler (_scheduled), which starts it by its starter (starters.STARTERS: the scheduler runs
+    #: without a WorkerCore too, in AsyncEngine); Snapshot and Delete do more once it answered. A simple
+    #: session verb (Request.engine_method) needs no entry here nor there (see `handler`).
+    HANDLERS: dict[type, Handler] = {
+        **dict.fromkeys(STARTERS, _scheduled),
+        Snapshot: _snapshot, Delete: _delete, Batch: _batch, Streamed: _streamed, Feed: _feed_items,
+        Promote: _promote, Demote: _demote, Rebuild: _rebuild, UpdateWeights: _update_weights,
         ExportCapsule: _export, ImportCapsule: _import, ExportToDir: _export_to_dir, ImportFromFile: _import_from_file,
-        PeerConnect: CapsuleTransfers._peer_connect, SendCapsule: CapsuleTransfers._send_capsule,
-        ReceiveCapsule: CapsuleTransfers._receive_capsule, LinkProbe: CapsuleTransfers._link_probe,
-        PeerAddress: CapsuleTransfers._peer_address, PeerClose: CapsuleTransfers._peer_close,
+        PeerConnect: _on_transfers(CapsuleTransfers.connect), SendCapsule: _on_transfers(CapsuleTransfers.send),
+        ReceiveCapsule: _on_transfers(CapsuleTransfers.receive), LinkProbe: _on_transfers(CapsuleTransfers.probe),
+        PeerAddress: _on_transfers(CapsuleTransfers.address), PeerClose: _on_transfers(CapsuleTransfers.close_link),
         Ping: _ping, Stats: _stats, ListCapsules: _list, ReadTokens: _read_tokens, Tokenize: _tokenize,
         Detokenize: _detokenize, Interrupt: _interrupt, LastCall: _last_call,
     }
-

@@ -18,67 +18,35 @@ the engine and runs steps. Each step:
 3. advances every running generate by one token in one batched decode step (engine/decoding.py).
 Every running generate advances once per step, so a long generate never starves a short one.
 
-Results and stream events go to each request's sink from the loop thread; AsyncEngine (async_engine.py)
+A request starts by its type's starter (starters.py: the session half of the worker's dispatch, see
+core.py), which answers at once or queues the job's typed phases (jobs.py: Prefill, then / or Decode). A
+Prefill checks the request's tokens once, when it begins, and appends them in pieces through
+Engine.append_checked, which checks them no more.
+
+Results and stream events go to each request's sink from the loop thread; AsyncEngine (sessions/local.py)
 turns them into awaitables and async iterators.
 """
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 
 from capsulert.errors import (ExceedsCapacityError, InvalidRequestError, NoFreeSlotError, QueueFullError,
                               SessionClosedError)
-from capsulert.progress import Bar, NullBar, progress_bar
+from capsulert.progress import progress_bar
 from capsulert.engine.decoding import DecodeStream, advance
 from capsulert.engine.engine import LONG_PREFILL_CHUNKS, Engine
 from capsulert.engine.session import Session
-from capsulert.protocol.requests import (
-    SESSION, Append, Close, Delete, Fork, Generate, Open, Rederive, Request, Restore, Snapshot, Turn)
-from capsulert.protocol.results import FinalEvent, GenerateResult, SessionInfo, TokenEvent
+from capsulert.protocol.requests import SESSION, Request
+from capsulert.protocol.results import GenerateResult, SessionInfo
+from capsulert.worker.jobs import Decode, Job, Phase, Prefill, Sink, queue_sink, stream_item
+from capsulert.worker.session_ids import SessionIds
+from capsulert.worker.starters import starter, takes_slots
 
-
-@dataclass
-class Sink:
-    """Where a request's outcome goes (called on the loop thread)."""
-    done: Callable[[Any], None]
-    error: Callable[[BaseException], None]
-    event: Callable[[TokenEvent], None] | None = None
-
-
-def queue_sink(put: Callable[[tuple[str, Any]], None]) -> Sink:
-    """A sink that puts ("event", ev), ("done", result) or ("error", exc) items through `put`."""
-    return Sink(done=lambda v: put(("done", v)), error=lambda e: put(("error", e)),
-                event=lambda ev: put(("event", ev)))
-
-
-def stream_item(item: tuple[str, Any]) -> TokenEvent | FinalEvent:
-    """The stream event of a queue_sink item: a TokenEvent, the FinalEvent (the last one), or the error raised."""
-    kind, value = item
-    if kind == "error":
-        raise value
-    return value if kind == "event" else FinalEvent(value)
-
-
-@dataclass
-class _Job:
-    request: Request
-    sink: Sink
-    session: int | None  # the session it runs on, once known
-    deadline: float = 0.0  # for slot waits
-    phases: deque = field(default_factory=deque)  # remaining steps of a chained request
-    prefill: list[int] | None = None  # tokens still to append
-    stream: DecodeStream | None = None
-    cancelled: bool = False
-    restored_from: str | None = None  # the tier its restore read the capsule from
-    restore_s: float | None = None  # and the time that restore took here
-    cached_tokens: int = 0  # tokens its appends restored from the prefix cache instead of prefilling
-    bar: Bar = field(default_factory=NullBar)  # a long prefill's progress, one chunk piece per update
+__all__ = ["StepScheduler", "Sink", "queue_sink", "stream_item"]
 
 
 class StepScheduler:
@@ -90,11 +58,10 @@ class StepScheduler:
         self.max_queue = max_queue
         self.budget = step_prefill_tokens or engine.chunk
         self._cv = threading.Condition()
-        self._incoming: deque[_Job] = deque()
-        self._waiting: list[_Job] = []  # admitted, not started (arrival order)
-        self._active: list[_Job] = []  # started: prefilling or generating
-        self._sessions: dict[int, Session] = {}
-        self._ids = itertools.count(first_id)
+        self._incoming: deque[Job] = deque()
+        self._waiting: list[Job] = []  # admitted, not started (arrival order)
+        self._active: list[Job] = []  # started: prefilling or generating
+        self._sessions = SessionIds(first_id)
         self._stopped = False
         self.steps = 0
         # where the loop's time goes (seconds): starting requests and capsule copies, prefill pieces, decode
@@ -108,21 +75,22 @@ class StepScheduler:
         self._thread.start()
 
     # ------------------------------------------------------------------ caller side (any thread)
-    def submit(self, request: Request, sink: Sink) -> _Job:
+    def submit(self, request: Request, sink: Sink) -> Job:
         if not isinstance(request, Request) or request.lane != SESSION:
             raise InvalidRequestError(f"not a session request: {type(request).__name__}")
+        starter(type(request))  # refused here, in the caller's thread, when nothing starts it
         with self._cv:
             if self._stopped:
                 raise SessionClosedError("the scheduler is stopped")
             if len(self._incoming) + len(self._waiting) >= self.max_queue:
                 raise QueueFullError(f"{self.max_queue} requests are already waiting; retry later or raise max_queue")
-            job = _Job(request, sink, request.target)
+            job = Job(request, sink, request.target)
             job.deadline = time.monotonic() + self.engine.config.slot_wait_s
             self._incoming.append(job)
             self._cv.notify()
         return job
 
-    def cancel(self, job: _Job) -> None:
+    def cancel(self, job: Job) -> None:
         """Stop a generate at its next token boundary (its tokens stay committed)."""
         job.cancelled = True
 
@@ -134,7 +102,7 @@ class StepScheduler:
 
     def session(self, sid: int) -> Session:
         """The engine session behind an id (SessionClosedError when it is closed or unknown)."""
-        return self._session(sid)
+        return self._sessions.get(sid)
 
     @property
     def session_count(self) -> int:
@@ -188,7 +156,7 @@ class StepScheduler:
             if job.session is not None and job.session in busy:
                 still.append(job)  # an earlier request of this session runs first
                 continue
-            if blocked is not None and _takes_slots(job.request):
+            if blocked is not None and takes_slots(job.request):
                 if time.monotonic() < job.deadline:
                     still.append(job)  # first come, first served: a fork of 8 is not starved by opens of 1
                 else:
@@ -211,145 +179,89 @@ class StepScheduler:
                 busy.add(job.session)
         self._waiting = still
 
-    def _session(self, sid: int | None) -> Session:
-        s = self._sessions.get(sid)
-        if s is None:
-            raise SessionClosedError(f"session {sid} is closed or unknown")
-        return s
-
-    def _adopt(self, s: Session) -> int:
-        sid = next(self._ids)
-        self._sessions[sid] = s
-        return sid
-
-    def _start(self, job: _Job) -> bool:
+    def _start(self, job: Job) -> bool:
         """Run a request's immediate part; True when it continues (prefill or decode) in later steps."""
-        r, eng = job.request, self.engine
-        if isinstance(r, Open):
-            job.session = self._adopt(eng.open(wait_s=0, namespace=r.namespace))
-            if r.prompt is not None:
-                job.phases.append(("append", r.prompt))
-        elif isinstance(r, Append):
-            job.phases.append(("append", r.tokens))
-        elif isinstance(r, Rederive):
-            tokens = eng.begin_rederive(self._session(r.session))
-            if tokens:
-                job.phases.append(("append", tokens))
-        elif isinstance(r, Generate):
-            job.phases.append(("generate", r.max_new_tokens, r.sampling))
-        elif isinstance(r, Snapshot):
-            s = self._session(r.session)
-            job.sink.done(eng.snapshot(s, r.name, tier=r.tier, pin=r.pin, mode=r.mode, namespace=r.namespace))
+        if not starter(type(job.request))(self.engine, self._sessions, job, job.request):
             return False
-        elif isinstance(r, Restore):
-            self._restore(job, r.name, r.namespace)
-            job.sink.done(SessionInfo(job.session, len(self._session(job.session).tokens),
-                                      restored_from=job.restored_from))
-            return False
-        elif isinstance(r, Fork):
-            restored = eng.restore_sessions(r.name, r.n, r.namespace, wait_s=0)
-            job.sink.done([SessionInfo(self._adopt(s), len(s.tokens), restored_from=restored.tier)
-                           for s in restored.sessions])
-            return False
-        elif isinstance(r, Delete):
-            eng.store.delete(r.name, r.namespace)
-            job.sink.done(None)
-            return False
-        elif isinstance(r, Close):
-            s = self._sessions.pop(r.session, None)
-            if s is not None:
-                s.close()
-            job.sink.done(None)
-            return False
-        elif isinstance(r, Turn):
-            if r.restore is not None:
-                self._restore(job, r.restore, r.namespace)
-            eng.prefix.claim(self._session(job.session), r.namespace)  # its prompts are that namespace's
-            if r.suffix is not None:
-                job.phases.append(("append", r.suffix))
-            job.phases.append(("generate", r.max_new_tokens, r.sampling))
-        self._session(job.session)
+        self._sessions.get(job.session)
         self._active.append(job)
         try:
             self._next_phase(job)
         except BaseException:
             if job in self._active:
                 self._active.remove(job)
-            if isinstance(r, Open):  # a refused prompt leaves no half-made session behind
+            if job.opened:  # a refused prompt leaves no half-made session behind
                 self._sessions.pop(job.session).close()
             raise
         return True
 
-    def _restore(self, job: _Job, name: str, namespace: str) -> None:
-        """Restore capsule `name` into the job's session in place, or into a new one when it has none; the
-        tier it was read from goes to the job's reply."""
-        eng, t0 = self.engine, time.perf_counter()
-        if job.session is None:
-            restored = eng.restore_sessions(name, 1, namespace, wait_s=0)
-            job.session = self._adopt(restored.sessions[0])
-            job.restored_from = restored.tier
-        else:
-            job.restored_from = eng.restore_into(self._session(job.session), name, namespace)
-        job.restore_s = time.perf_counter() - t0
-
-    def _next_phase(self, job: _Job) -> None:
+    def _next_phase(self, job: Job) -> None:
         """Enter the job's next phase, or finish it."""
-        s = self._sessions.get(job.session)
+        s = self._sessions.find(job.session)
         if s is None:
             self._fail(job, SessionClosedError(f"session {job.session} was closed"))
             return
-        while job.phases:
-            phase = job.phases.popleft()
-            if phase[0] == "append":
-                tokens = self.engine.codec.validate(phase[1], self.engine.config.max_seq - len(s.tokens))
-                held = len(s.tokens)
-                job.prefill = self.engine.reuse_prefix(s, tokens)  # a cached prefix: only the rest is prefilled
-                job.cached_tokens += len(s.tokens) - held
-                chunk = self.engine.chunk
-                pieces = (len(s.tokens) + len(job.prefill) - 1) // chunk - len(s.tokens) // chunk + 1
-                if pieces > LONG_PREFILL_CHUNKS:  # drawn only where someone watches (EngineConfig.progress)
-                    job.bar = progress_bar(pieces, f"capsulert: prefill (session {job.session})", unit="chunk",
-                                           progress=self.engine.config.progress)
+        while job.steps:
+            step = job.steps.popleft()
+            job.phase = step.phase
+            if step.phase is Phase.PREFILL:
+                self._begin_prefill(job, s, step)
                 return
-            _, n, sampling = phase
-            eng = self.engine
-            eng.check_generate([s], n, [sampling])
-            if not s.tokens:
-                raise InvalidRequestError("the session is empty; append a prompt before generating")
-            job.stream = DecodeStream(eng, s, n, sampling)
-            if job.stream.done:
-                break
-            return
+            if self._begin_decode(job, s, step):
+                return
         self._finish(job)
 
-    def _finish(self, job: _Job) -> None:
+    def _begin_prefill(self, job: Job, s: Session, step: Prefill) -> None:
+        eng = self.engine
+        # the one check of the request's tokens: from here they go to the slot as they are (Engine.append_checked)
+        tokens = eng.codec.validate(step.tokens, eng.config.max_seq - len(s.tokens))
+        held = len(s.tokens)
+        job.prefill = eng.reuse_prefix(s, tokens)  # a cached prefix: only the rest is prefilled
+        job.cached_tokens += len(s.tokens) - held
+        chunk = eng.chunk
+        pieces = (len(s.tokens) + len(job.prefill) - 1) // chunk - len(s.tokens) // chunk + 1
+        if pieces > LONG_PREFILL_CHUNKS:  # drawn only where someone watches (EngineConfig.progress)
+            job.bar = progress_bar(pieces, f"capsulert: prefill (session {job.session})", unit="chunk",
+                                   progress=eng.config.progress)
+
+    def _begin_decode(self, job: Job, s: Session, step: Decode) -> bool:
+        """Start the job's generate; False when it has nothing to generate (it finishes now)."""
+        eng = self.engine
+        eng.check_generate([s], step.max_new_tokens, [step.sampling])
+        if not s.tokens:
+            raise InvalidRequestError("the session is empty; append a prompt before generating")
+        job.stream = DecodeStream(eng, s, step.max_new_tokens, step.sampling)
+        return not job.stream.done
+
+    def _finish(self, job: Job) -> None:
         self._active.remove(job)
-        r, s = job.request, self._sessions.get(job.session)
+        job.phase = None
+        s = self._sessions.find(job.session)
         if job.stream is not None:
             res: GenerateResult = job.stream.result
             res.session, res.restored_from, res.restore_s = job.session, job.restored_from, job.restore_s
             res.cached_tokens = job.cached_tokens
             res.length = len(s.tokens) if s is not None else res.length
-            if isinstance(r, Turn) and r.close and s is not None:
-                self._sessions.pop(job.session, None)
+            if job.close_after and s is not None:
+                self._sessions.pop(job.session)
                 s.close()
                 res.session = None
             job.sink.done(res)
         else:
-            want_logits = isinstance(r, Append) and r.logits
-            job.sink.done(SessionInfo(job.session, len(s.tokens), _host_logits(s) if want_logits else None))
+            job.sink.done(SessionInfo(job.session, len(s.tokens), _host_logits(s) if job.want_logits else None))
 
-    def _fail(self, job: _Job, e: BaseException) -> None:
+    def _fail(self, job: Job, e: BaseException) -> None:
         if job in self._active:
             self._active.remove(job)
+        job.phase = None
         job.sink.error(e)
 
     def _prefill(self) -> None:
         budget = self.budget
-        for job in [j for j in self._active if j.prefill is not None]:
+        for job in [j for j in self._active if j.phase is Phase.PREFILL]:
             if budget <= 0:
                 break
-            s = self._sessions.get(job.session)
+            s = self._sessions.find(job.session)
             try:
                 if s is None:
                     raise SessionClosedError(f"session {job.session} was closed")
@@ -357,7 +269,7 @@ class StepScheduler:
                     P, chunk = len(s.tokens), self.engine.chunk
                     end = min(P + len(job.prefill), (P // chunk + 1) * chunk)  # cut at the next chunk boundary
                     piece, job.prefill = job.prefill[:end - P], job.prefill[end - P:]
-                    self.engine.append(s, piece)
+                    self.engine.append_checked(s, piece)
                     budget -= end - P // self.engine.grid * self.engine.grid  # with the re-run past the grid point
                     job.bar.update()
                 if not job.prefill:
@@ -369,7 +281,7 @@ class StepScheduler:
                 self._fail(job, e)
 
     def _decode(self) -> None:
-        jobs = [j for j in self._active if j.stream is not None and not j.stream.done and j.prefill is None]
+        jobs = [j for j in self._active if j.phase is Phase.DECODE and not j.stream.done]
         if not jobs:
             return
         self.steps += 1
@@ -386,12 +298,7 @@ class StepScheduler:
                 self._finish(j)
 
 
-def _takes_slots(r: Request) -> bool:
-    """Whether the request needs free slots to start (a new session, or n of them)."""
-    return isinstance(r, (Open, Fork)) or (isinstance(r, Restore) and r.into is None) or \
-        (isinstance(r, Turn) and r.session is None)
-
-
 def _host_logits(s: Session):
     """The next-token logits as a float32 numpy array of their own (plain data for any caller)."""
     return s.logits().float().cpu().numpy().copy()
+

@@ -1,13 +1,14 @@
-"""CapsuleTransfers: the worker's half of a capsule transfer over a pair link (worker/peer_link.py),
-a part of WorkerCore kept in a file of its own.
+"""CapsuleTransfers: the worker's half of a capsule transfer over a pair link (worker/peer_link.py).
 
-A mixin: it uses the WorkerCore's `engine`, `index`, `peers` (its PeerLink) and `_put` (the one import path,
-which shares blocks when the origin is the store's own).
+A part the WorkerCore holds: it is given the capsule store, the engine device, the PeerLink and `put`, the
+worker's one import path (it shares blocks when the origin is the store's own and persists a pin), and
+keeps nothing else.
 """
 from __future__ import annotations
 
 import time
 from contextlib import ExitStack, suppress
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -16,32 +17,45 @@ from capsulert.errors import CapsuleError, CorruptCapsuleError, DuplicateCapsule
 from capsulert.capsule_store.format.wire import (
     ALIGN, TRAILER, decode_manifest, encode_failure, encode_manifest, layout, manifest_meta, pack_into, seal,
     tensor_views, unseal)
-from capsulert.worker.peer_link import free_port
+from capsulert.worker.peer_link import PeerLink, free_port
 from capsulert.protocol.requests import LinkProbe, PeerAddress, PeerClose, PeerConnect, ReceiveCapsule, SendCapsule
+
+if TYPE_CHECKING:
+    from capsulert.capsule_store import CapsuleStore
+
+# put(meta, tensors, tier, pin, origin=...) -> the reply of an import ({"name", "tier", "nbytes", "boundary"})
+Put = Callable[..., dict]
 
 MANIFEST_FRAME = 1 << 18  # one op carries the manifest of a capsule of up to ~60k tokens (4 bytes a token)
 
 
 class CapsuleTransfers:
+    def __init__(self, store: CapsuleStore, device: torch.device, peers: PeerLink, put: Put, worker_index: int):
+        self.store = store
+        self.device = device
+        self.peers = peers
+        self.put = put
+        self.worker_index = worker_index
+
     # Three ops over a pair link: the sender's manifest (or the reason it cannot send), the receiver's answer
     # ("ok" or why it refuses: no bytes move then), and the packed buffer, sealed with its digest. Both sides
     # always run the whole exchange, so a refusal, a failed pack or a bad digest leaves the link in step for
     # the next transfer; a broken or silent peer fails the op at the deadline and drops the link
     # (PeerLinkError). Each side works while the link waits: the sender packs and seals while the receiver
     # checks the manifest, the receiver builds the metadata while the bytes arrive.
-    def _peer_connect(self, r: PeerConnect, call_id) -> str:
+    def connect(self, r: PeerConnect) -> str:
         self.peers.connect(r.peer_key, r.peer, r.rank, r.host, r.port, r.timeout_s)
         return self.peers.backend
 
-    def _send_capsule(self, r: SendCapsule, call_id) -> dict:
+    def send(self, r: SendCapsule) -> dict:
         link, key, deadline = self.peers, r.peer_key, time.monotonic() + r.timeout_s
         phases = Phases()
         with ExitStack() as reading:  # the capsule's read reference, held until its bytes are packed
             try:
-                meta, parts, _ = reading.enter_context(self.engine.store.reading_parts(r.name, r.namespace))
+                meta, parts, _ = reading.enter_context(self.store.reading_parts(r.name, r.namespace))
                 pieces, dim = parts.pieces()
                 specs, size = layout(pieces, dim)
-                buf = torch.empty(size + TRAILER, dtype=torch.uint8, device=self.engine.device)
+                buf = torch.empty(size + TRAILER, dtype=torch.uint8, device=self.device)
                 manifest = encode_manifest(meta, parts.origin, specs, size)
             except Exception as e:
                 with suppress(PeerLinkError):  # the receiver waits for a manifest: tell it why none comes
@@ -74,7 +88,7 @@ class CapsuleTransfers:
             raise failed
         return {"sent": True, "nbytes": size, "phases_ms": phases.ms}
 
-    def _receive_capsule(self, r: ReceiveCapsule, call_id) -> dict:
+    def receive(self, r: ReceiveCapsule) -> dict:
         link, key, deadline = self.peers, r.peer_key, time.monotonic() + r.timeout_s
         phases = Phases()
         try:
@@ -87,7 +101,7 @@ class CapsuleTransfers:
             raise CapsuleError(f"the sending worker could not send the capsule: {head['error']}")
         try:
             name, size = self._check_manifest(head, r)
-            buf = torch.empty(size + TRAILER, dtype=torch.uint8, device=self.engine.device)
+            buf = torch.empty(size + TRAILER, dtype=torch.uint8, device=self.device)
             tensors = tensor_views(buf[:size], head.get("specs"))
         except Exception as e:
             with suppress(PeerLinkError):  # the sender waits for an answer: no bytes move after this one
@@ -109,7 +123,7 @@ class CapsuleTransfers:
         if bad is not None:
             raise bad
         # stored through the one import path: blocks shared when the origin is this store's own
-        reply = self._put(meta, tensors, r.tier, r.pin, origin=head.get("origin"))
+        reply = self.put(meta, tensors, r.tier, r.pin, origin=head.get("origin"))
         phases.mark("store")  # on CUDA: queued on the engine's stream, as every store copy
         return {**reply, "digest": digest, "phases_ms": phases.ms}
 
@@ -126,14 +140,14 @@ class CapsuleTransfers:
         if r.name is not None and name != r.name:
             raise CapsuleError(f"the sending worker sends capsule {name!r}, not {r.name!r}")
         _check_namespace(name, namespace, r.namespace)
-        if self.engine.store.contains(name, namespace):
+        if self.store.contains(name, namespace):
             raise DuplicateCapsuleError(f"capsule {name!r} already exists in namespace {namespace!r} "
-                                        f"on worker {self.index}")
+                                        f"on worker {self.worker_index}")
         return name, size
 
-    def _link_probe(self, r: LinkProbe, call_id) -> list[float]:
+    def probe(self, r: LinkProbe) -> list[float]:
         deadline = time.monotonic() + r.timeout_s
-        buf = torch.zeros(r.nbytes, dtype=torch.uint8, device=self.engine.device)
+        buf = torch.zeros(r.nbytes, dtype=torch.uint8, device=self.device)
         op = self.peers.send if r.send else self.peers.recv
         times = []
         for _ in range(r.repeats):
@@ -143,10 +157,10 @@ class CapsuleTransfers:
         return times
 
     # control requests of the pair links
-    def _peer_address(self, r: PeerAddress, call_id) -> tuple[str, int]:
+    def address(self, r: PeerAddress) -> tuple[str, int]:
         return self.peers.host, free_port()
 
-    def _peer_close(self, r: PeerClose, call_id) -> None:
+    def close_link(self, r: PeerClose) -> None:
         self.peers.close(r.peer_key)
 
 

@@ -6,11 +6,14 @@ import time
 import pytest
 import torch
 
-from capsulert.errors import InvalidRequestError, NoFreeSlotError, QueueFullError, UnknownCapsuleError
+from capsulert.errors import (InvalidRequestError, NoFreeSlotError, QueueFullError, SequenceTooLongError,
+                              UnknownCapsuleError)
 from capsulert.sessions.local import AsyncEngine
 from capsulert.protocol.sampling import SamplingParams
-from capsulert.protocol.requests import Append, Delete, Generate, Open, Ping, Promote, Restore
+from capsulert.protocol.requests import Append, Delete, Generate, Open, Ping, Promote, Request, Restore, Turn
 from capsulert.protocol.results import FinalEvent, TokenEvent
+from capsulert.worker.jobs import Phase
+from capsulert.worker.scheduler import Sink
 
 NOEOS = SamplingParams(ignore_eos=True)
 
@@ -421,3 +424,58 @@ async def test_the_step_loop_counts_its_decoded_tokens_and_its_time_per_phase(ma
         await asyncio.gather(a.generate(7, NOEOS), b.generate(5, NOEOS))
         assert sch.decoded_tokens == 12 and sch.steps >= 7
         assert all(sch.busy_s[k] > 0 for k in ("start", "prefill", "decode"))
+
+
+async def test_a_session_request_no_starter_runs_is_refused_when_submitted(make_engine):
+    async with AsyncEngine(make_engine()) as aeng:
+        with pytest.raises(InvalidRequestError, match="does not run Request"):
+            aeng.scheduler.submit(Request(), Sink(done=print, error=print))  # refused in the caller's thread
+        assert aeng.scheduler.queued == 0
+
+
+async def test_a_prefill_checks_its_tokens_once_and_never_through_the_public_append(make_engine, corpus,
+                                                                                      monkeypatch):
+    """The scheduler checks a request's tokens when its prefill begins, then appends them in pieces through
+    Engine.append_checked: one check for 12 pieces, Engine.append (which checks again) never called."""
+    engine = make_engine(max_seq=2048)
+    checks = []
+    real_validate = engine.codec.validate
+    monkeypatch.setattr(engine.codec, "validate", lambda *a: checks.append(a[1]) or real_validate(*a))
+    monkeypatch.setattr(engine, "append", lambda *a: pytest.fail("the scheduler called Engine.append"))
+    async with AsyncEngine(engine) as aeng:
+        s = await aeng.open()
+        info = await aeng.submit(Append(s.id, corpus[:1500], logits=True))  # 12 chunks of 128, one per step
+        assert checks == [2048] and info.length == 1500
+        monkeypatch.undo()
+        assert torch.equal(torch.from_numpy(info.logits), _cold_logits(engine, corpus[:1500]).cpu())
+        with pytest.raises(SequenceTooLongError):  # the one check refuses what the public append refuses
+            await aeng.submit(Append(s.id, corpus[:600]))
+        assert len(aeng.scheduler.session(s.id).tokens) == 1500
+
+
+def _future_sink(loop, event=None) -> tuple[asyncio.Future, Sink]:
+    fut = loop.create_future()
+    return fut, Sink(done=lambda v: loop.call_soon_threadsafe(fut.set_result, v),
+                     error=lambda e: loop.call_soon_threadsafe(fut.set_exception, e), event=event)
+
+
+async def test_a_job_goes_through_its_typed_phases_in_order(make_engine, corpus):
+    """Seen from another generate's events: a Turn's job prefills (Phase.PREFILL) while that generate keeps
+    decoding, then decodes (Phase.DECODE), and has no phase once answered."""
+    loop = asyncio.get_running_loop()
+    async with AsyncEngine(make_engine(max_seq=2048)) as aeng:
+        decoder, long = await aeng.open(corpus[:20]), await aeng.open()
+        turn_job, seen = [], []
+
+        def record(ev) -> None:
+            if turn_job and turn_job[0].phase is not None:
+                seen.append(turn_job[0].phase)
+        decoded, sink = _future_sink(loop, record)
+        decoding = aeng.scheduler.submit(Generate(decoder.id, 60, NOEOS), sink)
+        turned, sink = _future_sink(loop)
+        turn_job.append(aeng.scheduler.submit(Turn(long.id, suffix=corpus[:1000], max_new_tokens=8,
+                                                   sampling=NOEOS), sink))
+        assert (await turned).length == 1008 and len((await decoded).tokens) == 60
+        order = [Phase.PREFILL, Phase.DECODE]
+        assert seen.count(Phase.PREFILL) >= 5 and Phase.DECODE in seen and seen == sorted(seen, key=order.index)
+        assert turn_job[0].phase is None and decoding.phase is None
