@@ -61,3 +61,38 @@ def test_no_module_reads_another_objects_private_attributes():
                 continue  # its own attributes, or a library's API (torch._foreach_copy_)
             bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert bad == []
+
+
+def _imports(path: Path) -> set[str]:
+    """The capsule_store modules `path` imports, at any level (a function-level import is a cycle too)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("capsulert.capsule_store"):
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)  # `from package import module`
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("capsulert.capsule_store"))
+    return out
+
+
+def test_no_import_cycle_between_capsule_store_modules():
+    """The package's __init__ (which re-exports) aside, the modules import each other in one direction."""
+    name = {p: "capsulert.capsule_store." + ".".join(p.relative_to(ROOT).with_suffix("").parts) for p in _modules()}
+    mods = {n.removesuffix(".__init__"): p for p, n in name.items()}
+    graph = {m: {i for i in _imports(p) if i in mods and i != m} for m, p in mods.items()
+             if not m.endswith("capsule_store")}
+    done, path = set(), []
+
+    def visit(m):
+        if m in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+        if m in done or m not in graph:
+            return
+        path.append(m)
+        for i in sorted(graph[m]):
+            visit(i)
+        path.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
