@@ -40,7 +40,8 @@ class BackgroundWrites:
         source bytes, its own tensors and its blocks', stay with the entry and the job until the file is
         durable, while its old tier releases them)."""
         e.held = held
-        e.pending = DiskJob(key, e.meta, e.tensors, e.event, self._tiers.disk_dir, e.blocks, e.held)  # type: ignore[arg-type]
+        e.pending = DiskJob(key, e.meta, e.tensors, e.event,  # type: ignore[arg-type]
+                            self._tiers.disk_dir, e.blocks, e.held)
         self._writer.submit(e.pending)
 
     def flush(self, timeout: float | None = None) -> None:

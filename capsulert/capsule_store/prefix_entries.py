@@ -54,18 +54,19 @@ class PrefixEntries:
             return PrefixMatch()
         keys = chain_keys(chain_seed(namespace, fingerprint, self._layout_version, rows, self._layout.origin),
                           tokens, rows)
+        tiers = self._tiers
         with self._lock:
-            self._tiers.check_open()
-            self._tiers.prefix_counters["lookups"] += count
-            held, at = self._tiers.index.walk(keys)
+            tiers.check_open()
+            tiers.prefix_counters["lookups"] += count
+            held, at = tiers.index.walk(keys)
             best = None
             for depth in sorted(at, reverse=True):
                 grid = depth * rows
                 if grid <= after:
                     break
-                ok = [k for k in at[depth] if grid < len(tokens) or self._tiers.index.complete(self._tiers.entries[k])]
+                ok = [k for k in at[depth] if grid < len(tokens) or tiers.index.complete(tiers.entries[k])]
                 if ok:
-                    best = grid, min(ok, key=lambda k: (RANK[self._tiers.entries[k].tier], k))
+                    best = grid, min(ok, key=lambda k: (RANK[tiers.entries[k].tier], k))
                     break
             return PrefixMatch(grid=best[0] if best else 0, key=best[1] if best else None, shared=held * rows,
                                checkpoints=frozenset(d * rows for d in at))

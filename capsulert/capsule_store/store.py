@@ -1,7 +1,8 @@
 """CapsuleStore: capsules in three tiers (gpu = device memory, host = pinned memory, disk = files),
-with byte budgets, moves between tiers, and a policy that names victims. A capsule of the store's own origin is held as prefix blocks shared by reference with every
-capsule of the same prefix (blocks.py, block_pool.py: the KV blocks [0, G) and the grid-state block, its
-recurrent and conv state at G) plus its own tensors; anonymous prefix entries and the prefix index serve
+with byte budgets, moves between tiers, and a policy that names victims. A capsule of the store's own
+origin is held as prefix blocks shared by reference with every capsule of the same prefix (blocks.py,
+block_pool.py: the KV blocks [0, G) and the grid-state block, its recurrent and conv state at G) plus its
+own tensors; anonymous prefix entries and the prefix index serve
 automatic prefix reuse (prefix_entries.py, prefix_index.py).
 
 The store holds its parts, each made once here and given only what it needs (the store's one RLock is
