@@ -6,13 +6,13 @@ from capsulert.capsule_store.capsule import (
     CapsuleMeta,
     CapsuleRef,
     TensorSpec,
-    capsule_file_name,
     tensor_nbytes,
     tensor_specs,
-    tensors_checksum,
     token_digest,
     validate_name,
 )
+from capsulert.capsule_store.format.checksum import tensors_checksum
+from capsulert.capsule_store.format.names import capsule_file_name
 from capsulert.capsule_store.format.disk import (
     read_capsule, read_capsule_origin, read_header, write_capsule, write_capsule_with_meta)
 from capsulert.capsule_store.store import CapsuleStore

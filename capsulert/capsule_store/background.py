@@ -1,4 +1,6 @@
-"""BackgroundWrites: the store's side of the DiskWriter (writer.py) that writes cascade demotions.
+"""BackgroundWrites: the store's side of the DiskWriter (writer.py) that writes cascade demotions: it
+queues a capsule's write (moves.py books the move first), answers the writer's questions, and reports
+failures at flush().
 
 The store decides, under its lock, whether a job is still wanted (a capsule deleted, promoted or dropped
 meanwhile cancels its write), whether a block file is still missing (another capsule's write, or the
@@ -8,33 +10,54 @@ block nothing wants any more never gets its file.
 from __future__ import annotations
 
 import logging
+import threading
+from typing import Any
 
 from capsulert.capsule_store.block_pool import BlockRecord
-from capsulert.capsule_store.format.disk import StagedWrite
-from capsulert.capsule_store.moves import Moves
+from capsulert.capsule_store.format.staging import StagedWrite
 from capsulert.capsule_store.plan import Entry, Key
+from capsulert.capsule_store.tiers import TierBook
 from capsulert.capsule_store.writer import DiskJob, DiskWriter, WriterHooks
 from capsulert.errors import CapsuleIOError
 
 log = logging.getLogger("capsulert.capsule_store.store")
 
 
-class BackgroundWrites(Moves):
-    def __init__(self, **kw):
-        super().__init__(**kw)
+class BackgroundWrites:
+    def __init__(self, tiers: TierBook, lock: threading.RLock):
+        self._tiers, self._lock = tiers, lock
+        self._errors: list[str] = []  # since the last flush()
         self._writer = DiskWriter(WriterHooks(self._job_wanted, self._job_block_wanted, self._job_block_staged,
                                               self._job_staged, self._job_durable, self._job_failed))
 
-    def _write_later(self, key: Key, e: Entry) -> None:
-        # the source bytes (its own tensors, and its blocks' while its tier releases them) stay with the
-        # entry and the job until the file is durable
-        e.held = dict(self._held_blocks(e)) if e.blocks is not None else None
-        e.pending = DiskJob(key, e.meta, e.tensors, e.event, self._disk_dir, e.blocks, e.held)  # type: ignore[arg-type]
+    @property
+    def pending(self) -> int:
+        """Writes not finished yet."""
+        return self._writer.pending
+
+    def write_later(self, key: Key, e: Entry, held: dict[str, Any] | None) -> None:
+        """Queue the files of a capsule booked into the disk tier. `held`: where its blocks' bytes are (the
+        source bytes, its own tensors and its blocks', stay with the entry and the job until the file is
+        durable, while its old tier releases them)."""
+        e.held = held
+        e.pending = DiskJob(key, e.meta, e.tensors, e.event,  # type: ignore[arg-type]
+                            self._tiers.disk_dir, e.blocks, e.held)
         self._writer.submit(e.pending)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every background disk write is durable; CapsuleIOError if one failed since the
+        last flush (those capsules stay readable from memory) or on timeout."""
+        if not self._writer.wait_idle(timeout):
+            raise CapsuleIOError(f"{self._writer.pending} background disk write(s) still running after {timeout:g} s")
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise CapsuleIOError(f"{len(errors)} background disk write(s) failed; the capsules stay readable "
+                                 f"from memory: {'; '.join(errors[:3])}")
 
     # -- the background writer's side (see writer.py) ----------------------------------------------
     def _current(self, job: DiskJob) -> Entry | None:
-        e = self._entries.get(job.key)
+        e = self._tiers.entries.get(job.key)
         return e if e is not None and e.pending is job else None
 
     def _job_wanted(self, job: DiskJob) -> bool:
@@ -42,7 +65,7 @@ class BackgroundWrites(Moves):
             return self._current(job) is not None
 
     def _missing_block(self, job: DiskJob, key: str) -> BlockRecord | None:
-        rec = self._pools["disk"].get(key)
+        rec = self._tiers.pools["disk"].get(key)
         return rec if self._current(job) is not None and rec is not None and rec.refs and rec.path is None else None
 
     def _job_block_wanted(self, job: DiskJob, key: str) -> bool:
@@ -91,7 +114,7 @@ class BackgroundWrites(Moves):
         # the capsule stays readable from its bytes in memory; flush() reports the failure, and an
         # explicit demote to disk (or the next move) writes it again
         e.pending = None
-        self._counters["disk_write_errors"] += 1
-        self._write_errors.append(f"{e.meta.namespace}/{e.meta.name}: {err}")
+        self._tiers.counters["disk_write_errors"] += 1
+        self._errors.append(f"{e.meta.namespace}/{e.meta.name}: {err}")
         log.error("background write of capsule %s/%s to disk failed (%s); it stays readable from memory",
                   e.meta.namespace, e.meta.name, err)

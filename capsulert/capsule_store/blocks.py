@@ -24,7 +24,6 @@ Only capsules whose origin the store knows are cut (the engine's own snapshots);
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 from array import array
 from dataclasses import dataclass, field
@@ -87,8 +86,9 @@ def keys_for(meta: CapsuleMeta, origin: str, n: int) -> list[str]:
 
 @dataclass(frozen=True)
 class BlockRefs:
-    """The blocks one capsule references, in order; what its file header records about them: the KV
-    blocks [0, G) (`keys`) and, when it shares its state at G, the grid-state block (`state`)."""
+    """The blocks one capsule references, in order; what its file header records about them (as JSON:
+    format/block_refs.py): the KV blocks [0, G) (`keys`) and, when it shares its state at G, the grid-state
+    block (`state`)."""
 
     keys: tuple[str, ...]
     rows: int
@@ -131,62 +131,6 @@ class BlockRefs:
     @property
     def nbytes(self) -> int:
         return len(self.keys) * self.block_nbytes + self.state_nbytes
-
-    def to_json(self) -> str:
-        d = {"keys": list(self.keys), "rows": self.rows, "token_dim": self.token_dim, "origin": self.origin,
-             "specs": _specs_json(self.specs)}
-        if self.state is not None:
-            d["state"] = {"key": self.state, "names": dict(self.state_names), "specs": _specs_json(self.state_specs)}
-        return json.dumps(d, separators=(",", ":"), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "BlockRefs":
-        """ValueError on anything malformed (the disk reader turns it into CorruptCapsuleError)."""
-        d = json.loads(text)
-        fields = {"keys", "rows", "token_dim", "origin", "specs"}
-        if not isinstance(d, dict) or not fields <= set(d) <= fields | {"state"}:
-            raise ValueError("block references must be an object of keys, rows, token_dim, origin, specs (and state)")
-        keys, rows, dim, origin, specs = d["keys"], d["rows"], d["token_dim"], d["origin"], d["specs"]
-        if not (isinstance(keys, list) and all(_is_key(k) for k in keys)):
-            raise ValueError("block keys must be 64-character hex strings")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (rows, dim)):
-            raise ValueError("rows and token_dim must be ints >= 1")
-        if not isinstance(origin, str) or not isinstance(specs, dict) or not specs:
-            raise ValueError("origin must be a string and specs a non-empty object")
-        parsed = _parse_specs(specs, dim, rows)
-        if "state" not in d:
-            return cls(tuple(keys), rows, dim, origin, parsed)
-        st = d["state"]
-        if not isinstance(st, dict) or set(st) != {"key", "names", "specs"} or not _is_key(st["key"]):
-            raise ValueError("the grid-state block must be an object of key, names, specs")
-        names, sspecs = st["names"], st["specs"]
-        if not isinstance(sspecs, dict) or not sspecs or not isinstance(names, dict) \
-                or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()) \
-                or sorted(names.values()) != sorted(sspecs) or set(names) & set(specs):
-            raise ValueError("the grid-state block's names must map capsule tensors onto each of its tensors once")
-        return cls(tuple(keys), rows, dim, origin, parsed, st["key"], _parse_specs(sspecs), dict(names))
-
-
-def _is_key(k: object) -> bool:
-    return isinstance(k, str) and len(k) == 64 and all(c in "0123456789abcdef" for c in k)
-
-
-def _specs_json(specs: Mapping[str, TensorSpec]) -> dict:
-    return {k: {"shape": list(s.shape), "dtype": str(s.dtype).replace("torch.", "")} for k, s in specs.items()}
-
-
-def _parse_specs(specs: dict, dim: int | None = None, rows: int | None = None) -> dict[str, TensorSpec]:
-    """Specs from JSON; with `dim` every tensor has `rows` rows along it (a KV block)."""
-    parsed = {}
-    for name, s in specs.items():
-        dtype = getattr(torch, s.get("dtype", "") if isinstance(s, dict) else "", None)
-        shape = s.get("shape") if isinstance(s, dict) else None
-        if not isinstance(dtype, torch.dtype) or not isinstance(shape, list) \
-                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape) \
-                or (dim is not None and (len(shape) <= dim or shape[dim] != rows)):
-            raise ValueError(f"block tensor spec {name!r} is malformed")
-        parsed[name] = TensorSpec(tuple(shape), dtype)
-    return parsed
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 import re
 import sys
@@ -19,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from capsulert.errors import CorruptCapsuleError, InvalidCapsuleNameError
+from capsulert.errors import InvalidCapsuleNameError
 
 MAX_NAME_LEN = 200
 _NAME_RE = re.compile(r"[A-Za-z0-9_:@+=\-][A-Za-z0-9._:@+=\-]{0,199}")
@@ -64,31 +63,6 @@ def tensor_nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def tensors_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 hex over (name, dtype, shape, raw bytes) of every tensor, in sorted-name order."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name]
-        head = f"{name}\x00{t.dtype}\x00{tuple(t.shape)}\x00{t.numel() * t.element_size()}\x00"
-        h.update(head.encode("utf-8"))
-        if t.numel():
-            flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            h.update(flat.numpy().data)
-    return h.hexdigest()
-
-
-def capsule_key_hash(namespace: str, name: str) -> str:
-    """sha256 hex of namespace + NUL + name: the only thing on disk derived from a name."""
-    return hashlib.sha256(f"{namespace}\x00{name}".encode("utf-8")).hexdigest()
-
-
-FILE_SUFFIX = ".capsule.safetensors"
-
-
-def capsule_file_name(namespace: str, name: str) -> str:
-    return f"{capsule_key_hash(namespace, name)[:40]}{FILE_SUFFIX}"
-
-
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -118,7 +92,8 @@ def weights_version_of(fingerprint: str) -> int:
 @dataclass(frozen=True)
 class CapsuleMeta:
     """Everything that describes a capsule except its tensors. Validated on construction (ValueError
-    or InvalidCapsuleNameError); from_json turns any refusal into CorruptCapsuleError."""
+    or InvalidCapsuleNameError). Its JSON encoding is format/meta.py's (a refusal there is
+    CorruptCapsuleError)."""
 
     name: str
     namespace: str
@@ -226,49 +201,6 @@ class CapsuleMeta:
 
     def replace(self, **changes: Any) -> "CapsuleMeta":
         return dataclasses.replace(self, **changes)
-
-    def to_json(self) -> str:
-        # shallow: every field is a plain value, and dataclasses.asdict deep-copies each of the token ids
-        # (12 ms for 16k tokens on a small CPU, on the path of every device transfer's manifest)
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["tokens"] = list(self.tokens)
-        for f in OPTIONAL_FIELDS:  # left out at their defaults: such capsules read as before this field
-            if d[f] == OPTIONAL_FIELDS[f]:
-                del d[f]
-        return json.dumps(d, separators=(",", ":"), sort_keys=True, allow_nan=False)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "CapsuleMeta":
-        try:
-            d = json.loads(text, parse_constant=_refuse_constant)
-        except (ValueError, TypeError, RecursionError) as e:
-            raise CorruptCapsuleError(f"capsule metadata is not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise CorruptCapsuleError("capsule metadata must be a JSON object")
-        if "prefill_chunk" in d and "grid" not in d:
-            # layout 2 kept its state on the prefill-chunk grid under this name: read it as what it was, so
-            # the capsule is listed and its restore refused by the layout check, never misread
-            d["grid"] = d.pop("prefill_chunk")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        if not fields - set(OPTIONAL_FIELDS) <= set(d) <= fields:
-            missing, extra = sorted(fields - set(d)), sorted(set(d) - fields)
-            raise CorruptCapsuleError(f"capsule metadata fields wrong: missing {missing}, unexpected {extra}")
-        for f in ("name", "namespace", "token_digest", "fingerprint", "checksum"):
-            if not isinstance(d[f], str):
-                raise CorruptCapsuleError(f"capsule metadata field {f!r} must be a string")
-        if not isinstance(d["tokens"], list):
-            raise CorruptCapsuleError("capsule metadata field 'tokens' must be a list")
-        try:
-            return cls(**{**d, "tokens": tuple(d["tokens"])})
-        except (ValueError, TypeError, OverflowError, InvalidCapsuleNameError) as e:
-            raise CorruptCapsuleError(f"capsule metadata is invalid: {e}") from None
-
-
-OPTIONAL_FIELDS: dict[str, Any] = {"decoded_from": None, "replay_from": None}
-
-
-def _refuse_constant(c: str) -> Any:
-    raise ValueError(f"non-finite number {c} in capsule metadata")
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
-"""Moves: the acting half of the tier machinery (tiers.py plans): copies between tiers, disk writes and
-reads, drops, and the background writer's side of a cascade write.
+"""Mover: the acting half of the tier machinery (tiers.py books and plans): copies between tiers, disk
+writes and reads, drops; a cascade's disk write is handed to the background writes (background.py).
 
 A capsule in a memory tier holds its own tensors and one reference to each of its blocks (KV blocks and its
 grid-state block) in that tier's pool; moving it copies its own tensors and only the blocks the destination
 lacks, in one grouped copy.
 Into the disk tier it writes its capsule file and the block files disk_dir lacks: blocks renamed and the
 directory fsynced before the capsule file is renamed, so a capsule file never names a missing block.
-Blocks nothing references any more are released at the end of each verb (_collect); their files are
+Blocks nothing references any more are released at the end of each verb (collect); their files are
 unlinked only after a directory fsync has made the capsule files that named them durably gone.
 """
 from __future__ import annotations
@@ -18,13 +18,15 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from capsulert.capsule_store.background import BackgroundWrites
 from capsulert.capsule_store.block_pool import BlockRecord
-from capsulert.capsule_store.format.blockfiles import stage_block
 from capsulert.capsule_store.blocks import Parts
 from capsulert.capsule_store.capsule import CapsuleMeta
-from capsulert.capsule_store.format.disk import StagedWrite, fsync_dir, read_capsule_parts, stage_capsule
+from capsulert.capsule_store.format.blockfiles import stage_block
+from capsulert.capsule_store.format.disk import read_capsule_parts, stage_capsule
+from capsulert.capsule_store.format.staging import StagedWrite, fsync_dir
 from capsulert.capsule_store.plan import Entry, Key, Plan
-from capsulert.capsule_store.tiers import MEMORY_TIERS, RANK, TierCore, pkey
+from capsulert.capsule_store.tiers import MEMORY_TIERS, RANK, TierBook, pkey
 from capsulert.capsule_store.transfer import Run, copy_tensors
 from capsulert.errors import BudgetExceededError
 from capsulert.policies.base import TIERS
@@ -47,10 +49,14 @@ class StagedCapsule:
         self.capsule.discard()
 
 
-class Moves(TierCore):
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self._prefix_counters = dict(kept=0, evicted=0)
+class Mover:
+    def __init__(self, tiers: TierBook, writes: BackgroundWrites, *, device: torch.device, fingerprint: str,
+                 layout_version: int):
+        self._tiers, self._writes = tiers, writes
+        self.device, self.fingerprint, self.layout_version = device, fingerprint, layout_version
+        self._cuda = device.type == "cuda"
+        self._pin_host = torch.cuda.is_available()
+        self._stream = torch.cuda.Stream(device=device) if self._cuda else None
 
     # -- copies -----------------------------------------------------------------------------------
     def _copy(self, tensors: Mapping[str, torch.Tensor], tier: str, *, wait=None, copy_stream: bool = True,
@@ -59,13 +65,13 @@ class Moves(TierCore):
         return copy_tensors(tensors, dev, pin=tier == "host" and self._pin_host, wait=wait,
                             stream=self._stream if copy_stream else None, runs=runs)
 
-    def _materialize(self, e: Entry, tier: str, own: Mapping[str, torch.Tensor], own_wait: Any, blocks: BlockBytes,
+    def materialize(self, e: Entry, tier: str, own: Mapping[str, torch.Tensor], own_wait: Any, blocks: BlockBytes,
                      *, copy_stream: bool = True, whole: Mapping[str, torch.Tensor] | None = None) -> None:
         """Copy e's own tensors into memory tier `tier` and reference its blocks there, copying (from
         `blocks`) those the tier lacks: one grouped copy. `whole`: the tensors split() cut `own` and `blocks`
         from (a put); when the tier lacks every KV block, each block tensor is copied as one run (its
         blocks and its tail in one op) instead of one copy per block."""
-        pool = self._pools[tier]
+        pool = self._tiers.pools[tier]
         missing = [k for k in e.block_keys if pool.get(k) is None]
         flat, waits = {f"/{n}": t for n, t in own.items()}, [own_wait]
         for k in missing:
@@ -80,18 +86,7 @@ class Moves(TierCore):
         for k in missing:
             tensors = {n: copied[f"{k}/{n}"] for n in e.blocks.specs_of(k)}  # type: ignore[union-attr]
             pool.add(k, BlockRecord(e.blocks.nbytes_of(k), tensors, ev))  # type: ignore[union-attr]
-        self._ref(tier, e)
-
-    def _ref(self, tier: str, e: Entry) -> None:
-        if tier == "disk":
-            for k in e.block_keys:
-                self._pools[tier].add(k, BlockRecord(e.blocks.nbytes_of(k)))  # type: ignore[union-attr]
-        for k in e.block_keys:
-            self._used[tier] += self._pools[tier].ref(k, e.anonymous)
-
-    def _unref(self, tier: str, e: Entry) -> None:
-        for k in e.block_keys:
-            self._used[tier] -= self._pools[tier].unref(k, e.anonymous)
+        self._tiers.ref(tier, e)
 
     def _held_blocks(self, e: Entry) -> BlockBytes:
         """Where the bytes of e's blocks are in memory: its tier's pool, or what it holds itself while its
@@ -100,10 +95,10 @@ class Moves(TierCore):
             return e.held
         if e.tier not in MEMORY_TIERS:
             return {}
-        pool = self._pools[e.tier]
+        pool = self._tiers.pools[e.tier]
         return {k: (pool.records[k].tensors, pool.records[k].event) for k in e.block_keys}  # type: ignore[misc]
 
-    def _source(self, e: Entry, have: frozenset = frozenset()) -> tuple[Parts, list]:
+    def source(self, e: Entry, have: frozenset = frozenset()) -> tuple[Parts, list]:
         """e's bytes where they are, moving nothing: memory tensors (and the CUDA events they are complete
         after), or its files read and verified (blocks in `have` are not read)."""
         if e.tensors is None:
@@ -125,35 +120,35 @@ class Moves(TierCore):
                         {k: {n: copied[f"{k}/{n}"] for n in b} for k, b in blocks.items()}), ev
 
     # -- disk -------------------------------------------------------------------------------------
-    def _stage(self, meta: CapsuleMeta, parts: Parts) -> StagedCapsule:
+    def stage(self, meta: CapsuleMeta, parts: Parts) -> StagedCapsule:
         """The capsule's file and the block files disk_dir lacks, written and fsynced under their temp names
         (nothing renamed yet)."""
-        disk, staged = self._pools["disk"], []
+        disk, staged = self._tiers.pools["disk"], []
         try:
             for k, b in parts.by_key().items():
                 rec = disk.get(k)
                 if rec is None or rec.path is None:
-                    staged.append((k, stage_block(self._disk_dir, k, b)))  # type: ignore[arg-type]
-            capsule = stage_capsule(self._disk_dir, meta, parts.own, parts.refs)  # type: ignore[arg-type]
+                    staged.append((k, stage_block(self._tiers.disk_dir, k, b)))  # type: ignore[arg-type]
+            capsule = stage_capsule(self._tiers.disk_dir, meta, parts.own, parts.refs)  # type: ignore[arg-type]
         except BaseException:
             for _, s in staged:
                 s.discard()
             raise
         return StagedCapsule(tuple(staged), capsule)
 
-    def _stage_entry(self, e: Entry) -> StagedCapsule:
+    def stage_entry(self, e: Entry) -> StagedCapsule:
         if e.tensors is None:
             raise AssertionError("only a capsule held in memory is staged")
-        parts, events = self._source(e)
+        parts, events = self.source(e)
         for ev in events:
             if ev is not None:
                 ev.synchronize()
-        return self._stage(e.meta, parts)
+        return self.stage(e.meta, parts)
 
-    def _settle_on_disk(self, e: Entry, staged: StagedCapsule) -> None:
+    def settle_on_disk(self, e: Entry, staged: StagedCapsule) -> None:
         """Rename a staged capsule into place, its missing blocks first: from now on the files alone hold
         it. Its blocks are referenced in the disk pool already."""
-        disk = self._pools["disk"]
+        disk = self._tiers.pools["disk"]
         for k, s in staged.blocks:
             rec = disk.get(k)
             if rec is not None and rec.path is None:
@@ -170,114 +165,102 @@ class Moves(TierCore):
 
     def _forget_file(self, e: Entry) -> None:
         """The capsule leaves the disk tier: cancel its pending write, unlink its file (its blocks are
-        released by _unref and unlinked by _collect)."""
+        released by unref and unlinked by collect)."""
         e.pending = None
         if e.path is not None:
             e.path.unlink(missing_ok=True)
             e.path = None
 
-    def _collect(self) -> None:
+    def collect(self) -> None:
         """Release the blocks nothing references (at the end of every verb that may drop references)."""
         for t in MEMORY_TIERS:
-            self._pools[t].collect()
-        files = [r.path for _, r in self._pools["disk"].collect() if r.path is not None]
+            self._tiers.pools[t].collect()
+        files = [r.path for _, r in self._tiers.pools["disk"].collect() if r.path is not None]
         if files:
             fsync_dir(files[0].parent)  # the capsule files that named them are durably gone first
             for p in files:
                 p.unlink(missing_ok=True)
 
     # -- moves ------------------------------------------------------------------------------------
-    def _remove(self, key: Key, e: Entry) -> None:
+    def remove(self, key: Key, e: Entry) -> None:
         """Take a capsule out of the store (delete, drop)."""
         self._forget_file(e)
-        self._unref(e.tier, e)
-        del self._entries[key]
-        self._used[e.tier] -= e.own_nbytes
-        self._policy_of(e).on_remove(pkey(key))
-        self._index.remove(key, e)
+        self._tiers.unref(e.tier, e)
+        self._tiers.forget(key, e)
         e.held = None
 
-    def _drop(self, key: Key, e: Entry) -> None:
-        self._remove(key, e)
+    def drop(self, key: Key, e: Entry) -> None:
+        self.remove(key, e)
         if e.anonymous:
-            self._prefix_counters["evicted"] += 1
+            self._tiers.prefix_counters["evicted"] += 1
             return
-        self._counters["evictions"] += 1
-        self._counters["dropped"] += 1
-        self._counters["dropped_bytes"] += e.meta.nbytes
+        self._tiers.counters["evictions"] += 1
+        self._tiers.counters["dropped"] += 1
+        self._tiers.counters["dropped_bytes"] += e.meta.nbytes
         log.warning("dropped capsule %s/%s (%d bytes, unpinned) from tier %r: every slower tier is full or "
                     "disabled; raise a budget, or pin the capsules that must stay", key[0], key[1],
                     e.meta.nbytes, e.tier)
 
     def _move(self, key: Key, dest: str | None, preloaded: Parts | None = None,
               staged: StagedCapsule | None = None) -> None:
-        e = self._entries[key]
-        src, n = e.tier, e.own_nbytes
+        e = self._tiers.entries[key]
+        src = e.tier
         if dest is None:
-            self._drop(key, e)
+            self.drop(key, e)
             return
         if dest == "disk":
-            self._ref("disk", e)
+            self._tiers.ref("disk", e)
             try:
                 if staged is not None:  # a write the caller asked for: durable before the verb returns
-                    self._settle_on_disk(e, staged)
+                    self.settle_on_disk(e, staged)
                 else:  # a cascade: written in the background, readable from its bytes until durable
-                    self._write_later(key, e)
+                    self._writes.write_later(key, e, dict(self._held_blocks(e)) if e.blocks is not None else None)
             except BaseException:
-                self._unref("disk", e)  # it stays where it was
+                self._tiers.unref("disk", e)  # it stays where it was
                 raise
         else:
             if e.tensors is None:
-                parts = preloaded if preloaded is not None else self._source(e, self._have(dest, e))[0]
+                parts = preloaded if preloaded is not None else self.source(e, self.have(dest, e))[0]
                 own, wait, blocks = parts.own, None, {k: (b, None) for k, b in parts.by_key().items() if b}
             else:
                 own, wait, blocks = e.tensors, e.event, self._held_blocks(e)
-            self._materialize(e, dest, own, wait, blocks)
+            self.materialize(e, dest, own, wait, blocks)
             if src == "disk":
                 self._forget_file(e)
                 e.held = None
-        self._unref(src, e)
-        e.tier = dest
-        self._used[src] -= n
-        self._used[dest] += n
-        self._counters["promotions" if RANK[dest] < RANK[src] else "demotions"] += 1
-        self._policy_of(e).on_move(pkey(key), dest)
+        self._tiers.moved(key, e, dest)
 
-    def _write_later(self, key: Key, e: Entry) -> None:
-        """Queue the capsule's files for the background writer (background.py)."""
-        raise NotImplementedError
-
-    def _have(self, tier: str, e: Entry) -> frozenset:
+    def have(self, tier: str, e: Entry) -> frozenset:
         """e's blocks that memory tier `tier` holds already (not read from disk again)."""
-        return frozenset(k for k in e.block_keys if self._pools[tier].get(k) is not None)
+        return frozenset(k for k in e.block_keys if self._tiers.pools[tier].get(k) is not None)
 
-    def _apply(self, plan: Plan, preloaded: dict | None = None, staged: dict | None = None) -> None:
+    def apply(self, plan: Plan, preloaded: dict | None = None, staged: dict | None = None) -> None:
         for key, dest in plan.actions:
             self._move(key, dest, (preloaded or {}).get(key), (staged or {}).get(key) if dest == "disk" else None)
-        self._collect()
+        self.collect()
 
-    def _acquire(self, key: Key, e: Entry) -> tuple[Parts, str]:
+    def acquire(self, key: Key, e: Entry) -> tuple[Parts, str]:
         """Device tensors of a capsule for reading (promoting it to gpu when that tier is usable), and the
         tier it was found in (before that promotion)."""
         found = e.tier
         if e.tier == "gpu":
-            self._counters["hits"] += 1
+            self._tiers.counters["hits"] += 1
         else:
-            self._counters["misses"] += 1
-            if self._usable("gpu"):
-                self._try_promote(key, "gpu")
-        pk, policy = pkey(key), self._policy_of(e)
+            self._tiers.counters["misses"] += 1
+            if self._tiers.usable("gpu"):
+                self.try_promote(key, "gpu")
+        pk, policy = pkey(key), self._tiers.policy_of(e)
         policy.on_access(pk)
         e.last_used = time.time()
         want = policy.should_promote(pk)
-        if want in TIERS and RANK[want] < RANK[e.tier] and self._usable(want):
-            self._try_promote(key, want)
+        if want in TIERS and RANK[want] < RANK[e.tier] and self._tiers.usable(want):
+            self.try_promote(key, want)
         if e.tier == "gpu":
-            parts, events = self._source(e)
+            parts, events = self.source(e)
         else:
             # the gpu tier is disabled, or pinned capsules leave it no room: the read is served from a
             # transient device copy (not counted in any budget) and the capsule stays where it is
-            parts, ev = self._to_device(*self._source(e))
+            parts, ev = self._to_device(*self.source(e))
             events = [ev]
         if self._cuda:
             for ev in events:
@@ -285,15 +268,15 @@ class Moves(TierCore):
                     torch.cuda.current_stream(self.device).wait_event(ev)
         return parts, found
 
-    def _try_promote(self, key: Key, tier: str) -> bool:
+    def try_promote(self, key: Key, tier: str) -> bool:
         """Promote if room can be made; a refusal (pins fill the tier) moves nothing and returns False."""
         try:
-            self._promote(key, tier)
+            self.promote(key, tier)
         except BudgetExceededError:
             return False
         return True
 
-    def _promote(self, key: Key, tier: str) -> None:
-        e = self._entries[key]
-        preloaded = {key: self._source(e, self._have(tier, e))[0]} if e.tensors is None else None  # verified first
-        self._apply(self._plan_to(key, tier), preloaded)
+    def promote(self, key: Key, tier: str) -> None:
+        e = self._tiers.entries[key]
+        preloaded = {key: self.source(e, self.have(tier, e))[0]} if e.tensors is None else None  # verified first
+        self.apply(self._tiers.plan_to(key, tier), preloaded)

@@ -127,7 +127,7 @@ def _close_inherited_locks() -> None:
     """In a forked child: close the lock descriptors inherited from the parent (the parent keeps its lock;
     the child neither holds nor releases it: the objects it inherited forget their descriptor)."""
     for lock in list(_LIVE_LOCKS):
-        lock._forget()
+        lock.forget_descriptor()
 
 
 os.register_at_fork(after_in_child=_close_inherited_locks)
@@ -186,7 +186,7 @@ class DirLock:
     def release(self) -> None:
         self._finalizer()  # runs _release once; later calls do nothing
 
-    def _forget(self) -> None:
+    def forget_descriptor(self) -> None:
         """Close this process's copy of the descriptor without touching the lock (a forked child's)."""
         if self._finalizer.detach() is not None:
             try:

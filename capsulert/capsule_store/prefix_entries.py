@@ -10,26 +10,29 @@ capsule. Keys carry the namespace, so one namespace's entries never match anothe
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Iterator, Mapping
 
 import torch
 
+from capsulert.capsule_store.access import EntryAccess
 from capsulert.capsule_store.blocks import Parts, chain_keys, chain_seed, split
 from capsulert.capsule_store.capsule import CapsuleMeta, tensor_nbytes
-from capsulert.capsule_store.persistence import Persistence
+from capsulert.capsule_store.moves import Mover
 from capsulert.capsule_store.plan import ANON, Entry
 from capsulert.capsule_store.prefix_index import PrefixMatch
-from capsulert.capsule_store.tiers import MEMORY_TIERS, RANK, pkey
+from capsulert.capsule_store.tiers import MEMORY_TIERS, RANK, TierBook, pkey
 from capsulert.errors import BudgetExceededError, UnknownCapsuleError
 from capsulert.policies.prefix import admit
 
 
-class PrefixEntries(Persistence):
-    def __init__(self, *, prefix_bytes: int | None = 0, **kw):
-        super().__init__(**kw)
+class PrefixEntries:
+    def __init__(self, tiers: TierBook, mover: Mover, access: EntryAccess, lock: threading.RLock, *,
+                 layout_version: int, prefix_bytes: int | None = 0):
+        self._tiers, self._mover, self._access, self._lock = tiers, mover, access, lock
+        self._layout, self._layout_version = tiers.layout, layout_version
         self._prefix_cap = prefix_bytes
-        self._prefix_counters.update(lookups=0, hits=0, hit_tokens=0, refused=0)
 
     @property
     def block_origin(self) -> str | None:
@@ -49,20 +52,21 @@ class PrefixEntries(Persistence):
         snapshot looking for a shared state), kept out of the prefix cache's counters."""
         if self._layout is None:
             return PrefixMatch()
-        keys = chain_keys(chain_seed(namespace, fingerprint, self.layout_version, rows, self._layout.origin),
+        keys = chain_keys(chain_seed(namespace, fingerprint, self._layout_version, rows, self._layout.origin),
                           tokens, rows)
+        tiers = self._tiers
         with self._lock:
-            self._check_open()
-            self._prefix_counters["lookups"] += count
-            held, at = self._index.walk(keys)
+            tiers.check_open()
+            tiers.prefix_counters["lookups"] += count
+            held, at = tiers.index.walk(keys)
             best = None
             for depth in sorted(at, reverse=True):
                 grid = depth * rows
                 if grid <= after:
                     break
-                ok = [k for k in at[depth] if grid < len(tokens) or self._index.complete(self._entries[k])]
+                ok = [k for k in at[depth] if grid < len(tokens) or tiers.index.complete(tiers.entries[k])]
                 if ok:
-                    best = grid, min(ok, key=lambda k: (RANK[self._entries[k].tier], k))
+                    best = grid, min(ok, key=lambda k: (RANK[tiers.entries[k].tier], k))
                     break
             return PrefixMatch(grid=best[0] if best else 0, key=best[1] if best else None, shared=held * rows,
                                checkpoints=frozenset(d * rows for d in at))
@@ -73,15 +77,15 @@ class PrefixEntries(Persistence):
         UnknownCapsuleError when it left the store since the match. `start`: tokens the reader holds
         already (counted out of the hit's tokens)."""
         def resolve():
-            e = self._entries.get(match.key) if match.key is not None else None  # type: ignore[arg-type]
+            e = self._tiers.entries.get(match.key) if match.key is not None else None  # type: ignore[arg-type]
             if e is None:
                 raise UnknownCapsuleError("the prefix checkpoint left the store since it was matched")
             if count:
-                self._prefix_counters["hits"] += 1
-                self._prefix_counters["hit_tokens"] += match.grid - start
+                self._tiers.prefix_counters["hits"] += 1
+                self._tiers.prefix_counters["hit_tokens"] += match.grid - start
             return match.key, e
 
-        with self._reading(resolve) as (e, parts, _):
+        with self._access.reading(resolve) as (e, parts, _):
             yield e.meta, parts
 
     # -- keeping ----------------------------------------------------------------------------------
@@ -90,7 +94,7 @@ class PrefixEntries(Persistence):
         meta.grid_pos; the tensors as a capsule's); whether it was kept. Refused when the prefix cache is
         off, the checkpoint exists, the admission policy declines it, or no room can be made without
         touching named capsules."""
-        tier = next((t for t in MEMORY_TIERS if self._usable(t)), None)
+        tier = next((t for t in MEMORY_TIERS if self._tiers.usable(t)), None)
         if not self.prefix_enabled or tier is None:
             return False
         parts = split(meta, tensors, self._layout, self.block_origin)
@@ -99,22 +103,22 @@ class PrefixEntries(Persistence):
         key = (meta.namespace, ANON + parts.refs.keys[-1])
         own = tensor_nbytes(parts.own)
         with self._lock:
-            self._check_open()
-            if key in self._entries or self._index.has_checkpoint(parts.refs.keys[-1]):
+            self._tiers.check_open()
+            if key in self._tiers.entries or self._tiers.index.has_checkpoint(parts.refs.keys[-1]):
                 return False
-            new = self._new_plan().added(tier, own, parts.refs)
-            room = None if self._prefix_cap is None else self._prefix_cap - self._anon_nbytes()
-            displaced = self._anon_policy.choose_victims(tier, new - room) if room is not None and new > room else []
-            if not admit(self._anon_policy, new, meta.recompute_cost_s, room, displaced) \
+            new = self._tiers.new_plan().added(tier, own, parts.refs)
+            room = None if self._prefix_cap is None else self._prefix_cap - self._tiers.anon_nbytes()
+            displaced = self._tiers.anon_policy.choose_victims(tier, new - room) if room is not None and new > room else []
+            if not admit(self._tiers.anon_policy, new, meta.recompute_cost_s, room, displaced) \
                     or not self._cap_room(tier, own, parts):
-                self._prefix_counters["refused"] += 1
+                self._tiers.prefix_counters["refused"] += 1
                 return False
             try:
-                self._put(key, meta, tensors, tier, False, self.block_origin, anonymous=True)
+                self._access.put(key, meta, tensors, tier, False, self.block_origin, anonymous=True)
             except BudgetExceededError:
-                self._prefix_counters["refused"] += 1
+                self._tiers.prefix_counters["refused"] += 1
                 return False
-            self._prefix_counters["kept"] += 1
+            self._tiers.prefix_counters["kept"] += 1
             return True
 
     def _cap_room(self, tier: str, own: int, parts: Parts) -> bool:
@@ -122,29 +126,24 @@ class PrefixEntries(Persistence):
         if self._prefix_cap is None:
             return True
         seen: set[str] = set()
-        while self._anon_nbytes() + self._new_plan().added(tier, own, parts.refs) > self._prefix_cap:
-            need = self._anon_nbytes() + self._new_plan().added(tier, own, parts.refs) - self._prefix_cap
-            victims = [pk for pk in self._anon_policy.choose_victims(tier, need) if pk not in seen]
+        while self._tiers.anon_nbytes() + self._tiers.new_plan().added(tier, own, parts.refs) > self._prefix_cap:
+            need = self._tiers.anon_nbytes() + self._tiers.new_plan().added(tier, own, parts.refs) - self._prefix_cap
+            victims = [pk for pk in self._tiers.anon_policy.choose_victims(tier, need) if pk not in seen]
             key = next((k for k in (tuple(pk.split("/", 1)) for pk in victims)
-                        if k in self._entries and not self._entries[k].readers), None)  # type: ignore[misc]
+                        if k in self._tiers.entries and not self._tiers.entries[k].readers), None)  # type: ignore[misc]
             if key is None:
                 return False
             seen.add(pkey(key))  # type: ignore[arg-type]
-            self._drop(key, self._entries[key])  # type: ignore[index]
-            self._collect()
+            self._mover.drop(key, self._tiers.entries[key])  # type: ignore[index]
+            self._mover.collect()
         return True
 
-    def _anon_nbytes(self) -> int:
-        """Bytes anonymous entries hold alone: their own tensors and the blocks only they reference."""
-        own = sum(e.own_nbytes for e in self._entries.values() if e.anonymous)
-        return own + sum(self._pools[t].anon_only_nbytes() for t in MEMORY_TIERS)
-
-    def _prefix_stats(self) -> dict:
-        anon = [e for e in self._entries.values() if e.anonymous]
-        return {"entries": len(anon), "bytes": self._anon_nbytes() if anon else 0, "cap": self._prefix_cap,
-                **self._prefix_counters}
+    def stats(self) -> dict:
+        anon = [e for e in self._tiers.entries.values() if e.anonymous]
+        return {"entries": len(anon), "bytes": self._tiers.anon_nbytes() if anon else 0, "cap": self._prefix_cap,
+                **self._tiers.prefix_counters}
 
     def anonymous_entries(self) -> list[Entry]:
         """The anonymous entries (for tests and the benchmark: read-only)."""
         with self._lock:
-            return [e for e in self._entries.values() if e.anonymous]
+            return [e for e in self._tiers.entries.values() if e.anonymous]

@@ -1,9 +1,16 @@
 """CapsuleStore: capsules in three tiers (gpu = device memory, host = pinned memory, disk = files),
-with byte budgets, moves between tiers, and a policy that names victims (planning in tiers.py, acting in
-moves.py). A capsule of the store's own origin is held as prefix blocks shared by reference with every
-capsule of the same prefix (blocks.py, block_pool.py: the KV blocks [0, G) and the grid-state block, its
-recurrent and conv state at G) plus its own tensors; anonymous prefix entries and the prefix index serve
-automatic prefix reuse (prefix_cache.py, prefix_index.py).
+with byte budgets, moves between tiers, and a policy that names victims. A capsule of the store's own
+origin is held as prefix blocks shared by reference with every capsule of the same prefix (blocks.py,
+block_pool.py: the KV blocks [0, G) and the grid-state block, its recurrent and conv state at G) plus its
+own tensors; anonymous prefix entries and the prefix index serve
+automatic prefix reuse (prefix_entries.py, prefix_index.py).
+
+The store holds its parts, each made once here and given only what it needs (the store's one RLock is
+shared): the books and the planner (tiers.py: entries, bytes per tier, budgets, policies, prefix index),
+the mover that acts on a plan (moves.py), the background writes of cascade demotions (background.py),
+how entries come in and are read (access.py), the disk directory it owns (disk_dir.py), save and load
+(persistence.py) and the anonymous prefix entries (prefix_entries.py). Every capsule byte layout is
+format/'s.
 
 A store owns its disk_dir: it holds the directory's owner lock while it lives (owner.py), so no other
 store or orchestrator writes there, and its index of disk capsules is exactly the capsule files there.
@@ -12,20 +19,28 @@ store or orchestrator writes there, and its index of disk capsules is exactly th
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+import threading
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
 import torch
 
+from capsulert.capsule_store.access import EntryAccess
+from capsulert.capsule_store.background import BackgroundWrites
 from capsulert.capsule_store.blocks import BlockLayout, Parts
 from capsulert.capsule_store.capsule import (CapsuleInfo, CapsuleMeta, CapsuleRef, TensorSpec, model_of,
                                              tensor_nbytes, validate_name)
+from capsulert.capsule_store.disk_dir import DiskDirectory
 from capsulert.capsule_store.format.disk import write_capsule_with_meta
+from capsulert.capsule_store.moves import Mover
 from capsulert.capsule_store.owner import ensure_directory
+from capsulert.capsule_store.persistence import Persistence
 from capsulert.capsule_store.plan import Entry
 from capsulert.capsule_store.prefix_entries import PrefixEntries
-from capsulert.capsule_store.tiers import RANK, check_budget, pkey, tier_name
+from capsulert.capsule_store.prefix_index import PrefixMatch
+from capsulert.capsule_store.quarantine import QuarantinedFile
+from capsulert.capsule_store.tiers import RANK, TierBook, check_budget, pkey, tier_name
 from capsulert.errors import (CapsuleInUseError, DuplicateCapsuleError, IncompatibleCapsuleError,
                               InvalidRequestError)
 from capsulert.policies.base import TIERS, CapsulePolicy
@@ -33,7 +48,7 @@ from capsulert.policies.base import TIERS, CapsulePolicy
 ReadCheck = Callable[[CapsuleMeta, Mapping[str, TensorSpec]], None]
 
 
-class CapsuleStore(PrefixEntries):
+class CapsuleStore:
     def __init__(self, *, device: torch.device | str, fingerprint: str, layout_version: int,
                  budgets: dict[str, int | None] | None = None, disk_dir: str | Path | None = None,
                  policy: str | CapsulePolicy = "pinned_lru", blocks: BlockLayout | None = None,
@@ -44,23 +59,47 @@ class CapsuleStore(PrefixEntries):
         entries may hold alone (0: no prefix cache; None: bounded by the tier budgets only), kept and
         evicted in the order of `prefix_policy`. `reindex`: index the capsule files disk_dir holds now (a
         previous owner's), in the disk tier; False leaves them for an explicit load(disk_dir)."""
-        super().__init__(device=device, fingerprint=fingerprint, layout_version=layout_version, budgets=budgets,
-                         disk_dir=ensure_directory(disk_dir, create=True) if disk_dir is not None else None,
-                         policy=policy, blocks=blocks, prefix_policy=prefix_policy, prefix_bytes=prefix_bytes)
-        self.reindexed = self._reindex_disk() if reindex else 0  # capsule files of disk_dir indexed at start
+        self.device = torch.device(device)
+        self.fingerprint, self.layout_version = fingerprint, layout_version
+        ident = dict(fingerprint=fingerprint, layout_version=layout_version)
+        self._lock = threading.RLock()
+        self._tiers = TierBook(budgets=budgets, policy=policy, blocks=blocks, prefix_policy=prefix_policy,
+                               disk_dir=ensure_directory(disk_dir, create=True) if disk_dir is not None else None)
+        self._writes = BackgroundWrites(self._tiers, self._lock)
+        self._mover = Mover(self._tiers, self._writes, device=self.device, **ident)
+        self._access = EntryAccess(self._tiers, self._mover, self._lock)
+        self._disk = DiskDirectory(self._tiers, self._mover, self._lock, **ident)  # takes disk_dir's owner lock
+        self._persistence = Persistence(self._tiers, self._mover, self._access, self._disk, self._lock, **ident)
+        self._prefix = PrefixEntries(self._tiers, self._mover, self._access, self._lock,
+                                     layout_version=layout_version, prefix_bytes=prefix_bytes)
+        self.reindexed = self._disk.reindex() if reindex else 0  # capsule files of disk_dir indexed at start
 
     @property
     def policy(self) -> CapsulePolicy:
-        return self._policy
+        return self._tiers.policy
 
     @property
     def disk_dir(self) -> Path | None:
-        return self._disk_dir
+        return self._tiers.disk_dir
 
     @property
     def pending_writes(self) -> int:
         """Background disk writes not finished yet (budget-cascade demotions)."""
-        return self._writer.pending
+        return self._writes.pending
+
+    @property
+    def quarantined(self) -> list[QuarantinedFile]:
+        """The capsule files this store set aside instead of loading (quarantine.py), oldest first."""
+        return self._disk.quarantined
+
+    @property
+    def block_origin(self) -> str | None:
+        """The numerics whose capsules the store cuts into blocks and indexes (None: it cuts none)."""
+        return self._prefix.block_origin
+
+    @property
+    def prefix_enabled(self) -> bool:
+        return self._prefix.prefix_enabled
 
     # -- capsules ---------------------------------------------------------------------------------
     def put(self, meta: CapsuleMeta, tensors: dict[str, torch.Tensor], *, tier: str = "gpu",
@@ -80,20 +119,20 @@ class CapsuleStore(PrefixEntries):
         if n != meta.nbytes:
             raise ValueError(f"capsule {meta.name!r}: meta.nbytes={meta.nbytes} but the tensors hold {n} bytes")
         with self._lock:
-            self._check_open()
-            self._require_usable(tier)
-            if key in self._entries:
+            self._tiers.check_open()
+            self._tiers.require_usable(tier)
+            if key in self._tiers.entries:
                 raise DuplicateCapsuleError(f"capsule {meta.name!r} already exists in namespace "
                                             f"{meta.namespace!r}; capsules are immutable: delete it first")
-            self._put(key, meta, tensors, tier, bool(pin), origin if origin == self.block_origin else None)
+            self._access.put(key, meta, tensors, tier, bool(pin), origin if origin == self.block_origin else None)
             return CapsuleRef(meta.name, meta.namespace, tier, n, meta.boundary)
 
     def get(self, name: str, namespace: str = "default") -> tuple[CapsuleMeta, dict[str, torch.Tensor]]:
         """The capsule's tensors on `device` (promoted to gpu first), each in one piece (a capsule held as
         prefix blocks is assembled: a copy). Treat them as read-only."""
         with self._lock:
-            key, e = self._lookup(name, namespace)
-            return e.meta, self._acquire(key, e)[0].full()
+            key, e = self._tiers.lookup(name, namespace)
+            return e.meta, self._mover.acquire(key, e)[0].full()
 
     @contextmanager
     def reading(self, name: str, namespace: str = "default", check: ReadCheck | None = None,
@@ -117,12 +156,12 @@ class CapsuleStore(PrefixEntries):
         """`reading_tier` with the capsule as the store holds it: own tensors and its blocks' tensors (no
         assembling copy; a restore writes each piece into place)."""
         def resolve():
-            key, e = self._lookup(name, namespace)
+            key, e = self._tiers.lookup(name, namespace)
             if check is not None:
                 check(e.meta, e.specs)
             return key, e
 
-        with self._reading(resolve) as (e, parts, found):
+        with self._access.reading(resolve) as (e, parts, found):
             yield e.meta, parts, found
 
     def export_file(self, name: str, directory: str | Path, namespace: str = "default") -> Path:
@@ -135,7 +174,7 @@ class CapsuleStore(PrefixEntries):
 
     def contains(self, name: str, namespace: str = "default") -> bool:
         with self._lock:
-            return (validate_name(namespace, "namespace"), validate_name(name)) in self._entries
+            return (validate_name(namespace, "namespace"), validate_name(name)) in self._tiers.entries
 
     def _info(self, e: Entry) -> CapsuleInfo:
         return CapsuleInfo(e.meta, e.tier, e.pinned, e.last_used, own_nbytes=e.own_nbytes,
@@ -143,59 +182,59 @@ class CapsuleStore(PrefixEntries):
 
     def info(self, name: str, namespace: str = "default") -> CapsuleInfo:
         with self._lock:
-            return self._info(self._lookup(name, namespace)[1])
+            return self._info(self._tiers.lookup(name, namespace)[1])
 
     def list(self, namespace: str | None = None) -> list[CapsuleInfo]:
         with self._lock:
             if namespace is not None:
                 validate_name(namespace, "namespace")
-            return [self._info(self._entries[k]) for k in sorted(self._entries)
-                    if (namespace is None or k[0] == namespace) and not self._entries[k].anonymous]
+            return [self._info(self._tiers.entries[k]) for k in sorted(self._tiers.entries)
+                    if (namespace is None or k[0] == namespace) and not self._tiers.entries[k].anonymous]
 
     # -- moves ------------------------------------------------------------------------------------
     def promote(self, name: str, tier: str, namespace: str = "default") -> None:
         tier = tier_name(tier)
         with self._lock:
-            key, e = self._lookup(name, namespace)
-            self._require_usable(tier)
+            key, e = self._tiers.lookup(name, namespace)
+            self._tiers.require_usable(tier)
             if RANK[tier] > RANK[e.tier]:
                 raise InvalidRequestError(f"cannot promote {name!r} from {e.tier!r} to slower tier {tier!r}; use demote")
             if tier != e.tier:
-                self._promote(key, tier)
+                self._mover.promote(key, tier)
 
     def prefetch(self, name: str, tier: str = "gpu", namespace: str = "default") -> None:
         """Start promoting toward `tier`; returns once queued (CUDA) or done (CPU). The bookkeeping moves at
         once, so a second prefetch while the copy is in flight finds it there and copies nothing."""
         tier = tier_name(tier)
         with self._lock:
-            key, e = self._lookup(name, namespace)
-            self._require_usable(tier)
+            key, e = self._tiers.lookup(name, namespace)
+            self._tiers.require_usable(tier)
             if RANK[tier] < RANK[e.tier]:
-                self._promote(key, tier)
+                self._mover.promote(key, tier)
 
     def demote(self, name: str, tier: str | None = None, namespace: str = "default") -> None:
         """Move to a slower tier (None: the next usable slower one), making room there per policy. Into
         disk the write is synchronous: the file is durable when demote returns."""
         tier = tier_name(tier)
         with self._lock:
-            key, e = self._lookup(name, namespace)
+            key, e = self._tiers.lookup(name, namespace)
             if tier is None:
-                tier = next((t for t in TIERS[RANK[e.tier] + 1:] if self._usable(t)), None)
+                tier = next((t for t in TIERS[RANK[e.tier] + 1:] if self._tiers.usable(t)), None)
                 if tier is None:
                     raise InvalidRequestError(f"capsule {name!r} is in {e.tier!r}; no usable slower tier (delete it instead)")
-            self._require_usable(tier)
+            self._tiers.require_usable(tier)
             if RANK[tier] < RANK[e.tier]:
                 raise InvalidRequestError(f"cannot demote {name!r} from {e.tier!r} to faster tier {tier!r}; use promote")
             if tier == e.tier:
                 if tier == "disk" and e.path is None:  # a background write in flight (or failed): finish it now
-                    self._settle_on_disk(e, self._stage_entry(e))
+                    self._mover.settle_on_disk(e, self._mover.stage_entry(e))
                 return
             if e.readers:
                 raise CapsuleInUseError(f"capsule {name!r} is being read; demote it after the restore ends")
-            plan = self._plan_to(key, tier)
-            staged = {key: self._stage_entry(e)} if tier == "disk" else None  # written before any move
+            plan = self._tiers.plan_to(key, tier)
+            staged = {key: self._mover.stage_entry(e)} if tier == "disk" else None  # written before any move
             try:
-                self._apply(plan, staged=staged)
+                self._mover.apply(plan, staged=staged)
             except BaseException:
                 for s in (staged or {}).values():
                     s.discard()
@@ -210,31 +249,24 @@ class CapsuleStore(PrefixEntries):
 
     def _set_pin(self, name: str, namespace: str, flag: bool) -> None:
         with self._lock:
-            key, e = self._lookup(name, namespace)
+            key, e = self._tiers.lookup(name, namespace)
             e.pinned = flag
-            (self._policy.pin if flag else self._policy.unpin)(pkey(key))
+            (self._tiers.policy.pin if flag else self._tiers.policy.unpin)(pkey(key))
 
     def delete(self, name: str, namespace: str = "default") -> None:
         with self._lock:
-            key, e = self._lookup(name, namespace)
+            key, e = self._tiers.lookup(name, namespace)
             if e.readers:
                 raise CapsuleInUseError(f"capsule {name!r} is being read by {e.readers} restore(s); retry after")
-            self._remove(key, e)  # its blocks stay while another capsule of the tier references them
-            self._collect()
+            self._mover.remove(key, e)  # its blocks stay while another capsule of the tier references them
+            self._mover.collect()
 
     def set_budget(self, tier: str, nbytes: int | None) -> None:
         """Change a tier's budget; shrinking moves capsules out at once (or refuses, changing nothing)."""
         tier = tier_name(tier)
         check_budget(tier, nbytes)
         with self._lock:
-            old, self._budgets[tier] = self._budgets[tier], nbytes
-            try:
-                plan = self._new_plan()
-                self._make_room(plan, tier, frozenset())
-            except BaseException:
-                self._budgets[tier] = old
-                raise
-            self._apply(plan)
+            self._mover.apply(self._tiers.plan_budget(tier, nbytes))
 
     def stats(self) -> dict:
         """Bytes, budget and count per tier, and the counters: hits, misses, promotions, demotions,
@@ -243,12 +275,56 @@ class CapsuleStore(PrefixEntries):
         instead of loaded: `quarantined` lists them).
         A tier's bytes are what it holds: own tensors plus each prefix block once (`blocks`: how many per
         tier, KV and grid-state blocks); `count` counts named capsules. `prefix`: the prefix cache (prefix_cache.py)."""
+        tiers = self._tiers
         with self._lock:
-            out: dict = {t: {"bytes": self._used[t], "budget": self._budgets[t],
-                             "count": sum(1 for e in self._entries.values() if e.tier == t and not e.anonymous)}
+            out: dict = {t: {"bytes": tiers.used[t], "budget": tiers.budgets[t],
+                             "count": sum(1 for e in tiers.entries.values() if e.tier == t and not e.anonymous)}
                          for t in TIERS}
-            out.update(self._counters)
-            out["blocks"] = {t: sum(1 for r in self._pools[t].records.values() if r.refs) for t in TIERS}
-            out["prefix"] = self._prefix_stats()
-            out["quarantined"] = len(self._quarantined)
+            out.update(tiers.counters)
+            out["blocks"] = {t: sum(1 for r in tiers.pools[t].records.values() if r.refs) for t in TIERS}
+            out["prefix"] = self._prefix.stats()
+            out["quarantined"] = len(self._disk.quarantined)
             return out
+
+    # -- durability, save and load (persistence.py, disk_dir.py) -------------------------------------
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every background disk write is durable; CapsuleIOError if one failed since the
+        last flush (those capsules stay readable from memory) or on timeout."""
+        self._writes.flush(timeout)
+
+    def close(self, flush: bool = True) -> None:
+        """Let go of every capsule and of disk_dir's owner lock (files already written stay for a later
+        load). flush=False cancels background writes instead of waiting, as a crash would."""
+        try:
+            if flush and not self._tiers.closed:
+                self.flush()
+        finally:
+            with self._lock:
+                self._tiers.close()
+            self._disk.release()
+
+    def save(self, directory: str | Path) -> int:
+        return self._persistence.save(directory)
+
+    def load(self, directory: str | Path) -> int:
+        return self._persistence.load(directory)
+
+    def load_file(self, path: str | Path, *, pin: bool = False, replace: bool = False) -> CapsuleMeta:
+        return self._persistence.load_file(path, pin=pin, replace=replace)
+
+    # -- the prefix cache (prefix_entries.py) ---------------------------------------------------------
+    def match_prefix(self, namespace: str, fingerprint: str, tokens: list[int], rows: int, *,
+                     after: int = 0, count: bool = True) -> PrefixMatch:
+        return self._prefix.match_prefix(namespace, fingerprint, tokens, rows, after=after, count=count)
+
+    def reading_prefix(self, match: PrefixMatch, start: int = 0, count: bool = True,
+                       ) -> AbstractContextManager[tuple[CapsuleMeta, Parts]]:
+        """The checkpoint `match` found, on the device, with a read reference held (prefix_entries.py)."""
+        return self._prefix.reading_prefix(match, start, count)
+
+    def keep_prefix(self, meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor]) -> bool:
+        return self._prefix.keep_prefix(meta, tensors)
+
+    def anonymous_entries(self) -> list[Entry]:
+        """The anonymous entries (for tests and the benchmark: read-only)."""
+        return self._prefix.anonymous_entries()

@@ -1,4 +1,6 @@
-"""TierCore: the machinery under the store's public verbs: budgets, the policy, planning moves.
+"""TierBook: the store's bookkeeping and planning: its entries, the bytes each tier holds (own tensors and
+pooled blocks), the budgets, the policies, the prefix index, the counters; and planning moves against them.
+It moves no byte (moves.py acts on what it plans).
 
 Every budget-driven change is planned first (simulated against the budgets, asking the policy for
 victims) and only then applied (moves.py), so a refusal (BudgetExceededError) leaves the store unchanged.
@@ -14,23 +16,22 @@ are victims before any named capsule, are never demoted (dropped instead) and ne
 Disk writes of a cascade run on a background DiskWriter (see writer.py): the move is booked at once
 and the capsule stays readable from its source bytes until its file is durable. Writes the caller
 asked for (put into disk, demote to disk) stay synchronous: they are durable when the verb returns.
-One RLock guards all bookkeeping; the writer thread takes it only to rename and to finish a job.
+One RLock (the store's, held by the caller of every method here) guards all of it; the writer thread
+takes it only to rename and to finish a job.
 """
 from __future__ import annotations
 
 import importlib
 import logging
-import threading
 from pathlib import Path
 
-import torch
-
-from capsulert.capsule_store.block_pool import BlockPool
+from capsulert.capsule_store.block_pool import BlockPool, BlockRecord
 from capsulert.capsule_store.blocks import BlockLayout
 from capsulert.capsule_store.capsule import validate_name
 from capsulert.capsule_store.plan import Entry, Key, Plan
 from capsulert.capsule_store.prefix_index import PrefixIndex
-from capsulert.errors import BudgetExceededError, ConfigError, UnknownCapsuleError
+from capsulert.errors import (BudgetExceededError, CapsuleError, ConfigError, DuplicateCapsuleError,
+                              UnknownCapsuleError)
 from capsulert.policies.base import TIERS, CapsulePolicy, make_policy, registered_policies
 
 log = logging.getLogger("capsulert.capsule_store.store")
@@ -68,63 +69,132 @@ def check_budget(tier: str, nbytes: int | None) -> None:
         raise ConfigError(f"budget for tier {tier!r} must be None (unlimited) or an int >= 0, got {nbytes!r}")
 
 
-class TierCore:
-    def __init__(self, *, device: torch.device | str, fingerprint: str, layout_version: int,
-                 budgets: dict[str, int | None] | None, disk_dir: Path | None, policy: str | CapsulePolicy,
-                 blocks: BlockLayout | None = None, prefix_policy: str | CapsulePolicy = "cost_aware"):
-        self.device = torch.device(device)
-        self.fingerprint, self.layout_version = fingerprint, layout_version
-        self._cuda = self.device.type == "cuda"
-        self._pin_host = torch.cuda.is_available()
-        self._budgets: dict[str, int | None] = {t: None for t in TIERS}
+class TierBook:
+    def __init__(self, *, budgets: dict[str, int | None] | None, disk_dir: Path | None,
+                 policy: str | CapsulePolicy, blocks: BlockLayout | None = None,
+                 prefix_policy: str | CapsulePolicy = "cost_aware"):
+        self.budgets: dict[str, int | None] = {t: None for t in TIERS}
         for t, b in (budgets or {}).items():
             check_budget(t, b)
-            self._budgets[t] = b
-        self._disk_dir = disk_dir
-        self._policy = _resolve_policy(policy)
-        self._anon_policy = _resolve_policy(prefix_policy)  # orders the anonymous prefix entries
-        self._layout = blocks
-        self._entries: dict[Key, Entry] = {}
-        self._pools = {t: BlockPool(t) for t in TIERS}
-        self._index = PrefixIndex(blocks)
-        self._used = {t: 0 for t in TIERS}
-        self._counters = dict(hits=0, misses=0, promotions=0, demotions=0, evictions=0, dropped=0,
-                              dropped_bytes=0, disk_write_errors=0)
-        self._write_errors: list[str] = []  # since the last flush()
-        self._lock = threading.RLock()
-        self._stream = torch.cuda.Stream(device=self.device) if self._cuda else None
+            self.budgets[t] = b
+        self.disk_dir = disk_dir
+        self.policy = _resolve_policy(policy)
+        self.anon_policy = _resolve_policy(prefix_policy)  # orders the anonymous prefix entries
+        self.layout = blocks
+        self.entries: dict[Key, Entry] = {}
+        self.pools = {t: BlockPool(t) for t in TIERS}
+        self.index = PrefixIndex(blocks)
+        self.used = {t: 0 for t in TIERS}
+        self.counters = dict(hits=0, misses=0, promotions=0, demotions=0, evictions=0, dropped=0,
+                             dropped_bytes=0, disk_write_errors=0)
+        self.prefix_counters = dict(kept=0, evicted=0, lookups=0, hits=0, hit_tokens=0, refused=0)
+        self.closed = False
 
-    # -- helpers ---------------------------------------------------------------------------------
-    def _usable(self, tier: str) -> bool:
-        return self._budgets[tier] != 0 and (tier != "disk" or self._disk_dir is not None)
+    # -- lookups ---------------------------------------------------------------------------------
+    def usable(self, tier: str) -> bool:
+        return self.budgets[tier] != 0 and (tier != "disk" or self.disk_dir is not None)
 
-    def _require_usable(self, tier: str) -> None:
+    def require_usable(self, tier: str) -> None:
         if tier not in TIERS:
             raise ConfigError(f"unknown tier {tier!r}; tiers are {TIERS}")
-        if not self._usable(tier):
-            why = "no disk_dir was given" if tier == "disk" and self._disk_dir is None else "its budget is 0"
+        if not self.usable(tier):
+            why = "no disk_dir was given" if tier == "disk" and self.disk_dir is None else "its budget is 0"
             raise ConfigError(f"tier {tier!r} is disabled: {why}")
 
-    def _lookup(self, name: str, namespace: str) -> tuple[Key, Entry]:
+    def check_open(self) -> None:
+        if self.closed:
+            raise CapsuleError("this capsule store was closed; make a new one")
+
+    def lookup(self, name: str, namespace: str) -> tuple[Key, Entry]:
         key = (validate_name(namespace, "namespace"), validate_name(name))
-        e = self._entries.get(key)
+        e = self.entries.get(key)
         if e is None:
             raise UnknownCapsuleError(f"no capsule {name!r} in namespace {namespace!r}")
         return key, e
 
-    def _policy_of(self, e: Entry) -> CapsulePolicy:
-        return self._anon_policy if e.anonymous else self._policy
+    def refuse_known(self, keys: list[Key]) -> None:
+        for k in keys:
+            if k in self.entries:
+                raise DuplicateCapsuleError(f"capsule {k[1]!r} in namespace {k[0]!r} already exists")
 
-    def _new_plan(self) -> Plan:
-        return Plan(self._used, lambda tier, key: self._pools[tier].count(key))
+    def policy_of(self, e: Entry) -> CapsulePolicy:
+        return self.anon_policy if e.anonymous else self.policy
 
-    # -- planning (no side effects on the store) --------------------------------------------------
-    def _make_room(self, plan: Plan, tier: str, protect: frozenset, *, anon_only: bool = False) -> None:
+    def anon_nbytes(self) -> int:
+        """Bytes anonymous entries hold alone: their own tensors and the blocks only they reference."""
+        own = sum(e.own_nbytes for e in self.entries.values() if e.anonymous)
+        return own + sum(self.pools[t].anon_only_nbytes() for t in MEMORY_TIERS)
+
+    # -- booking (what a move changes in the books; the bytes move in moves.py) ---------------------
+    def insert(self, key: Key, e: Entry) -> None:
+        """Index an entry whose bytes (and block references) its tier holds already."""
+        self.entries[key] = e
+        self.used[e.tier] += e.own_nbytes
+        self.policy_of(e).on_insert(pkey(key), e.tier, e.meta.nbytes, e.meta.recompute_cost_s, e.pinned)
+        self.index.add(key, e)
+
+    def forget(self, key: Key, e: Entry) -> None:
+        """Take an entry out of the books (its tier's block references are dropped by the caller)."""
+        del self.entries[key]
+        self.used[e.tier] -= e.own_nbytes
+        self.policy_of(e).on_remove(pkey(key))
+        self.index.remove(key, e)
+
+    def ref(self, tier: str, e: Entry) -> None:
+        """e references each of its blocks in `tier` (the disk tier records a block it lacks, no file yet)."""
+        if tier == "disk":
+            for k in e.block_keys:
+                self.pools[tier].add(k, BlockRecord(e.blocks.nbytes_of(k)))  # type: ignore[union-attr]
+        for k in e.block_keys:
+            self.used[tier] += self.pools[tier].ref(k, e.anonymous)
+
+    def unref(self, tier: str, e: Entry) -> None:
+        for k in e.block_keys:
+            self.used[tier] -= self.pools[tier].unref(k, e.anonymous)
+
+    def moved(self, key: Key, e: Entry, dest: str) -> None:
+        """Book e's move from its tier to `dest` (its block references in `dest` are taken already)."""
+        src, n = e.tier, e.own_nbytes
+        self.unref(src, e)
+        e.tier = dest
+        self.used[src] -= n
+        self.used[dest] += n
+        self.counters["promotions" if RANK[dest] < RANK[src] else "demotions"] += 1
+        self.policy_of(e).on_move(pkey(key), dest)
+
+    def close(self) -> None:
+        """Forget every entry and block, and refuse further use."""
+        for key, e in self.entries.items():
+            e.pending = None  # a write still running finds itself cancelled and removes its temp file
+            self.policy_of(e).on_remove(pkey(key))
+        self.entries.clear()
+        for pool in self.pools.values():
+            pool.clear()
+        self.index.clear()
+        self.used = {t: 0 for t in TIERS}
+        self.closed = True
+
+    # -- planning (no side effects on the books) ---------------------------------------------------
+    def new_plan(self) -> Plan:
+        return Plan(self.used, lambda tier, key: self.pools[tier].count(key))
+
+    def plan_budget(self, tier: str, nbytes: int | None) -> Plan:
+        """Set a tier's budget and plan the moves that make it hold; the budget is put back if it cannot."""
+        old, self.budgets[tier] = self.budgets[tier], nbytes
+        try:
+            plan = self.new_plan()
+            self.make_room(plan, tier, frozenset())
+        except BaseException:
+            self.budgets[tier] = old
+            raise
+        return plan
+
+    def make_room(self, plan: Plan, tier: str, protect: frozenset, *, anon_only: bool = False) -> None:
         """Plan moves until what the plan puts in `tier` fits its budget; BudgetExceededError if it cannot."""
-        budget = self._budgets[tier]
+        budget = self.budgets[tier]
         if budget is None or plan.used[tier] <= budget:
             return
-        for policy in (self._anon_policy,) if anon_only else (self._anon_policy, self._policy):
+        for policy in (self.anon_policy,) if anon_only else (self.anon_policy, self.policy):
             if self._evict(plan, tier, protect, policy):
                 return
         raise BudgetExceededError(
@@ -134,7 +204,7 @@ class TierCore:
 
     def _evict(self, plan: Plan, tier: str, protect: frozenset, policy: CapsulePolicy) -> bool:
         """Plan moving `policy`'s victims out of `tier` until it fits; whether it does."""
-        budget = self._budgets[tier]
+        budget = self.budgets[tier]
         # the policy may name capsules we must skip (pinned, in use, already moved by this plan), and a
         # victim that shares blocks frees less than its size: the shortfall is asked for again, until the
         # policy has nothing new to offer
@@ -146,7 +216,7 @@ class TierCore:
             for pk in fresh:
                 seen.add(pk)
                 key = tuple(pk.split("/", 1))
-                e = self._entries.get(key)  # type: ignore[arg-type]
+                e = self.entries.get(key)  # type: ignore[arg-type]
                 if e is None or key in protect or e.pinned or e.readers or plan.where.get(key, e.tier) != tier:
                     asked += e.meta.nbytes if e is not None else 0
                     continue
@@ -157,14 +227,14 @@ class TierCore:
                     return True
 
     def _plan_victim(self, plan: Plan, key: Key, tier: str, protect: frozenset) -> None:
-        e = self._entries[key]
+        e = self.entries[key]
         for dest in () if e.anonymous else TIERS[RANK[tier] + 1:]:
-            if not self._usable(dest):
+            if not self.usable(dest):
                 continue
             snap = plan.snapshot()
             self._book(plan, key, tier, dest)
             try:
-                self._make_room(plan, dest, protect | {key})
+                self.make_room(plan, dest, protect | {key})
             except BudgetExceededError:
                 plan.restore(snap)
                 continue
@@ -174,18 +244,18 @@ class TierCore:
         plan.actions.append((key, None))
 
     def _book(self, plan: Plan, key: Key, src: str, dest: str | None) -> None:
-        e = self._entries[key]
+        e = self.entries[key]
         plan.where[key] = dest
         plan.leave(src, e.own_nbytes, e.blocks)
         if dest is not None:
             plan.enter(dest, e.own_nbytes, e.blocks)
 
-    def _plan_to(self, key: Key, dest: str) -> Plan:
+    def plan_to(self, key: Key, dest: str) -> Plan:
         """Plan moving an existing capsule to `dest`, room made first; raises before any change."""
-        e = self._entries[key]
-        plan = self._new_plan()
+        e = self.entries[key]
+        plan = self.new_plan()
         # its old place counts as free, so a victim may swap into it (that tier holds both for a moment)
         self._book(plan, key, e.tier, dest)
-        self._make_room(plan, dest, frozenset({key}))
+        self.make_room(plan, dest, frozenset({key}))
         plan.actions.append((key, dest))
         return plan

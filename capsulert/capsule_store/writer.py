@@ -31,7 +31,8 @@ import torch
 from capsulert.capsule_store.format.blockfiles import stage_block
 from capsulert.capsule_store.blocks import BlockRefs
 from capsulert.capsule_store.capsule import CapsuleMeta
-from capsulert.capsule_store.format.disk import StagedWrite, fsync_dir, stage_capsule
+from capsulert.capsule_store.format.disk import stage_capsule
+from capsulert.capsule_store.format.staging import StagedWrite, fsync_dir
 
 log = logging.getLogger(__name__)
 

@@ -33,12 +33,11 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
-from capsulert.capsule_store import read_capsule_origin, tensors_checksum
+from capsulert.capsule_store import read_capsule_origin
 from capsulert.capsule_store.capsule import CapsuleMeta
-from capsulert.errors import CorruptCapsuleError, InvalidRequestError, SessionClosedError, WorkerLost
+from capsulert.capsule_store.format.export import decode_export_meta, decode_export_tensors, encode_export
+from capsulert.errors import InvalidRequestError, SessionClosedError, WorkerLost
 from capsulert.worker.event_feed import EventFeed
 from capsulert.worker.peer_link import PeerLink
 from capsulert.worker.pinned_files import PinnedFiles
@@ -260,6 +259,8 @@ class WorkerCore:
         return ref is not None
 
     def _update_weights(self, r: UpdateWeights, call_id) -> int:
+        from safetensors.torch import load as st_load  # model weights sent as bytes (not a capsule)
+
         source = st_load(bytes(r.source)) if isinstance(r.source, (bytes, bytearray)) else r.source
         version = self.engine.update_weights(source, rebuild_pinned=r.rebuild_pinned, version=r.version)
         if r.rebuild_pinned:
@@ -279,21 +280,18 @@ class WorkerCore:
     def _export(self, r: ExportCapsule, call_id) -> CapsuleExport:
         with self._reading_whole(r.name, r.namespace) as (meta, origin, tensors):
             cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-        checksum = tensors_checksum(cpu)
-        return CapsuleExport(meta.replace(checksum=checksum).to_json(), checksum, st_save(cpu), origin)
+        return CapsuleExport(*encode_export(meta, cpu), origin)
 
     def _import(self, r: ImportCapsule, call_id) -> dict:
         payload = r.payload
         if not isinstance(payload, CapsuleExport):
             raise InvalidRequestError(f"ImportCapsule takes a CapsuleExport, got {type(payload).__name__}")
-        meta = CapsuleMeta.from_json(payload.meta_json)
+        meta = decode_export_meta(payload.meta_json)
         check_namespace(meta, r.namespace)
-        tensors = st_load(payload.blob)
-        if tensors_checksum(tensors) != payload.checksum:
-            raise CorruptCapsuleError(f"capsule {meta.name!r} changed in transit (checksum mismatch)")
+        meta, tensors = decode_export_tensors(meta, payload.checksum, payload.blob)
         # the store shares the blocks only when the origin is its own (equal tokens give equal bytes only
         # under equal numerics); another origin's capsule stays whole
-        return self._put(meta.replace(checksum=payload.checksum), tensors, r.tier, r.pin, origin=payload.origin)
+        return self._put(meta, tensors, r.tier, r.pin, origin=payload.origin)
 
     def _export_to_dir(self, r: ExportToDir, call_id) -> str:
         return str(self.engine.store.export_file(r.name, r.directory, r.namespace))

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from capsulert.capsule_store import capsule_file_name
-from capsulert.capsule_store.format.disk import list_capsule_files
+from capsulert.capsule_store.format.listing import list_capsule_files
+from capsulert.capsule_store.format.names import capsule_file
 from capsulert.capsule_store.quarantine import QuarantinedFile, quarantine
 from capsulert.errors import BudgetExceededError, CapsuleError
 
@@ -62,5 +62,5 @@ class PinnedFiles:
 
     def remove(self, name: str, namespace: str) -> None:
         if self.directory is not None:
-            (self.directory / capsule_file_name(namespace, name)).unlink(missing_ok=True)
+            capsule_file(self.directory, namespace, name).unlink(missing_ok=True)
 

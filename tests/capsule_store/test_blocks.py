@@ -84,7 +84,7 @@ def test_a_put_of_new_blocks_copies_each_block_tensor_in_one_op(monkeypatch):
     s = store()
     _, ta = put(s, "a", SHARED + tokens(5, 1))
     assert calls == [([ROWS] * 5 + [5], 1)]
-    held = [r.tensors["kv"] for r in s._pools["gpu"].records.values()]
+    held = [r.tensors["kv"] for r in s._tiers.pools["gpu"].records.values()]
     assert len({t.data_ptr() for t in held}) == 5
     assert all(t.untyped_storage().nbytes() == t.nbytes == ROWS * ROW_BYTES for t in held)
     calls.clear()
@@ -157,7 +157,7 @@ def test_altered_or_missing_blocks_are_refused(tmp_path):
     s = store()
     put(s, "a", SHARED + tokens(3, 1))
     s.save(tmp_path)
-    block = tmp_path / block_file_name(s._entries["default", "a"].blocks.keys[2])
+    block = tmp_path / block_file_name(s._tiers.entries["default", "a"].blocks.keys[2])
     raw = block.read_bytes()
     block.write_bytes(raw[:-3] + bytes([raw[-3] ^ 1]) + raw[-2:])
     with pytest.raises(CorruptCapsuleError, match="checksum"):

@@ -3,14 +3,10 @@ import json
 import pytest
 import torch
 
-from capsulert.capsule_store.capsule import (
-    OPTIONAL_FIELDS,
-    CapsuleMeta,
-    capsule_file_name,
-    tensors_checksum,
-    token_digest,
-    validate_name,
-)
+from capsulert.capsule_store.capsule import CapsuleMeta, token_digest, validate_name
+from capsulert.capsule_store.format.checksum import tensors_checksum
+from capsulert.capsule_store.format.meta import OPTIONAL_FIELDS, meta_from_json, meta_to_json
+from capsulert.capsule_store.format.names import capsule_file_name
 from capsulert.errors import CorruptCapsuleError, InvalidCapsuleNameError
 
 
@@ -35,13 +31,13 @@ def test_names_accepted(good):
 
 def test_meta_json_round_trip():
     m = make_meta().replace(checksum="ab" * 32)
-    m2 = CapsuleMeta.from_json(m.to_json())
+    m2 = meta_from_json(meta_to_json(m))
     assert m2 == m and isinstance(m2.tokens, tuple)
-    assert json.loads(m.to_json())["tokens"] == [5, 6, 7, 8]
+    assert json.loads(meta_to_json(m))["tokens"] == [5, 6, 7, 8]
     # the format on disk and on the wire: compact, keys sorted, every field once (the optional ones only
     # when set: a capsule without them reads in builds that predate them)
     fields = {f: getattr(m, f) for f in m.__dataclass_fields__ if f != "tokens_checked" and f not in OPTIONAL_FIELDS}
-    assert m.to_json() == json.dumps({**fields, "tokens": [5, 6, 7, 8]}, separators=(",", ":"), sort_keys=True)
+    assert meta_to_json(m) == json.dumps({**fields, "tokens": [5, 6, 7, 8]}, separators=(",", ":"), sort_keys=True)
 
 
 def test_token_digest_is_int32_le():
@@ -53,7 +49,7 @@ def test_token_digest_is_int32_le():
 
 
 def _mutate(**changes):
-    d = json.loads(make_meta().to_json())
+    d = json.loads(meta_to_json(make_meta()))
     for k, v in changes.items():
         if v is KeyError:
             del d[k]
@@ -78,7 +74,7 @@ def _mutate(**changes):
 ])
 def test_malformed_meta_refused(text):
     with pytest.raises(CorruptCapsuleError):
-        CapsuleMeta.from_json(text)
+        meta_from_json(text)
 
 
 def test_meta_constructor_validates():

@@ -44,7 +44,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from capsulert.capsule_store.capsule import capsule_file_name, tensors_checksum
+from capsulert.capsule_store.format.checksum import tensors_checksum
+from capsulert.capsule_store.format.names import capsule_file_name
 from capsulert.capsule_store.format.disk import FILE_SUFFIX, list_capsule_files, write_capsule
 from capsulert.capsule_store.store import CapsuleStore
 from capsulert.errors import CorruptCapsuleError
@@ -74,15 +75,15 @@ MAKE_SRC = textwrap.dedent("""
 # "<index>:<fraction>": stop the file write of that capsule after that fraction of its bytes)
 WRITER_SRC = MAKE_SRC + textwrap.dedent("""
     import os, sys, time
-    import capsulert.capsule_store.format.disk as disk
-    from capsulert.capsule_store.capsule import capsule_file_name
+    import capsulert.capsule_store.format.staging as staging
+    from capsulert.capsule_store.format.names import capsule_file_name
     from capsulert.capsule_store.store import CapsuleStore
 
     directory, todo, seed, mode, hold = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], int(sys.argv[3]), sys.argv[4], sys.argv[5]
     if hold != "-":  # the kill point of a held round: inside the write of one capsule's temp file
         from safetensors.torch import save as serialize
         hold_i, frac = int(hold.split(":")[0]), float(hold.split(":")[1])
-        held_prefix, real_save_file = "." + capsule_file_name("crash", f"cap-{hold_i:03d}") + ".tmp-", disk.save_file
+        held_prefix, real_save_file = "." + capsule_file_name("crash", f"cap-{hold_i:03d}") + ".tmp-", staging.save_file
 
         def save_file(tensors, filename, metadata=None):
             if not os.path.basename(filename).startswith(held_prefix):
@@ -96,7 +97,7 @@ WRITER_SRC = MAKE_SRC + textwrap.dedent("""
             print(f"held {cut} {len(data)} {os.path.basename(filename)}", flush=True)
             while True:  # the parent SIGKILLs us here
                 time.sleep(60)
-        disk.save_file = save_file
+        staging.save_file = save_file
 
     made = [make(todo[0], seed)]  # warm the code paths
     # "put": each capsule is put into the disk tier (a synchronous write); "cascade": into a gpu tier one

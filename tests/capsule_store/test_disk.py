@@ -5,7 +5,8 @@ import struct
 import pytest
 import torch
 
-from capsulert.capsule_store.capsule import CapsuleMeta, capsule_file_name, tensor_nbytes
+from capsulert.capsule_store.capsule import CapsuleMeta, tensor_nbytes
+from capsulert.capsule_store.format.names import capsule_file_name
 from capsulert.capsule_store.format.disk import read_capsule, read_header, write_capsule, write_capsule_with_meta
 from capsulert.errors import CorruptCapsuleError, IncompatibleCapsuleError
 

@@ -24,13 +24,9 @@ from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 
 from capsulert.capsule_store.format import disk
-from capsulert.capsule_store.capsule import (
-    CapsuleMeta,
-    capsule_file_name,
-    tensor_nbytes,
-    tensors_checksum,
-    token_digest,
-)
+from capsulert.capsule_store.capsule import CapsuleMeta, tensor_nbytes, token_digest
+from capsulert.capsule_store.format.checksum import tensors_checksum
+from capsulert.capsule_store.format.names import capsule_file_name
 from capsulert.capsule_store.store import CapsuleStore
 from capsulert.errors import CorruptCapsuleError, IncompatibleCapsuleError, InvalidCapsuleNameError
 

@@ -15,7 +15,7 @@ from capsulert.capsule_store import (CapsuleMeta, CapsuleStore, capsule_file_nam
 from capsulert.capsule_store.format import inspect as inspect_dir
 from capsulert.capsule_store.format.blockfiles import BLOCK_SUFFIX, block_file_name
 from capsulert.capsule_store.blocks import BlockLayout, state_key
-from capsulert.capsule_store.capsule import FILE_SUFFIX
+from capsulert.capsule_store.format.names import FILE_SUFFIX
 from capsulert.capsule_store.format.headers import parse_file, read_header_refs
 from capsulert.errors import CorruptCapsuleError
 from capsulert.protocol.sampling import SamplingParams
@@ -75,7 +75,7 @@ def branches(eng, ctx_len: int, n: int = 8, namespace: str = "default") -> dict[
 
 
 def state_of(eng, name: str, namespace: str = "default") -> str:
-    return eng.store._entries[namespace, name].blocks.state
+    return eng.store._tiers.entries[namespace, name].blocks.state
 
 
 def grid_state_nbytes(eng) -> int:
@@ -89,7 +89,7 @@ def test_branches_share_one_grid_state_block_and_restore_bitwise(engine, ctx_len
     want = branches(eng, ctx_len)
     key = state_of(eng, "b0")
     assert key is not None and {state_of(eng, n) for n in want} == {key}
-    pool = eng.store._pools["gpu"]
+    pool = eng.store._tiers.pools["gpu"]
     assert pool.records[key].refs == 9 and pool.records[key].nbytes == grid_state_nbytes(eng)
     st = eng.store.stats()
     assert st["blocks"]["gpu"] == 256 // CHUNK + 1  # the KV blocks [0, 256) and one grid-state block
@@ -99,7 +99,7 @@ def test_branches_share_one_grid_state_block_and_restore_bitwise(engine, ctx_len
     assert st["gpu"]["bytes"] == sum(i.nbytes for i in infos) + shared  # the unique bytes: each block once
     # every branch holds alone only what it computed past the grid point: its live state, last hidden
     # state and KV rows [256, P)
-    assert all(set(eng.store._entries["default", n].tensors) == {"kv_k", "kv_v", "ssm", "conv", "last_hidden"}
+    assert all(set(eng.store._tiers.entries["default", n].tensors) == {"kv_k", "kv_v", "ssm", "conv", "last_hidden"}
                for n in want if n != "ctx" or ctx_len != 256)
     for name, w in want.items():
         assert_restores(eng, name, w)
@@ -129,13 +129,13 @@ def test_pinned_capsule_pins_its_state_block_across_tiers(make_engine, tmp_path)
     eng.store.demote("b2", "disk")
     eng.store.demote("b3", "disk")
     assert eng.store.stats()["blocks"] == {"gpu": BLOCKS, "host": BLOCKS, "disk": BLOCKS}  # each tier holds the state once
-    assert eng.store._pools["disk"].records[key].refs == 2 and (disk / block_file_name(key)).is_file()
+    assert eng.store._tiers.pools["disk"].records[key].refs == 2 and (disk / block_file_name(key)).is_file()
     assert len(list(disk.glob("*" + BLOCK_SUFFIX))) == BLOCKS
     eng.store.promote("b1", "gpu")
     eng.store.set_budget("gpu", eng.store.info("b0").meta.nbytes)  # room for the pinned b0 alone
     assert {i.name: i.tier for i in eng.store.list()} == {"b0": "gpu", "b1": "host", "b2": "disk", "b3": "disk"}
     assert eng.store.stats()["gpu"]["bytes"] == eng.store.info("b0").meta.nbytes  # its blocks stay with the pin
-    assert eng.store._pools["gpu"].records[key].refs == 1
+    assert eng.store._tiers.pools["gpu"].records[key].refs == 1
     for name, w in want.items():  # b1..b3 through transient device copies: the pin fills the gpu tier
         assert_restores(eng, name, w)
     eng.store.set_budget("gpu", None)
@@ -287,22 +287,22 @@ def exact(a: dict, b: dict) -> bool:
 def test_on_and_off_grid_capsules_share_the_state_at_their_grid_point():
     s = store()
     want = {"on": put(s, "on", BASE), "off1": put(s, "off1", BASE + [1, 2]), "off2": put(s, "off2", BASE + [3])}
-    keys = {n: s._entries["default", n].blocks for n in want}
+    keys = {n: s._tiers.entries["default", n].blocks for n in want}
     assert {r.state for r in keys.values()} == {state_key(keys["on"].keys[-1])}
     assert s.stats()["blocks"]["gpu"] == 4  # 3 KV blocks + 1 grid-state block
-    assert set(s._entries["default", "on"].tensors) == {"kv", "hidden"}  # its live state is the grid state
-    assert set(s._entries["default", "off1"].tensors) == {"kv", "st", "hidden"}  # live state: its own
+    assert set(s._tiers.entries["default", "on"].tensors) == {"kv", "hidden"}  # its live state is the grid state
+    assert set(s._tiers.entries["default", "off1"].tensors) == {"kv", "st", "hidden"}  # live state: its own
     for n, t in want.items():
         assert exact(s.get(n)[1], t)
     short = put(s, "short", BASE[:5])  # shorter than a block: no grid point past 0, nothing shared
-    assert s._entries["default", "short"].blocks.state is None and exact(s.get("short")[1], short)
+    assert s._tiers.entries["default", "short"].blocks.state is None and exact(s.get("short")[1], short)
 
 
 def test_state_blocks_on_disk_crash_order_orphans_and_rm(tmp_path):
     disk = tmp_path / "disk"
     s = store(disk_dir=disk, budgets={"host": 0})
     want = {n: put(s, n, BASE + [i + 1]) for i, n in enumerate("abcd")}
-    key = s._entries["default", "a"].blocks.state
+    key = s._tiers.entries["default", "a"].blocks.state
     s.set_budget("gpu", s.info("a").meta.nbytes)  # three cascade to disk, written in the background
     s.flush()
     assert len(list(disk.glob("*" + FILE_SUFFIX))) == 3 and s.stats()["blocks"]["disk"] == 4
@@ -334,7 +334,7 @@ def test_a_capsule_file_naming_a_foreign_state_block_is_refused(tmp_path):
     s.save(tmp_path)
     a = tmp_path / capsule_file_name("default", "a")
     raw = a.read_bytes()
-    ka, kb = (s._entries["default", n].blocks.state for n in "ab")
+    ka, kb = (s._tiers.entries["default", n].blocks.state for n in "ab")
     a.write_bytes(raw.replace(ka.encode(), kb.encode()))  # a's header now names b's state block
     with pytest.raises(CorruptCapsuleError, match="grid-state"):
         store().load(tmp_path)

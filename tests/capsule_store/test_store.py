@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from capsulert.capsule_store import CapsuleMeta, CapsuleStore, tensor_nbytes
-from capsulert.capsule_store.capsule import capsule_file_name
+from capsulert.capsule_store.format.names import capsule_file_name
 from capsulert.capsule_store.owner import LOCK_NAME
 from capsulert.errors import (BudgetExceededError, CapsuleInUseError, ConfigError, CorruptCapsuleError,
                               DuplicateCapsuleError, IncompatibleCapsuleError, InvalidCapsuleNameError,

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import capsulert.capsule_store.format.disk as disk_mod
+import capsulert.capsule_store.format.staging as staging_mod
 from capsulert.capsule_store import CapsuleMeta, CapsuleStore, tensor_nbytes
-from capsulert.capsule_store.capsule import capsule_file_name
+from capsulert.capsule_store.format.names import capsule_file_name
 from capsulert.capsule_store.format.disk import list_capsule_files
 from capsulert.capsule_store.owner import LOCK_NAME
 from capsulert.errors import (BudgetExceededError, CapsuleInUseError, ConfigError, DuplicateCapsuleError,
@@ -50,7 +50,7 @@ SHIPPED = ["lru", "pinned_lru", "cost_aware"]
 
 
 class _NoSyncOS:
-    """`os` for the disk module with fsync a no-op (speed only; every other call is the real one)."""
+    """`os` for the staging module (crash-safe writes) with fsync a no-op (speed only; every other call is the real one)."""
 
     def __getattr__(self, name):
         return getattr(os, name)
@@ -365,7 +365,7 @@ def test_shipped_policies_are_registered():
 
 @pytest.mark.parametrize("policy", SHIPPED)
 def test_random_trace_keeps_invariants(policy, tmp_path, monkeypatch):
-    monkeypatch.setattr(disk_mod, "os", _NoSyncOS())
+    monkeypatch.setattr(staging_mod, "os", _NoSyncOS())
     t0 = time.perf_counter()
     tr = run_trace(policy, tmp_path, seed=1234 + SHIPPED.index(policy))
     dt = time.perf_counter() - t0

@@ -10,7 +10,7 @@ import pytest_asyncio
 import ray
 
 from capsulert.capsule_store import capsule_file_name
-from capsulert.capsule_store.capsule import capsule_key_hash
+from capsulert.capsule_store.format.names import capsule_key_hash
 from capsulert.errors import (CapsuleError, DuplicateCapsuleError, InvalidCapsuleNameError, UnknownCapsuleError,
                               WorkerLost)
 from capsulert.orchestrator import EpisodeDriver, Namespace, Orchestrator, best_of_n, tree_search

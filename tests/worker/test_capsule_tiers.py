@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from capsulert.capsule_store.capsule import capsule_file_name
+from capsulert.capsule_store.format.names import capsule_file_name
 from capsulert.errors import (
     BudgetExceededError,
     CorruptCapsuleError,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from capsulert.capsule_store.capsule import CapsuleMeta
+from capsulert.capsule_store.format.meta import meta_from_json, meta_to_json
 from capsulert.errors import IncompatibleCapsuleError
 from capsulert.engine.engine import GRID, prefill_pieces
 from capsulert.protocol.sampling import SamplingParams
@@ -135,8 +136,8 @@ def test_restore_and_append_after_generate_equals_cold_prefill(make_engine):
 def test_capsule_of_the_previous_layout_reads_its_grid_and_is_refused(make_engine, tmp_path, monkeypatch):
     meta = CapsuleMeta.build(name="old", tokens=list(range(300)), grid_pos=256, fingerprint="fp", layout_version=2,
                              grid=128, nbytes=1)
-    legacy = meta.to_json().replace('"grid":128', '"prefill_chunk":128')  # what layout 2 wrote
-    assert '"prefill_chunk"' in legacy and CapsuleMeta.from_json(legacy) == meta
+    legacy = meta_to_json(meta).replace('"grid":128', '"prefill_chunk":128')  # what layout 2 wrote
+    assert '"prefill_chunk"' in legacy and meta_from_json(legacy) == meta
     with monkeypatch.context() as m:  # an engine of the previous layout saves a capsule
         m.setattr("capsulert.engine.capsules.LAYOUT_VERSION", 2)
         old = make_engine()

@@ -1,7 +1,7 @@
 """Block files: one safetensors file per prefix block, shared by every capsule file of its directory
 that references it.
 
-File `<key>.block.safetensors` (the 64-hex block key); header `__metadata__` = {"capsulert.format":
+File `<key>` + names.BLOCK_SUFFIX (the 64-hex block key); header `__metadata__` = {"capsulert.format":
 "block-1", "capsulert.block": {"key", "checksum"}}; the tensors are the block's rows of each block tensor
 (a KV block), or the recurrent and conv state at the grid point (a grid-state block, same format).
 Written like capsule files (temp file, fsync, rename). A capsule file is renamed into place only after
@@ -22,10 +22,11 @@ import torch
 from safetensors import safe_open
 
 from capsulert.capsule_store.blocks import BlockRefs
-from capsulert.capsule_store.capsule import tensors_checksum
-from capsulert.capsule_store.format.tempfiles import BLOCK_SUFFIX
-from capsulert.capsule_store.format.disk import StagedWrite, _to_cpu_owned, list_capsule_files, stage_file
+from capsulert.capsule_store.format.checksum import tensors_checksum
 from capsulert.capsule_store.format.headers import _ST_DTYPES, _corrupt, parse_file, read_header_refs
+from capsulert.capsule_store.format.listing import list_capsule_files
+from capsulert.capsule_store.format.names import BLOCK_SUFFIX, block_file_name, block_key_of  # noqa: F401
+from capsulert.capsule_store.format.staging import StagedWrite, stage_file, to_cpu_owned
 from capsulert.errors import CorruptCapsuleError
 
 log = logging.getLogger("capsulert.capsule_store.format.disk")
@@ -33,13 +34,9 @@ log = logging.getLogger("capsulert.capsule_store.format.disk")
 BLOCK_FORMAT = "block-1"
 
 
-def block_file_name(key: str) -> str:
-    return f"{key}{BLOCK_SUFFIX}"
-
-
 def stage_block(directory: Path, key: str, tensors: Mapping[str, torch.Tensor]) -> StagedWrite:
     """A block file written and fsynced under its temp name (commit() renames it into place)."""
-    cpu = {k: _to_cpu_owned(v) for k, v in tensors.items()}
+    cpu = {k: to_cpu_owned(v) for k, v in tensors.items()}
     info = json.dumps({"key": key, "checksum": tensors_checksum(cpu)}, separators=(",", ":"), sort_keys=True)
     final = Path(directory) / block_file_name(key)
     tmp = stage_file(final, cpu, {"capsulert.format": BLOCK_FORMAT, "capsulert.block": info})
@@ -97,8 +94,9 @@ def block_files(directory: Path) -> dict[str, Path]:
     """The complete block files of `directory` by key (temp files excluded)."""
     out = {}
     for p in sorted(Path(directory).iterdir()):
-        if p.name.endswith(BLOCK_SUFFIX) and not p.name.startswith(".") and p.is_file():
-            out[p.name[:-len(BLOCK_SUFFIX)]] = p
+        key = block_key_of(p.name)
+        if key is not None and p.is_file():
+            out[key] = p
     return out
 
 

@@ -1,9 +1,9 @@
 """The on-disk format: one safetensors file per capsule, metadata in the header, never pickle.
 
-File `<sha256(namespace NUL name)[:40]>.capsule.safetensors`; header `__metadata__` =
+File `<sha256(namespace NUL name)[:40]>` + names.FILE_SUFFIX; header `__metadata__` =
 {"capsulert.format": "1", "capsulert.meta": CapsuleMeta JSON with `checksum` filled}. The checksum is
 sha256 over (name, dtype, shape, raw bytes) of the tensors in sorted-name order
-(capsule.tensors_checksum). Writes are crash-safe (temp file, fsync, rename, fsync dir). Reads check
+(checksum.py). Writes are crash-safe (staging.py: temp file, fsync, rename, fsync dir). Reads check
 everything before trusting anything, and every refusal is a typed error, never a raw exception.
 
 Format "2" is a capsule cut into prefix blocks (blocks.py): the file holds its own tensors (state, KV
@@ -17,84 +17,28 @@ for a canonical capsule): a store of that origin loading it cuts it into blocks;
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import safe_open
 
-from capsulert.capsule_store.format import tempfiles
 from capsulert.capsule_store.blocks import BlockRefs, Parts
+from capsulert.capsule_store.capsule import CapsuleMeta, model_of, tensor_nbytes
+from capsulert.capsule_store.format.block_refs import refs_to_json
+from capsulert.capsule_store.format.blockfiles import read_block
+from capsulert.capsule_store.format.checksum import tensors_checksum
 from capsulert.capsule_store.format.headers import (  # noqa: F401  (read_header & co. are this module's API too)
     BLOCKED_FORMAT, FORMAT_VERSION, MAX_HEADER_BYTES, ORIGIN_KEY, STATE_FORMAT, _corrupt, parse_file, read_header,
     read_header_origin, read_header_refs)
-from capsulert.capsule_store.capsule import (
-    FILE_SUFFIX,
-    CapsuleMeta,
-    capsule_file_name,
-    model_of,
-    tensor_nbytes,
-    tensors_checksum,
-)
-from capsulert.capsule_store.format.tempfiles import temp_path
-from capsulert.errors import CapsuleIOError, CorruptCapsuleError, IncompatibleCapsuleError
+from capsulert.capsule_store.format.listing import list_capsule_files, scan_capsule_files  # noqa: F401  (API too)
+from capsulert.capsule_store.format.meta import meta_to_json
+from capsulert.capsule_store.format.names import FILE_SUFFIX, capsule_file  # noqa: F401  (FILE_SUFFIX: API too)
+from capsulert.capsule_store.format.staging import (  # noqa: F401  (fsync_dir, StagedWrite: this module's API too)
+    StagedWrite, fsync_dir, stage_file, to_cpu_owned)
+from capsulert.errors import CorruptCapsuleError, IncompatibleCapsuleError
 
 log = logging.getLogger(__name__)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make renames and unlinks in `directory` durable."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def _to_cpu_owned(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor with its own storage (safetensors refuses shared storage)."""
-    t = t.detach()
-    if t.device.type == "cpu":
-        return t.clone(memory_format=torch.contiguous_format)
-    return t.to("cpu").contiguous()
-
-
-def _write_failed(path: Path, e: BaseException) -> CapsuleIOError:
-    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-    return CapsuleIOError(f"cannot write capsule file {path}: {why}")
-
-
-@dataclass(frozen=True)
-class StagedWrite:
-    """A capsule file written and fsynced under its temp name, not yet renamed onto its final name.
-    Until commit() the capsule does not exist on disk: a crash leaves only the temp file."""
-
-    tmp: Path
-    final: Path
-    meta: CapsuleMeta | None  # with `checksum` filled (None for a block file)
-
-    def commit(self) -> None:
-        """Rename onto the final name (atomic). The directory fsync that makes it durable is separate
-        (fsync_dir) so a caller can run it outside its lock."""
-        try:
-            os.replace(self.tmp, self.final)
-        except OSError as e:
-            self.discard()
-            raise _write_failed(self.final, e) from None
-
-    def discard(self) -> None:
-        try:
-            self.tmp.unlink(missing_ok=True)
-        except OSError:  # pragma: no cover - the sweep at the next load removes it
-            pass
 
 
 def stage_capsule(directory: str | Path, meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor],
@@ -103,43 +47,19 @@ def stage_capsule(directory: str | Path, meta: CapsuleMeta, tensors: Mapping[str
     With `refs` the tensors are the capsule's own ones and the file references those blocks (format 2, or 3
     with a grid-state block). `origin` (whole capsules): recorded, for a store of that origin to share its
     blocks when it loads the file."""
-    cpu = {k: _to_cpu_owned(v) for k, v in tensors.items()}
+    cpu = {k: to_cpu_owned(v) for k, v in tensors.items()}
     nbytes = tensor_nbytes(cpu) + (refs.nbytes if refs is not None else 0)
     if nbytes != meta.nbytes:
         raise ValueError(f"capsule {meta.name!r}: meta.nbytes={meta.nbytes} but tensors hold {nbytes} bytes")
     meta = meta.replace(checksum=tensors_checksum(cpu))
     if refs is not None:
         extra = {"capsulert.format": STATE_FORMAT if refs.state is not None else BLOCKED_FORMAT,
-                 "capsulert.blocks": refs.to_json()}
+                 "capsulert.blocks": refs_to_json(refs)}
     else:
         extra = {ORIGIN_KEY: origin} if origin else {}
-    final = Path(directory) / capsule_file_name(meta.namespace, meta.name)
-    tmp = stage_file(final, cpu, {"capsulert.format": FORMAT_VERSION, "capsulert.meta": meta.to_json(), **extra})
+    final = capsule_file(directory, meta.namespace, meta.name)
+    tmp = stage_file(final, cpu, {"capsulert.format": FORMAT_VERSION, "capsulert.meta": meta_to_json(meta), **extra})
     return StagedWrite(tmp, final, meta)
-
-
-def stage_file(final: Path, cpu: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> Path:
-    """Write a safetensors file under a temp name next to `final` and fsync it; its temp path.
-    CapsuleIOError, with nothing left behind, on failure."""
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise _write_failed(final.parent, e) from None
-    tmp = temp_path(final)
-    try:
-        save_file(dict(cpu), str(tmp), metadata=metadata)
-        with open(tmp, "rb+") as f:
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException as e:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:  # pragma: no cover - the sweep at the next load removes it
-            pass
-        if isinstance(e, (OSError, SafetensorError)):
-            raise _write_failed(final, e) from None
-        raise
-    return tmp
 
 
 def write_capsule_with_meta(directory: str | Path, meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor],
@@ -184,8 +104,6 @@ def read_capsule_parts(path: str | Path, expected_fingerprint: str, expected_lay
     """read_capsule, as the store holds it: own tensors and, for a capsule cut into blocks, the tensors
     of each of its blocks read (and verified) from their files beside it. Blocks whose key is in `have`
     are not read (their entry in `blocks` is empty): the caller holds them already."""
-    from capsulert.capsule_store.format.blockfiles import read_block  # blockfiles builds on this module
-
     path = Path(path)
     meta, header, refs, origin = read_header_origin(path, max_bytes)
     own = _read_verified(path, meta, header, expected_fingerprint, expected_layout)
@@ -223,39 +141,3 @@ def _read_verified(path: Path, meta: CapsuleMeta, header: dict, expected_fingerp
     return tensors
 
 
-def _entries(directory: Path) -> list[Path]:
-    try:
-        return sorted(directory.iterdir())
-    except FileNotFoundError:
-        raise CapsuleIOError(f"capsule directory {directory} does not exist") from None
-    except NotADirectoryError:
-        raise CapsuleIOError(f"capsule directory {directory} is not a directory") from None
-    except OSError as e:
-        raise CapsuleIOError(f"capsule directory {directory}: cannot list it: {e.strerror or e}") from None
-
-
-def scan_capsule_files(directory: str | Path, *, clean: bool,
-                       stale_after_s: float = tempfiles.STALE_TEMP_S) -> list[Path]:
-    """Every complete capsule file in `directory` (not recursive), sorted. Temp files and hidden or
-    misnamed capsule files are never listed: each is logged, and with `clean` the temp files of
-    interrupted writes are removed (see tempfiles.py for how they are told from writes in progress)."""
-    directory = Path(directory)
-    out, other = [], []
-    for p in _entries(directory):
-        if p.name.endswith(tempfiles.BLOCK_SUFFIX) or not p.is_file():
-            continue  # complete block files: the store's sweep of orphans (blockfiles.py) looks after them
-        if FILE_SUFFIX not in p.name and tempfiles.BLOCK_SUFFIX not in p.name:
-            continue
-        (out if p.name.endswith(FILE_SUFFIX) and not p.name.startswith(".") else other).append(p)
-    tempfiles.sweep(other, clean=clean, stale_after_s=stale_after_s)
-    return out
-
-
-def list_capsule_files(directory: str | Path, *, warn_partial: bool = False) -> list[Path]:
-    """Every complete capsule file in `directory`, sorted; changes nothing. With `warn_partial` the
-    temp and misnamed capsule files (never listed) are logged, naming each."""
-    if warn_partial:
-        return scan_capsule_files(directory, clean=False)
-    directory = Path(directory)
-    return [p for p in _entries(directory)
-            if p.name.endswith(FILE_SUFFIX) and not p.name.startswith(".") and p.is_file()]

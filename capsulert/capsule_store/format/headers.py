@@ -16,7 +16,10 @@ from pathlib import Path
 import torch
 
 from capsulert.capsule_store.blocks import BlockRefs, keys_for, state_key
-from capsulert.capsule_store.capsule import CapsuleMeta, capsule_file_name
+from capsulert.capsule_store.capsule import CapsuleMeta
+from capsulert.capsule_store.format.block_refs import refs_from_json
+from capsulert.capsule_store.format.meta import meta_from_json
+from capsulert.capsule_store.format.names import capsule_file_name
 from capsulert.errors import CorruptCapsuleError
 
 FORMAT_VERSION = "1"
@@ -124,7 +127,7 @@ def read_header_origin(path: str | Path, max_bytes: int | None = None,
     meta_json = md.get("capsulert.meta")
     if not isinstance(meta_json, str):
         raise _corrupt(path, "header metadata has no capsulert.meta string")
-    meta = CapsuleMeta.from_json(meta_json)
+    meta = meta_from_json(meta_json)
     if path.name != capsule_file_name(meta.namespace, meta.name):
         raise _corrupt(path, f"file name does not match the capsule it holds "
                              f"({meta.namespace!r}/{meta.name!r}); files must not be renamed")
@@ -143,7 +146,7 @@ def read_header_origin(path: str | Path, max_bytes: int | None = None,
 def _block_refs(path: Path, md: dict, meta: CapsuleMeta, header: dict, fmt: str) -> BlockRefs:
     raw = md.get("capsulert.blocks")
     try:
-        refs = BlockRefs.from_json(raw) if isinstance(raw, str) else None
+        refs = refs_from_json(raw) if isinstance(raw, str) else None
     except (ValueError, TypeError, RecursionError) as e:
         raise _corrupt(path, f"block references are malformed: {e}") from None
     if refs is None:

@@ -2,7 +2,7 @@
 (no tensor is read) and delete one by name.
 
 This is what `capsulert capsules ls|rm` runs on. It relies only on the public disk format
-(disk.read_header, disk.list_capsule_files, capsule.capsule_file_name), so it sees exactly the files a
+(headers.read_header, listing.list_capsule_files, names.capsule_file_name), so it sees exactly the files a
 store's `load` would load, and refuses the same corrupt or foreign files with the same typed errors.
 
 `rm` honours the owner lock (owner.py): a directory a live store or orchestrator owns (its disk_dir, or
@@ -20,9 +20,12 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from capsulert.capsule_store.capsule import validate_name
 from capsulert.capsule_store.format.blockfiles import referenced_blocks, sweep_orphans
-from capsulert.capsule_store.capsule import capsule_file_name, validate_name
-from capsulert.capsule_store.format.disk import FILE_SUFFIX, fsync_dir, list_capsule_files, read_header_refs
+from capsulert.capsule_store.format.headers import read_header_refs
+from capsulert.capsule_store.format.listing import list_capsule_files
+from capsulert.capsule_store.format.names import FILE_SUFFIX, capsule_file_name
+from capsulert.capsule_store.format.staging import fsync_dir
 from capsulert.capsule_store.owner import LOCK_NAME, DirLock, check_unowned
 from capsulert.errors import CorruptCapsuleError, InvalidRequestError, UnknownCapsuleError
 

@@ -22,9 +22,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from capsulert.capsule_store.capsule import FILE_SUFFIX
-
-BLOCK_SUFFIX = ".block.safetensors"  # block files (blockfiles.py) are written the same way
+from capsulert.capsule_store.format.names import BLOCK_SUFFIX, FILE_SUFFIX  # block files are written the same way
 from capsulert.capsule_store.owner import host_id, pid_alive, writer_tag
 
 log = logging.getLogger("capsulert.capsule_store.format.disk")  # one logger for everything the loader says
