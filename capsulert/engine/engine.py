@@ -18,7 +18,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from pydantic import ValidationError
@@ -45,6 +45,7 @@ from capsulert.engine.session import Session
 from capsulert.engine.state import StateLayout, StateSet
 from capsulert.engine.stops import eos_ids_from_checkpoint
 from capsulert.engine.token_codec import TokenCodec
+from capsulert.protocol.requests import Snapshot
 from capsulert.protocol.results import GenerateResult
 
 RANDOM_PREFIX = "random:"  # model="random:<architecture yaml>": deterministic random weights on the device
@@ -560,8 +561,8 @@ class Engine:
         """Automatic prefix reuse (engine/prefix_reuse.py); inert unless EngineConfig.prefix_cache."""
         return self.capsules.prefix
 
-    def snapshot(self, session: Session, name: str, tier: str = "gpu", pin: bool = False,
-                 mode: str = "full", namespace: str = "default"):
+    def snapshot(self, session: Session, name: str, tier: str = Snapshot.tier, pin: bool = Snapshot.pin,
+                 mode: str = Snapshot.mode, namespace: str = Snapshot.namespace):
         with self._lock:
             self._own(session)
             session.check_current()  # a stale session's capsule would carry old state under the new version
@@ -611,3 +612,11 @@ class Engine:
             step = [(s, r.decode[i]) for s, r in items if i < len(r.decode)]
             for group in self.decode_groups(step):
                 self.decode([s for s, _ in group], [t for _, t in group])
+
+
+# Simple session verbs: request type -> the engine call that serves it on the request's session (the reply).
+# The step scheduler runs them between steps, in the session's order, through this table alone: a new verb of
+# this kind is a request type, an engine method and a row here, and no scheduler code.
+SESSION_CALLS: dict[type, Callable[[Engine, Session, Any], Any]] = {
+    Snapshot: lambda eng, s, r: eng.snapshot(s, r.name, tier=r.tier, pin=r.pin, mode=r.mode, namespace=r.namespace),
+}

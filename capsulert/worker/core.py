@@ -33,7 +33,7 @@ from capsulert.worker.peer_link import PeerLink
 from capsulert.worker.pinned_files import PinnedFiles
 from capsulert.worker.running_calls import RunningCalls
 from capsulert.worker.transfers import CapsuleTransfers, check_namespace
-from capsulert.engine.engine import Engine
+from capsulert.engine.engine import SESSION_CALLS, Engine
 from capsulert.worker.scheduler import Sink, StepScheduler, queue_sink, stream_item
 from capsulert.engine.state import LAYOUT_VERSION
 from capsulert.protocol.requests import (
@@ -126,6 +126,8 @@ class WorkerCore(CapsuleTransfers):
 
     def _handler(self, request: Request) -> Callable:
         handler = self.HANDLERS.get(type(request))
+        if handler is None and type(request) in SESSION_CALLS:
+            handler = WorkerCore._scheduled  # a simple session verb: the step scheduler runs it by that table
         if handler is None:
             raise InvalidRequestError(f"a worker runs typed requests (capsulert.protocol.requests), "
                                       f"not {type(request).__name__}")

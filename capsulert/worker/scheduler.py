@@ -36,10 +36,10 @@ from capsulert.errors import (ExceedsCapacityError, InvalidRequestError, NoFreeS
                               SessionClosedError)
 from capsulert.progress import Bar, NullBar, progress_bar
 from capsulert.engine.decoding import DecodeStream, advance
-from capsulert.engine.engine import LONG_PREFILL_CHUNKS, Engine
+from capsulert.engine.engine import LONG_PREFILL_CHUNKS, SESSION_CALLS, Engine
 from capsulert.engine.session import Session
 from capsulert.protocol.requests import (
-    SESSION, Append, Close, Delete, Fork, Generate, Open, Rederive, Request, Restore, Snapshot, Turn)
+    SESSION, Append, Close, Delete, Fork, Generate, Open, Rederive, Request, Restore, Turn)
 from capsulert.protocol.results import FinalEvent, GenerateResult, SessionInfo, TokenEvent
 
 
@@ -237,9 +237,8 @@ class StepScheduler:
                 job.phases.append(("append", tokens))
         elif isinstance(r, Generate):
             job.phases.append(("generate", r.max_new_tokens, r.sampling))
-        elif isinstance(r, Snapshot):
-            s = self._session(r.session)
-            job.sink.done(eng.snapshot(s, r.name, tier=r.tier, pin=r.pin, mode=r.mode, namespace=r.namespace))
+        elif type(r) in SESSION_CALLS:  # a simple verb on one session: the engine call its type selects
+            job.sink.done(SESSION_CALLS[type(r)](eng, self._session(r.session), r))
             return False
         elif isinstance(r, Restore):
             self._restore(job, r.name, r.namespace)
