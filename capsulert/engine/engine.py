@@ -45,8 +45,8 @@ from capsulert.engine.session import Session
 from capsulert.engine.state import StateLayout, StateSet
 from capsulert.engine.stops import eos_ids_from_checkpoint
 from capsulert.engine.token_codec import TokenCodec
-from capsulert.protocol.requests import Snapshot
-from capsulert.protocol.results import GenerateResult
+from capsulert.protocol.requests import Snapshot, Truncate
+from capsulert.protocol.results import GenerateResult, SessionInfo
 
 RANDOM_PREFIX = "random:"  # model="random:<architecture yaml>": deterministic random weights on the device
 # sessions per decode step; larger generate calls run several steps per token. On CUDA every dense op of a
@@ -535,6 +535,24 @@ class Engine:
             self.prefix.rederiving(session)
             return tokens
 
+    def truncate(self, session: Session, n: int) -> int:
+        """Roll a session back to its first n tokens, bitwise the state a cold prefill of them computes (the
+        same next-token logits and continuation): the slot emptied and tokens[:n] prefilled through the
+        normal append path, which restores the longest cached grid prefix when the prefix cache holds one
+        (grid checkpoints only: exact) and prefills the rest. n == len changes nothing; n outside
+        [0, len] is InvalidRequestError with the session unchanged. The session's length."""
+        with self._lock:
+            self._own(session)
+            session.check_current()
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(session.tokens):
+                raise InvalidRequestError(f"truncate takes an int n with 0 <= n <= {len(session.tokens)} (the "
+                                          f"session's length), got {n!r:.80}")
+            if n < len(session.tokens):
+                keep = self.begin_rederive(session)[:n]
+                if keep:
+                    self.append(session, keep)
+            return len(session.tokens)
+
     def rebuild(self, name: str, namespace: str = "default"):
         """Re-derive a capsule made under older weights: prefill its own tokens under the current weights
         and replace it (same name, tier and pin). Returns the new CapsuleRef, or None when it is current."""
@@ -619,4 +637,5 @@ class Engine:
 # this kind is a request type, an engine method and a row here, and no scheduler code.
 SESSION_CALLS: dict[type, Callable[[Engine, Session, Any], Any]] = {
     Snapshot: lambda eng, s, r: eng.snapshot(s, r.name, tier=r.tier, pin=r.pin, mode=r.mode, namespace=r.namespace),
+    Truncate: lambda eng, s, r: SessionInfo(r.session, eng.truncate(s, r.n)),
 }

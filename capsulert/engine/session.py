@@ -68,6 +68,10 @@ class Session:
         """Recompute the state from the tokens under the current weights (a cold prefill of them); the length."""
         return self.engine.rederive(self)
 
+    def truncate(self, n: int) -> int:
+        """Roll back to the first n tokens, bitwise the state a cold prefill of them computes; the length."""
+        return self.engine.truncate(self, n)
+
     def append(self, tokens_or_text: str | Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Prefill more tokens; returns the next-token logits [vocab] (fp32)."""
         return self.engine.append(self, tokens_or_text)

@@ -131,6 +131,19 @@ class Rederive(Request):
 
 
 @dataclass(frozen=True)
+class Truncate(Request):
+    """Roll the session back to its first n tokens: bitwise the state a cold prefill of them computes. n equal
+    to its length changes nothing; n past it is refused (InvalidRequestError, the session unchanged). The
+    reply is its SessionInfo."""
+    session: int
+    n: int
+
+    def __post_init__(self) -> None:
+        _session_id(self.session)
+        int_arg(self.n, "n", 0)
+
+
+@dataclass(frozen=True)
 class Generate(Request):
     session: int
     max_new_tokens: int
@@ -476,9 +489,10 @@ class Interrupt(ControlRequest):
 class LastCall(ControlRequest):
     """Milliseconds the worker's last session or store request spent inside it (transport cost probes)."""
 
-__all__ = ['Request', 'StoreRequest', 'ControlRequest', 'TransferRequest', 'Open', 'Append', 'Rederive', 'Generate',
-           'Snapshot', 'Restore', 'Fork', 'Close', 'Batch', 'Delete', 'Turn', 'Streamed', 'Feed', 'Promote',
-           'Demote', 'Rebuild', 'ExportCapsule', 'ImportCapsule', 'ExportToDir', 'ImportFromFile', 'UpdateWeights',
-           'PeerConnect', 'SendCapsule', 'ReceiveCapsule', 'LinkProbe', 'Ping', 'PeerAddress', 'PeerClose', 'Stats',
-           'ListCapsules', 'ReadTokens', 'Tokenize', 'Detokenize', 'Interrupt', 'LastCall', 'SESSION', 'STORE',
-           'CONTROL', 'TRANSFER', 'LANES', 'BATCHABLE']
+__all__ = [
+    'Request', 'StoreRequest', 'ControlRequest', 'TransferRequest', 'Open', 'Append', 'Rederive', 'Truncate',
+    'Generate', 'Snapshot', 'Restore', 'Fork', 'Close', 'Batch', 'Delete', 'Turn', 'Streamed', 'Feed', 'Promote',
+    'Demote', 'Rebuild', 'ExportCapsule', 'ImportCapsule', 'ExportToDir', 'ImportFromFile', 'UpdateWeights',
+    'PeerConnect', 'SendCapsule', 'ReceiveCapsule', 'LinkProbe', 'Ping', 'PeerAddress', 'PeerClose', 'Stats',
+    'ListCapsules', 'ReadTokens', 'Tokenize', 'Detokenize', 'Interrupt', 'LastCall', 'SESSION', 'STORE', 'CONTROL',
+    'TRANSFER', 'LANES', 'BATCHABLE']

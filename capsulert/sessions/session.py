@@ -25,7 +25,7 @@ from capsulert.chat.turn import ChatReply, ChatTurn
 from capsulert.errors import SessionClosedError, WorkerLost
 from capsulert.protocol.checks import sampling_params
 from capsulert.protocol.requests import (
-    Append, Close, Detokenize, Generate, Interrupt, ReadTokens, Rederive, Request, Restore, Snapshot, Turn)
+    Append, Close, Detokenize, Generate, Interrupt, ReadTokens, Rederive, Request, Restore, Snapshot, Truncate, Turn)
 from capsulert.protocol.results import FinalEvent, GenerateResult, TokenEvent
 from capsulert.sessions.sender import Sender, next_call_id
 
@@ -146,6 +146,14 @@ class AsyncSession:
         """Recompute a stale session's state (open across an update_weights) from its tokens under the
         current weights (a prefill of them); its length."""
         info = await self._run(Rederive(self.id), timeout)
+        self.length = info.length
+        return info.length
+
+    async def truncate(self, n: int, *, timeout: float | None = None) -> int:
+        """Roll this session back to its first n tokens, bitwise the state a cold prefill of them computes
+        (the same next-token logits and continuation); n == length changes nothing, n past it is refused
+        (InvalidRequestError, the session unchanged). The new length."""
+        info = await self._run(Truncate(self.id, n), timeout)
         self.length = info.length
         return info.length
 
