@@ -72,7 +72,7 @@ def test_sampling_fields_that_mean_nothing_are_refused(engine, fields):
     """Issue 29 item 7: a stop string with a lone surrogate (never matched: decoded text holds none) and a
     top_k of 2^70 were accepted."""
     from capsulert.errors import InvalidRequestError
-    from capsulert.config.orchestrator import sampling_params
+    from capsulert.protocol.checks import sampling_params
     from capsulert.protocol.sampling import SamplingParams
 
     with pytest.raises(InvalidRequestError):

@@ -45,6 +45,7 @@ from capsulert.engine.session import Session
 from capsulert.engine.state import StateLayout, StateSet
 from capsulert.engine.stops import eos_ids_from_checkpoint
 from capsulert.engine.token_codec import TokenCodec
+from capsulert.protocol.requests import Snapshot
 from capsulert.protocol.results import GenerateResult
 
 RANDOM_PREFIX = "random:"  # model="random:<architecture yaml>": deterministic random weights on the device
@@ -543,6 +544,24 @@ class Engine:
             self.prefix.rederiving(session)
             return tokens
 
+    def truncate(self, session: Session, n: int) -> int:
+        """Roll a session back to its first n tokens, bitwise the state a cold prefill of them computes (the
+        same next-token logits and continuation): the slot emptied and tokens[:n] prefilled through the
+        normal append path, which restores the longest cached grid prefix when the prefix cache holds one
+        (grid checkpoints only: exact) and prefills the rest. n == len changes nothing; n outside
+        [0, len] is InvalidRequestError with the session unchanged. The session's length."""
+        with self._lock:
+            self._own(session)
+            session.check_current()
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(session.tokens):
+                raise InvalidRequestError(f"truncate takes an int n with 0 <= n <= {len(session.tokens)} (the "
+                                          f"session's length), got {n!r:.80}")
+            if n < len(session.tokens):
+                keep = self.begin_rederive(session)[:n]
+                if keep:
+                    self.append(session, keep)
+            return len(session.tokens)
+
     def rebuild(self, name: str, namespace: str = "default"):
         """Re-derive a capsule made under older weights: prefill its own tokens under the current weights
         and replace it (same name, tier and pin). Returns the new CapsuleRef, or None when it is current."""
@@ -569,8 +588,8 @@ class Engine:
         """Automatic prefix reuse (engine/prefix_reuse.py); inert unless EngineConfig.prefix_cache."""
         return self.capsules.prefix
 
-    def snapshot(self, session: Session, name: str, tier: str = "gpu", pin: bool = False,
-                 mode: str = "full", namespace: str = "default"):
+    def snapshot(self, session: Session, name: str, tier: str = Snapshot.tier, pin: bool = Snapshot.pin,
+                 mode: str = Snapshot.mode, namespace: str = Snapshot.namespace):
         with self._lock:
             self._own(session)
             session.check_current()  # a stale session's capsule would carry old state under the new version

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from capsulert.errors import SessionClosedError, StaleSessionError
+from capsulert.protocol.requests import Restore, Snapshot
 from capsulert.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,6 +68,10 @@ class Session:
         """Recompute the state from the tokens under the current weights (a cold prefill of them); the length."""
         return self.engine.rederive(self)
 
+    def truncate(self, n: int) -> int:
+        """Roll back to the first n tokens, bitwise the state a cold prefill of them computes; the length."""
+        return self.engine.truncate(self, n)
+
     def append(self, tokens_or_text: str | Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Prefill more tokens; returns the next-token logits [vocab] (fp32)."""
         return self.engine.append(self, tokens_or_text)
@@ -108,11 +113,11 @@ class Session:
         """Stop a running generate at the next token boundary (thread-safe flag)."""
         self._interrupt = True
 
-    def snapshot(self, name: str, tier: str = "gpu", pin: bool = False, mode: str = "full",
-                 namespace: str = "default") -> "CapsuleRef":
+    def snapshot(self, name: str, tier: str = Snapshot.tier, pin: bool = Snapshot.pin, mode: str = Snapshot.mode,
+                 namespace: str = Snapshot.namespace) -> "CapsuleRef":
         return self.engine.snapshot(self, name, tier=tier, pin=pin, mode=mode, namespace=namespace)
 
-    def restore(self, name: str, namespace: str = "default") -> str:
+    def restore(self, name: str, namespace: str = Restore.namespace) -> str:
         """Replace this session's state with the capsule's, in place (rollback, episode reset); returns the
         tier the capsule was read from (gpu, host or disk)."""
         return self.engine.restore_into(self, name, namespace)

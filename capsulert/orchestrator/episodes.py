@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from capsulert.errors import InvalidRequestError
-from capsulert.config.orchestrator import int_arg, name_arg, sampling_arg, tokens_arg
+from capsulert.protocol.checks import int_arg, name_arg, sampling_arg, tokens_arg
 from capsulert.orchestrator.schedulers import maybe_await
 from capsulert.protocol.sampling import SamplingParams
 from capsulert.protocol.results import GenerateResult

@@ -1,6 +1,7 @@
 """Namespace: the caller's handle on the orchestrator, bound to one namespace (a tenant, an application).
 
-`orch.namespace("acme")` returns one; the Orchestrator itself is the handle of namespace "default".
+`orch.namespace("acme")` returns one; the Orchestrator passes its own session and capsule verbs to its
+handle of namespace "default" (`orch.open(...)` is `orch.namespace("default").open(...)`).
 A handle exposes every session and capsule verb (open, restore, fork, restore_append_generate,
 restore_append_stream, generate, capsules, promote, demote, delete, migrate; the schedulers best_of_n, tree_search and
 EpisodeDriver accept a handle wherever they accept the orchestrator). Capsules live in the handle's
@@ -10,8 +11,10 @@ of another namespace is UnknownCapsuleError), every request carries the namespac
 never a path (validate_name refuses '/', '..' and the like; disk file names are a hash of namespace and
 name, so guessing a file name gets you an unknown capsule name, nothing more).
 
-Every verb is one typed request (protocol/requests.py) to one worker. A handle has no lifecycle verbs (close,
-stats, health, namespace): those are the operator's, on the Orchestrator.
+Every verb is one typed request (protocol/requests.py) to one worker; the sessions it hands out are the one
+session class (sessions/session.py) with a RemoteSender. A handle holds its capsule router (router.py) and
+passes the capsule verbs on to it. A handle has no lifecycle verbs (close, stats, health, namespace): those
+are the operator's, on the Orchestrator.
 """
 from __future__ import annotations
 
@@ -21,26 +24,25 @@ from typing import AsyncIterator
 
 from capsulert.errors import InvalidRequestError, SessionClosedError
 from capsulert.orchestrator.capsule_map import CapsuleMap
-from capsulert.config.orchestrator import int_arg, name_arg, sampling_params, samplings_arg, tokens_arg
-from capsulert.sessions.remote import RemoteSession, next_call_id
 from capsulert.orchestrator.router import CapsuleRouter
 from capsulert.orchestrator.worker_pool import WorkerPool
+from capsulert.protocol.checks import int_arg, samplings_arg, tokens_arg
 from capsulert.protocol.requests import Detokenize, Fork, Interrupt, Open, Restore, Tokenize, Turn
 from capsulert.protocol.results import FinalEvent, GenerateResult, SessionInfo, TokenEvent
+from capsulert.sessions.remote import RemoteSender, RemoteSession
+from capsulert.sessions.sender import next_call_id
 
 
-class Namespace(CapsuleRouter):
+class Namespace:
     def __init__(self, pool: WorkerPool, capsule_map: CapsuleMap, ns: str):
         self.pool, self.ns = pool, ns
-        self.space = capsule_map.space(ns)
+        self.router = CapsuleRouter(pool, capsule_map.space(ns), ns)  # its capsule verbs and their view
 
     def __repr__(self) -> str:
         return f"Namespace({self.ns!r})"
 
     def _session(self, w: int, info: SessionInfo | GenerateResult) -> RemoteSession:
-        s = RemoteSession(self, w, info.session, info.length, info.restored_from)
-        self.pool.opened(s)
-        return s
+        return RemoteSession(RemoteSender(self.pool, self.router, w), info.session, info.length, info.restored_from)
 
     def admitted(self, sessions: int, *, together: int = 1):
         """An async context manager holding `sessions` session slots of the orchestrator for its body: a
@@ -57,30 +59,28 @@ class Namespace(CapsuleRouter):
         """A new session (on the least loaded worker), prefilled with `prompt` when given. Its snapshots
         go into this namespace, and with the worker's prefix cache on, its prompt is served from (and its
         grid checkpoints kept for) this namespace's cached prefixes."""
-        prompt = None if prompt is None else tokens_arg(prompt, "prompt")
+        request = Open(prompt, self.ns)
         w = self.pool.least_loaded(range(len(self.pool))) if worker is None else self.pool.worker_arg(worker)
-        return self._session(w, await self.pool.call(w, Open(prompt, namespace=self.ns)))
+        return self._session(w, await self.pool.call(w, request))
 
     async def restore(self, name: str) -> RemoteSession:
         """A new session holding capsule `name`, on a worker that has it."""
-        name = name_arg(name)
-        return self._session(*await self._on_holder(name, Restore(name, self.ns)))
+        return self._session(*await self.router.on_holder(name, Restore(name, self.ns)))
 
     async def fork(self, name: str, n: int) -> list[RemoteSession]:
         """n independent sessions from capsule `name` (on one worker, so they can decode batched)."""
-        name, n = name_arg(name), int_arg(n, "n", 1)
-        w, infos = await self._on_holder(name, Fork(name, n, self.ns))
+        w, infos = await self.router.on_holder(name, Fork(name, n, self.ns))
         return [self._session(w, i) for i in infos]
 
     async def fork_spread(self, name: str, n: int) -> list[RemoteSession]:
         """n sessions from capsule `name`, spread evenly over every live worker (the capsule is copied to a
         worker that lacks it, once): RL envs, independent agents that need not decode together."""
-        name, n = name_arg(name), int_arg(n, "n", 1)
-        self._holders(name)
+        Fork(name, n, self.ns)  # checks the arguments before anything moves
+        self.router.holders(name)
         alive = self.pool.alive()
         share = {w: n // len(alive) + (i < n % len(alive)) for i, w in enumerate(alive)}
         share = {w: k for w, k in share.items() if k}
-        await asyncio.gather(*(self.ensure_on(name, w) for w in share))
+        await asyncio.gather(*(self.router.ensure_on(name, w) for w in share))
         groups = await asyncio.gather(*(self.pool.call(w, Fork(name, k, self.ns)) for w, k in share.items()))
         return [self._session(w, i) for w, infos in zip(share, groups) for i in infos]
 
@@ -91,7 +91,7 @@ class Namespace(CapsuleRouter):
         (which rolls an existing session back in place instead), with the same GenerateResult. The new
         session is closed afterwards; with keep=True it stays open and (session, result) is returned."""
         request = self._restore_turn(name, suffix, max_new_tokens, sampling, keep)
-        w = await self._serving_worker(name)
+        w = await self.router.serving_worker(name)
         call_id = next_call_id()
         try:
             res = await self.pool.call(w, request, timeout=timeout, call_id=call_id)
@@ -113,7 +113,7 @@ class Namespace(CapsuleRouter):
         at the next token boundary. A refusal (no such capsule, a suffix past max_seq) is raised by the
         first step of the iteration."""
         request = self._restore_turn(name, suffix, max_new_tokens, sampling, keep=False)
-        w = await self._serving_worker(name)
+        w = await self.router.serving_worker(name)
         await self.pool.check(w)
         # closing this closes the pool's stream at once, which interrupts an unfinished generate
         async with aclosing(self.pool.stream(w, request, next_call_id())) as events:
@@ -121,10 +121,8 @@ class Namespace(CapsuleRouter):
                 yield event
 
     def _restore_turn(self, name: str, suffix, max_new_tokens: int, sampling, keep: bool) -> Turn:
-        """The Turn that restores `name` into a new session, appends and generates, its arguments checked."""
-        name, n = name_arg(name), int_arg(max_new_tokens, "max_new_tokens", 0)
-        suffix = None if suffix is None else tokens_arg(suffix, "suffix")
-        return Turn(None, name, suffix, n, sampling_params(sampling), self.ns, close=not keep)
+        """The Turn that restores `name` into a new session, appends and generates (it checks itself)."""
+        return Turn(None, name, suffix, max_new_tokens, sampling, self.ns, close=not keep)
 
     async def generate(self, sessions: list[RemoteSession], max_new_tokens: int, sampling=None) -> list:
         """Generate for several sessions at once: each is its own request, and each worker's step scheduler
@@ -137,7 +135,7 @@ class Namespace(CapsuleRouter):
         for s in sessions:
             if s.closed:
                 raise SessionClosedError(f"session {s.sid} is closed; open or restore a new one")
-            if s.pool is not self.pool:
+            if getattr(s.sender, "pool", None) is not self.pool:
                 raise InvalidRequestError(f"{s!r} belongs to another orchestrator")
         return list(await asyncio.gather(*(s.generate(n, sp) for s, sp in zip(sessions, sps))))
 
@@ -147,3 +145,35 @@ class Namespace(CapsuleRouter):
 
     async def detokenize(self, tokens: list[int]) -> str:
         return await self.pool.call(self.pool.least_loaded(range(len(self.pool))), Detokenize(list(tokens)))
+
+    # ------------------------------------------------------------------ capsule verbs
+    # the router's (router.py documents each): a handle passes them on, so one object owns the view
+    def holders(self, name: str) -> set[int]:
+        return self.router.holders(name)
+
+    def placement(self) -> dict[str, set[int]]:
+        return self.router.placement()
+
+    @property
+    def space(self):
+        """This namespace's part of the capsule map (the router's view)."""
+        return self.router.space
+
+    async def migrate(self, name: str, worker: int, *, via: str = "auto", directory: str | None = None,
+                      tier: str = "gpu") -> str | None:
+        return await self.router.migrate(name, worker, via=via, directory=directory, tier=tier)
+
+    async def capsules(self) -> list[dict]:
+        return await self.router.capsules()
+
+    async def promote(self, name: str, tier: str) -> None:
+        await self.router.promote(name, tier)
+
+    async def demote(self, name: str, tier: str | None = None) -> None:
+        await self.router.demote(name, tier)
+
+    async def rebuild(self, name: str) -> None:
+        await self.router.rebuild(name)
+
+    async def delete(self, name: str) -> None:
+        await self.router.delete(name)

@@ -5,8 +5,9 @@ directory; router.py), and turns every failure into a typed error:
 engine refusals keep their capsulert class, a dead or silent worker is WorkerLost within the timeout
 (worker_pool.py).
 
-Capsules live in namespaces: `orch.namespace("acme")` is a handle with the same verbs, bound to the
-capsules of "acme" (see namespace.py); the Orchestrator's own verbs serve namespace "default".
+Capsules live in namespaces: `orch.namespace("acme")` is a handle with the session and capsule verbs, bound
+to the capsules of "acme" (see namespace.py); the Orchestrator passes the same verbs to its handle of
+namespace "default" (`orch.open(...)` is `orch.namespace("default").open(...)`).
 
 Worker logs reach the driver: each worker sends its `capsulert` logger to its stderr (worker_actor.py) at
 the driver's level (or `worker_log_level`), and a Ray this starts forwards workers' output to the driver's
@@ -43,17 +44,36 @@ from capsulert.protocol.requests import Ping, Request, Stats, UpdateWeights
 FAST_FAILURE_RAY_CONFIG = {"timeout_ms_task_wait_for_death_info": 100}
 
 
-class Orchestrator(Namespace):
-    """The operator's object: lifecycle, workers, stats, and namespace handles. As a handle itself it
-    serves namespace "default" (orch.open / restore / capsules / ... act on "default" capsules only)."""
+# the verbs of a Namespace the Orchestrator answers for namespace "default", by passing them to its handle
+DEFAULT_NAMESPACE_VERBS = frozenset({
+    "open", "restore", "fork", "fork_spread", "restore_append_generate", "restore_append_stream", "generate",
+    "tokenize", "detokenize", "admitted", "holders", "placement", "space", "migrate", "capsules", "promote",
+    "demote", "rebuild", "delete", "router"})
+
+
+class Orchestrator:
+    """The operator's object: lifecycle, workers, stats, and namespace handles. It answers the session and
+    capsule verbs of namespace "default" through that namespace's handle (orch.open / restore / capsules /
+    ... act on "default" capsules only)."""
 
     def __init__(self, config: OrchestratorConfig, pool: WorkerPool, capsule_map: CapsuleMap, owns_ray: bool,
                  dir_lock: DirLock | None = None):
-        self.config, self.capsule_map, self._owns_ray = config, capsule_map, owns_ray
+        self.config, self.pool, self.capsule_map, self._owns_ray = config, pool, capsule_map, owns_ray
         self._dir_lock = dir_lock  # engine.disk_dir is ours while we live: a second orchestrator is refused
-        self._handles: dict[str, Namespace] = {}
+        self.default = Namespace(pool, capsule_map, "default")
+        self._handles: dict[str, Namespace] = {"default": self.default}
         self._closed = False
-        super().__init__(pool, capsule_map, "default")
+
+    @property
+    def ns(self) -> str:
+        """The namespace the orchestrator's own verbs serve."""
+        return self.default.ns
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names the class lacks: the verbs of namespace "default", from its handle
+        if name in DEFAULT_NAMESPACE_VERBS:
+            return getattr(self.default, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def workers(self) -> list[WorkerRecord]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from capsulert.errors import CapsuleRTError, ConfigError, DuplicateCapsuleError, UnknownCapsuleError, WorkerLost
 from capsulert.orchestrator.capsule_map import NamespaceMap
-from capsulert.config.orchestrator import name_arg, tier_arg
+from capsulert.protocol.checks import name_arg, tier_arg
 from capsulert.orchestrator.worker_pool import WorkerPool
 from capsulert.protocol.requests import (
     Delete, Demote, ExportCapsule, ExportToDir, ImportCapsule, ImportFromFile, ListCapsules, PeerClose, Promote,
@@ -40,11 +40,10 @@ LINK_CONNECT_TIMEOUT_S = 30.0  # at most: a pair link that is not up by then is 
 
 
 class CapsuleRouter:
-    """Mixin of Namespace: needs self.pool (WorkerPool), self.ns and self.space (its NamespaceMap)."""
+    """One namespace's capsule verbs and its view of where each capsule lives (held by a Namespace)."""
 
-    pool: WorkerPool
-    ns: str
-    space: NamespaceMap
+    def __init__(self, pool: WorkerPool, space: NamespaceMap, ns: str):
+        self.pool, self.space, self.ns = pool, space, ns
 
     # ------------------------------------------------------------------ the view
     def holders(self, name: str) -> set[int]:
@@ -80,12 +79,12 @@ class CapsuleRouter:
         if worker not in self._holders(name):
             await self.migrate(name, worker)
 
-    async def _on_holder(self, name: str, request: Request, **kw):
+    async def on_holder(self, name: str, request: Request, **kw):
         """`request` on the least loaded worker holding capsule `name`; (worker, reply)."""
-        w = await self._serving_worker(name)
+        w = await self.serving_worker(name)
         return w, await self.pool.call(w, request, **kw)
 
-    async def _serving_worker(self, name: str) -> int:
+    async def serving_worker(self, name: str) -> int:
         """The least loaded worker holding capsule `name`. With OrchestratorConfig.replicate_hot = GAP, a
         capsule whose best holder carries GAP or more sessions (open or in flight) than the least loaded
         live worker is first copied there (migrate, via="auto"): a hot capsule spreads over idle workers on
@@ -223,35 +222,33 @@ class CapsuleRouter:
             m["tier"] = min(m["tiers"], key=_TIER_ORDER.index)
         return [merged[k] for k in sorted(merged)]
 
-    async def _each_holder(self, name: str, request: Request) -> None:
+    async def _each_holder(self, request: Promote | Demote | Rebuild) -> None:
+        """A checked request on every worker holding its capsule, under the capsule's lock."""
+        name = request.name
         async with self.space.locks.hold(name):
             holders = sorted(self._holders(name))
             await asyncio.gather(*(self.pool.call(w, request) for w in holders))
 
     async def promote(self, name: str, tier: str) -> None:
-        name, tier = name_arg(name), tier_arg(tier)
-        await self._each_holder(name, Promote(name, tier, self.ns))
+        await self._each_holder(Promote(name, tier, self.ns))
 
     async def demote(self, name: str, tier: str | None = None) -> None:
-        name = name_arg(name)
-        tier = None if tier is None else tier_arg(tier)
-        await self._each_holder(name, Demote(name, tier, self.ns))
+        await self._each_holder(Demote(name, tier, self.ns))
 
     async def rebuild(self, name: str) -> None:
         """Re-derive capsule `name` under the workers' current weights, on every worker holding it (a
         capsule made before update_weights is refused as stale until then)."""
-        name = name_arg(name)
-        await self._each_holder(name, Rebuild(name, self.ns))
+        await self._each_holder(Rebuild(name, self.ns))
 
     async def delete(self, name: str) -> None:
         """Delete capsule `name` on every worker holding it (and its persisted file). Waits for the
         snapshots, migrations and moves of that capsule in flight; a restore that started reading it
         first gets the whole capsule (a worker serves a capsule atomically), one after fails cleanly with
         UnknownCapsuleError."""
-        name = name_arg(name)
+        request = Delete(name, self.ns)
         async with self.space.locks.hold(name):
             ws = sorted(self._holders(name))
-            results = await asyncio.gather(*(self.pool.call(w, Delete(name, self.ns)) for w in ws),
+            results = await asyncio.gather(*(self.pool.call(w, request) for w in ws),
                                            return_exceptions=True)
             errors = []
             for w, r in zip(ws, results):  # each copy gone (or never there) leaves the view

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 from capsulert.errors import InvalidRequestError
-from capsulert.config.orchestrator import int_arg, name_arg, samplings_arg, seeded, tokens_arg
+from capsulert.protocol.checks import int_arg, name_arg, samplings_arg, seeded, tokens_arg
 from capsulert.protocol.sampling import SamplingParams
 
 

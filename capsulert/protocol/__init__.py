@@ -1,5 +1,6 @@
-"""The verbs every layer passes on as they are: typed requests, their results, sampling parameters and
-output constraints. Depends on nothing else in capsulert but errors."""
+"""The verbs every layer passes on as they are: typed requests (each checks its own fields when made,
+checks.py), their results, sampling parameters and output constraints. Depends on nothing in capsulert that
+runs a verb: errors, the capsule name rule, the text rule and chat prompts (see checks.py)."""
 from capsulert.protocol.constraint import Constraint
 from capsulert.protocol.requests import *  # noqa: F403  (every request type)
 from capsulert.protocol.requests import __all__ as _requests

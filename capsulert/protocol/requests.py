@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence, Union
 
+from capsulert.errors import InvalidRequestError
+from capsulert.protocol.checks import bool_arg, choice_arg, int_arg, name_arg, sampling_params, tier_arg, tokens_arg
 from capsulert.protocol.sampling import SamplingParams
 
 Tokens = Union[str, Sequence[int]]
@@ -78,12 +80,35 @@ class TransferRequest(Request):
 
 
 # ---------------------------------------------------------------------- session verbs (step scheduler)
+# Every request checks its own fields when made (protocol/checks.py), so every front end refuses bad input
+# the same way, with the same typed error, before anything is sent; and each verb's defaults are its
+# request's field defaults, the only ones (the front ends' signatures name them: `tier=Snapshot.tier`).
+MODES = ("full", "replay")
+
+
+def _fix(request: Request, name: str, value: Any) -> None:
+    """Set a checked (normalised) field of a frozen request while it is made."""
+    object.__setattr__(request, name, value)
+
+
+def _session_id(value: Any, what: str = "session") -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequestError(f"{what} must be a session id (int), got {value!r:.80}")
+    return value
+
+
 @dataclass(frozen=True)
 class Open(Request):
     """A new session, optionally prefilled with `prompt`. `namespace`: the prefix cache's namespace the
     session is served from and keeps its checkpoints in (None: no prefix reuse until a Turn names one)."""
     prompt: Tokens | None = None
-    namespace: str | None = None
+    namespace: str | None = "default"
+
+    def __post_init__(self) -> None:
+        if self.prompt is not None:
+            _fix(self, "prompt", tokens_arg(self.prompt, "prompt"))
+        if self.namespace is not None:
+            name_arg(self.namespace, "namespace")
 
 
 @dataclass(frozen=True)
@@ -93,12 +118,34 @@ class Append(Request):
     tokens: Tokens
     logits: bool = False
 
+    def __post_init__(self) -> None:
+        _session_id(self.session)
+        _fix(self, "tokens", tokens_arg(self.tokens))
+        bool_arg(self.logits, "logits")
+
 
 @dataclass(frozen=True)
 class Rederive(Request):
     """Recompute a stale session's state (open across an update_weights) from its tokens under the current
     weights: a prefill of them, in pieces like any append. The reply is its SessionInfo."""
     session: int
+
+    def __post_init__(self) -> None:
+        _session_id(self.session)
+
+
+@dataclass(frozen=True)
+class Truncate(Request):
+    """Roll the session back to its first n tokens: bitwise the state a cold prefill of them computes. n equal
+    to its length changes nothing; n past it is refused (InvalidRequestError, the session unchanged). The
+    reply is its SessionInfo."""
+    engine_method: ClassVar[str | None] = "truncate"
+    session: int
+    n: int
+
+    def __post_init__(self) -> None:
+        _session_id(self.session)
+        int_arg(self.n, "n", 0)
 
 
 @dataclass(frozen=True)
@@ -107,13 +154,18 @@ class Generate(Request):
     max_new_tokens: int
     sampling: SamplingParams | None = None
 
+    def __post_init__(self) -> None:
+        _session_id(self.session)
+        int_arg(self.max_new_tokens, "max_new_tokens", 0)
+        _fix(self, "sampling", sampling_params(self.sampling))
+
 
 @dataclass(frozen=True)
 class Snapshot(Request):
     """A named capsule of the session's complete state; `pin` keeps it from eviction and, on a worker with
     a persist directory, on disk across restarts. `mode` "replay" keeps only the state at the last grid
     point and the tokens, and re-runs the tokens past it on restore (engine/capsules.py): far smaller,
-    slower to restore."""
+    slower to restore. `tier` "device" is the engine device's memory ("gpu" is its older name)."""
     memory_only: ClassVar[bool] = False
     session: int
     name: str
@@ -122,6 +174,14 @@ class Snapshot(Request):
     namespace: str = "default"
     mode: str = "full"
 
+    def __post_init__(self) -> None:
+        _session_id(self.session)
+        name_arg(self.name)
+        tier_arg(self.tier)
+        bool_arg(self.pin, "pin")
+        name_arg(self.namespace, "namespace")
+        choice_arg(self.mode, "mode", MODES)
+
 
 @dataclass(frozen=True)
 class Restore(Request):
@@ -129,6 +189,12 @@ class Restore(Request):
     name: str
     namespace: str = "default"
     into: int | None = None
+
+    def __post_init__(self) -> None:
+        name_arg(self.name)
+        name_arg(self.namespace, "namespace")
+        if self.into is not None:
+            _session_id(self.into, "into")
 
     @property
     def target(self) -> int | None:
@@ -141,11 +207,19 @@ class Fork(Request):
     n: int
     namespace: str = "default"
 
+    def __post_init__(self) -> None:
+        name_arg(self.name)
+        int_arg(self.n, "n", 1)
+        name_arg(self.namespace, "namespace")
+
 
 @dataclass(frozen=True)
 class Close(Request):
     """Close a session; closing one the worker does not hold (any more) does nothing."""
     session: int
+
+    def __post_init__(self) -> None:
+        _session_id(self.session)
 
 
 @dataclass(frozen=True)
@@ -174,6 +248,10 @@ class Delete(Request):
     name: str
     namespace: str = "default"
 
+    def __post_init__(self) -> None:
+        name_arg(self.name)
+        name_arg(self.namespace, "namespace")
+
 
 @dataclass(frozen=True)
 class Turn(Request):
@@ -186,6 +264,18 @@ class Turn(Request):
     sampling: SamplingParams | None = None
     namespace: str = "default"
     close: bool = False
+
+    def __post_init__(self) -> None:
+        if self.session is not None:
+            _session_id(self.session)
+        if self.restore is not None:
+            name_arg(self.restore)
+        if self.suffix is not None:
+            _fix(self, "suffix", tokens_arg(self.suffix, "suffix"))
+        int_arg(self.max_new_tokens, "max_new_tokens", 0)
+        _fix(self, "sampling", sampling_params(self.sampling))
+        name_arg(self.namespace, "namespace")
+        bool_arg(self.close, "close")
 
 
 @dataclass(frozen=True)
@@ -217,6 +307,11 @@ class Promote(StoreRequest):
     tier: str
     namespace: str = "default"
 
+    def __post_init__(self) -> None:
+        name_arg(self.name)
+        tier_arg(self.tier)
+        name_arg(self.namespace, "namespace")
+
 
 @dataclass(frozen=True)
 class Demote(StoreRequest):
@@ -224,12 +319,22 @@ class Demote(StoreRequest):
     tier: str | None = None
     namespace: str = "default"
 
+    def __post_init__(self) -> None:
+        name_arg(self.name)
+        if self.tier is not None:
+            tier_arg(self.tier)
+        name_arg(self.namespace, "namespace")
+
 
 @dataclass(frozen=True)
 class Rebuild(StoreRequest):
     """Re-derive a stale capsule under the current weights; the reply says whether it was stale."""
     name: str
     namespace: str = "default"
+
+    def __post_init__(self) -> None:
+        name_arg(self.name)
+        name_arg(self.namespace, "namespace")
 
 
 @dataclass(frozen=True)
@@ -389,9 +494,10 @@ class Interrupt(ControlRequest):
 class LastCall(ControlRequest):
     """Milliseconds the worker's last session or store request spent inside it (transport cost probes)."""
 
-__all__ = ['Request', 'StoreRequest', 'ControlRequest', 'TransferRequest', 'Open', 'Append', 'Rederive', 'Generate',
-           'Snapshot', 'Restore', 'Fork', 'Close', 'Batch', 'Delete', 'Turn', 'Streamed', 'Feed', 'Promote',
-           'Demote', 'Rebuild', 'ExportCapsule', 'ImportCapsule', 'ExportToDir', 'ImportFromFile', 'UpdateWeights',
-           'PeerConnect', 'SendCapsule', 'ReceiveCapsule', 'LinkProbe', 'Ping', 'PeerAddress', 'PeerClose', 'Stats',
-           'ListCapsules', 'ReadTokens', 'Tokenize', 'Detokenize', 'Interrupt', 'LastCall', 'SESSION', 'STORE',
-           'CONTROL', 'TRANSFER', 'LANES', 'BATCHABLE']
+__all__ = [
+    'Request', 'StoreRequest', 'ControlRequest', 'TransferRequest', 'Open', 'Append', 'Rederive', 'Truncate',
+    'Generate', 'Snapshot', 'Restore', 'Fork', 'Close', 'Batch', 'Delete', 'Turn', 'Streamed', 'Feed', 'Promote',
+    'Demote', 'Rebuild', 'ExportCapsule', 'ImportCapsule', 'ExportToDir', 'ImportFromFile', 'UpdateWeights',
+    'PeerConnect', 'SendCapsule', 'ReceiveCapsule', 'LinkProbe', 'Ping', 'PeerAddress', 'PeerClose', 'Stats',
+    'ListCapsules', 'ReadTokens', 'Tokenize', 'Detokenize', 'Interrupt', 'LastCall', 'SESSION', 'STORE', 'CONTROL',
+    'TRANSFER', 'LANES', 'BATCHABLE']
