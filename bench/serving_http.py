@@ -12,10 +12,15 @@ their difference is the HTTP path alone: client, HTTP server, FastAPI, JSON / SS
 - streamed: restore the agent's capsule, append its turn, stream the tokens and close, in one request to the
   worker (`restore_append_stream`; `completions.create(stream=True, capsule=...)`);
 - whole: the same, not streamed (`restore_append_generate`; `completions.create(capsule=...)`).
-The one-at-a-time requests alternate between the paths (API, HTTP, raw, API, ...), so drift over time falls
-on all alike; the third path is the same HTTP requests from a plain httpx client (JSON in, JSON or SSE lines
-out): HTTP minus raw is what the openai client itself costs, raw minus API what the server and the
-transport cost. The concurrent sweeps run one path after the other.
+The one-at-a-time requests alternate between the paths (API, HTTP, raw, lean, API, ...), so drift over time
+falls on all alike. The HTTP requests come from three clients (serving_http_client.py): the official openai
+client (path "http", the headline), httpx (path "raw", what the openai client is built on) and a minimal
+HTTP/1.1 client ("lean", the least a client costs). Each one's overhead is the median of its requests' paired
+differences with the API request before them. Where it goes is measured inside the server too (ServerClock):
+from the moment the app has the whole request to its last byte written, minus the worker call it made
+(timed by TimedOrchestrator) is the server's own work; the client's wall time minus that span is the
+client and the loopback (both processes read the same monotonic clock). The concurrent sweeps run one path
+after the other.
 """
 from __future__ import annotations
 
@@ -44,9 +49,76 @@ def free_port() -> int:
 
 
 # ---------------------------------------------------------------------------------------------- server
-async def start_server(engine_cfg: dict, threads: int, max_inflight: int):
+class ServerClock:
+    """Where the one request in flight spent its time inside the server: when the app had all of it
+    (`entered`), when its worker call started and ended (`called`, `answered`), when its last byte was
+    written (`sent`)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.entered = self.called = self.answered = self.sent = None
+
+    def own_ms(self) -> tuple[float, float]:
+        """The server's own work on the request, in ms: before its worker call, and after it."""
+        return (self.called - self.entered) * 1e3, (self.sent - self.answered) * 1e3
+
+    def app(self, app):
+        """The ASGI app `app`, stamping `entered` and `sent`."""
+        async def timed(scope, receive, send):
+            if scope["type"] != "http":
+                return await app(scope, receive, send)
+            self.entered = time.perf_counter()
+
+            async def timed_send(message) -> None:
+                await send(message)
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    self.sent = time.perf_counter()
+            await app(scope, receive, timed_send)
+        return timed
+
+
+class TimedOrchestrator:
+    """The orchestrator as the app sees it, each namespace handle timing the one-request verbs (a request's
+    one worker call) into `clock`; everything else is the orchestrator's own."""
+
+    def __init__(self, orch, clock: ServerClock):
+        self._orch, self._clock = orch, clock
+
+    def __getattr__(self, name: str):
+        return getattr(self._orch, name)
+
+    def namespace(self, name: str) -> "TimedNamespace":
+        return TimedNamespace(self._orch.namespace(name), self._clock)
+
+
+class TimedNamespace:
+    def __init__(self, ns, clock: ServerClock):
+        self._ns, self._clock = ns, clock
+
+    def __getattr__(self, name: str):
+        return getattr(self._ns, name)
+
+    async def restore_append_generate(self, *args, **kw):
+        self._clock.called = time.perf_counter()
+        try:
+            return await self._ns.restore_append_generate(*args, **kw)
+        finally:
+            self._clock.answered = time.perf_counter()
+
+    async def restore_append_stream(self, *args, **kw):
+        self._clock.called = time.perf_counter()
+        try:
+            async for event in self._ns.restore_append_stream(*args, **kw):
+                yield event
+        finally:
+            self._clock.answered = time.perf_counter()  # its last event
+
+
+async def start_server(engine_cfg: dict, threads: int, max_inflight: int, clock: ServerClock):
     """The orchestrator (one worker) and the HTTP app on it, served on a free loopback port in this event
-    loop: (orchestrator, its HTTP server, base URL)."""
+    loop, timed by `clock`: (orchestrator, its HTTP server, base URL)."""
     from capsulert.orchestrator import Orchestrator
     from capsulert.serve.app import build_app
     from capsulert.serve.deployment import server_state
@@ -58,7 +130,8 @@ async def start_server(engine_cfg: dict, threads: int, max_inflight: int):
         served_model_name=MODEL, port=free_port(), log_level="WARNING")
     orch = await Orchestrator.start(opts.orchestrator_config())
     try:
-        http = await DirectIngress.start(build_app(server_state(opts, orch)), opts.host, opts.port, access_log=False)
+        app = clock.app(build_app(server_state(opts, TimedOrchestrator(orch, clock))))
+        http = await DirectIngress.start(app, opts.host, opts.port, access_log=False)
     except BaseException:
         await orch.close()
         raise
@@ -95,10 +168,20 @@ class Clients:
             await self.proc.wait()
 
 
-def http_path(clients: Clients, path: str, kind: str):
-    """An agent (like api_stream) whose requests the clients' process sends: path "http" (openai) or "raw"."""
+CLIENTS = {"http": "openai", "raw": "httpx", "lean": "lean"}  # path -> the client that sends its requests
+TIMES = ("server_ms", "server_before_ms", "server_after_ms", "client_ms")  # where an HTTP request's time went
+
+
+def http_path(clients: Clients, path: str, kind: str, clock: ServerClock):
+    """An agent (like api_stream) whose requests the clients' process sends (path: a key of CLIENTS), with
+    where its time went in the server: `server_ms` (the server's own work) and `client_ms` (the client and
+    the loopback: its wall time outside entered -> sent)."""
     async def agent(_, name: str, turn: list[int], gen: int) -> dict:
-        return await clients.ask(op="one", path=path, kind=kind, name=name, turn=turn, gen=gen)
+        clock.reset()
+        res = await clients.ask(op="one", path=path, kind=kind, name=name, turn=turn, gen=gen)
+        before, after = clock.own_ms()
+        return {**res, "server_ms": before + after, "server_before_ms": before, "server_after_ms": after,
+                "client_ms": (res["t1"] - res["t0"] - (clock.sent - clock.entered)) * 1e3}
     return agent
 
 
@@ -144,33 +227,37 @@ def workload(args, n: int) -> tuple[list[list[int]], list[list[int]]]:
 
 async def alternate(paths: dict, names, turns, gen: int, requests: int) -> dict:
     """`requests` requests per path, one at a time, alternating between the paths (after one warm-up
-    request each): {path: (wall times in ms, tokens)}."""
+    request each): {path: {"wall_ms": [...], "tokens": [...], and the HTTP paths' TIMES}}."""
     for agent, target in paths.values():
         await agent(target, names[0], turns[0], gen)
-    out = {p: ([], []) for p in paths}
+    out = {p: {} for p in paths}
     for i in range(requests):
         k = i % len(names)
         for p, (agent, target) in paths.items():
             res = await agent(target, names[k], turns[k], gen)
-            out[p][0].append(res["wall_ms"])
-            out[p][1].append(res["tokens"])
+            for key in ("wall_ms", "tokens", *TIMES):
+                if key in res:
+                    out[p].setdefault(key, []).append(res[key])
     return out
 
 
-async def measure(args, orch, clients: Clients, names, turns) -> dict:
-    api = {"latency_ms": {}, "tokens": {}, "sweep": {}}
-    http = {"latency_ms": {}, "tokens": {}, "sweep": {}}
-    raw = {"latency_ms": {}, "tokens": {}}
+async def measure(args, orch, clients: Clients, clock: ServerClock, names, turns) -> dict:
+    """{path: {"latency_ms": {kind: [...]}, "tokens": {kind: [...]}, ...}} for the API and every client, and
+    the concurrent sweeps of the API and the openai client."""
+    sides = {p: {"latency_ms": {}, "tokens": {}, **{t: {} for t in TIMES}} for p in ("api", *CLIENTS)}
     for kind, on_api in (("stream", api_stream), ("whole", api_whole)):
-        got = await alternate({"api": (on_api, orch), "http": (http_path(clients, "http", kind), None),
-                               "raw": (http_path(clients, "raw", kind), None)}, names, turns, args.gen, args.requests)
-        for side, key in ((api, "api"), (http, "http"), (raw, "raw")):
-            side["latency_ms"][kind], side["tokens"][kind] = got[key]
+        paths = {"api": (on_api, orch), **{p: (http_path(clients, p, kind, clock), None) for p in CLIENTS}}
+        got = await alternate(paths, names, turns, args.gen, args.requests)
+        for p, side in sides.items():
+            side["latency_ms"][kind], side["tokens"][kind] = got[p]["wall_ms"], got[p]["tokens"]
+            for t in TIMES if p != "api" else ():
+                side[t][kind] = got[p][t]
+    sides["api"]["sweep"], sides["http"]["sweep"] = {}, {}
     for n in args.ns:
         log(f"  N={n}")
-        api["sweep"][n] = await api_sweep(orch, names[:n], turns[:n], args.gen)
-        http["sweep"][n] = await clients.ask(op="sweep", names=names[:n], turns=turns[:n], gen=args.gen)
-    return {"api": api, "http": http, "raw": raw}
+        sides["api"]["sweep"][n] = await api_sweep(orch, names[:n], turns[:n], args.gen)
+        sides["http"]["sweep"][n] = await clients.ask(op="sweep", names=names[:n], turns=turns[:n], gen=args.gen)
+    return sides
 
 
 async def main_http(args) -> int:
@@ -184,12 +271,13 @@ async def main_http(args) -> int:
     names = [f"agent{i}" for i in range(n_max)]
 
     log("the HTTP server and the async API on one worker; the openai client in a process of its own")
-    orch, server, url = await start_server(engine_cfg, args.threads, max_inflight=max(256, 2 * n_max))
+    clock = ServerClock()
+    orch, server, url = await start_server(engine_cfg, args.threads, max(256, 2 * n_max), clock)
     try:
         clients = await Clients.start(url)
         try:
             await clients.ask(op="capsules", contexts=contexts)  # agent{i} = context i, made through the server
-            got = await measure(args, orch, clients, names, turns)
+            got = await measure(args, orch, clients, clock, names, turns)
         finally:
             await clients.close()
     finally:
@@ -198,10 +286,11 @@ async def main_http(args) -> int:
     return report(args, **got)
 
 
-def report(args, api: dict, http: dict, raw: dict) -> int:
-    for path in ("stream", "whole"):  # the server answers exactly what the async API does
-        assert http["tokens"][path] == api["tokens"][path], f"{path}: HTTP tokens differ from the async API's"
-        assert raw["tokens"][path] == api["tokens"][path], f"{path}: raw HTTP tokens differ from the async API's"
+def report(args, api: dict, http: dict, raw: dict, lean: dict) -> int:
+    sides = {"http": http, "raw": raw, "lean": lean}
+    for kind in ("stream", "whole"):  # the server answers exactly what the async API does, to every client
+        for p, side in sides.items():
+            assert side["tokens"][kind] == api["tokens"][kind], f"{kind}: {CLIENTS[p]} tokens differ from the API's"
     for n in args.ns:
         assert http["sweep"][n]["tokens"] == api["sweep"][n]["tokens"], f"N={n}: HTTP tokens differ"
 
@@ -213,26 +302,38 @@ def report(args, api: dict, http: dict, raw: dict) -> int:
     def p50(xs):
         return percentile(xs, 50) if xs else float("nan")
 
-    latency = [{"request": path, "api_p50_ms": percentile(api["latency_ms"][path], 50),
-                "http_p50_ms": percentile(http["latency_ms"][path], 50),
-                "overhead_p50_ms": percentile(http["latency_ms"][path], 50) - percentile(api["latency_ms"][path], 50),
-                "paired_overhead_p50_ms": paired_ms(api, http, path),
-                "server_paired_p50_ms": paired_ms(api, raw, path),  # plain httpx client minus the API
-                "client_paired_p50_ms": paired_ms(raw, http, path),  # the openai client minus plain httpx
-                "api_p99_ms": percentile(api["latency_ms"][path], 99),
-                "http_p99_ms": percentile(http["latency_ms"][path], 99)} for path in ("stream", "whole")]
+    latency = [{"request": kind, "api_p50_ms": p50(api["latency_ms"][kind]), "http_p50_ms": p50(http["latency_ms"][kind]),
+                "overhead_p50_ms": p50(http["latency_ms"][kind]) - p50(api["latency_ms"][kind]),
+                "paired_overhead_p50_ms": paired_ms(api, http, kind),
+                "server_paired_p50_ms": paired_ms(api, raw, kind),  # httpx minus the API
+                "client_paired_p50_ms": paired_ms(raw, http, kind),  # the openai client minus httpx
+                "api_p99_ms": percentile(api["latency_ms"][kind], 99),
+                "http_p99_ms": percentile(http["latency_ms"][kind], 99)} for kind in ("stream", "whole")]
+    # every client's overhead, and where it went: the server's own work, the client and the loopback
+    by_client = [{"request": kind, "client": CLIENTS[p], "p50_ms": p50(side["latency_ms"][kind]),
+                  "paired_overhead_p50_ms": paired_ms(api, side, kind),
+                  "server_own_p50_ms": p50(side["server_ms"][kind]),
+                  "before_call_p50_ms": p50(side["server_before_ms"][kind]),
+                  "after_call_p50_ms": p50(side["server_after_ms"][kind]),
+                  "client_and_loopback_p50_ms": p50(side["client_ms"][kind]),
+                  "p99_ms": percentile(side["latency_ms"][kind], 99)}
+                 for kind in ("stream", "whole") for p, side in sides.items()]
     sweep = [{"n": n, "api_tokens_per_s": api["sweep"][n]["tokens_per_s"],
               "http_tokens_per_s": http["sweep"][n]["tokens_per_s"],
               "api_ttft_p50_ms": p50(api["sweep"][n]["ttft_ms"]), "http_ttft_p50_ms": p50(http["sweep"][n]["ttft_ms"]),
               "api_itl_p50_ms": p50(api["sweep"][n]["itl_ms"]), "http_itl_p50_ms": p50(http["sweep"][n]["itl_ms"])}
              for n in args.ns]
     print(f"one request at a time ({args.requests} per path; restore {args.context}-token capsule, "
-          f"{args.turn}-token turn, {args.gen} tokens):")
+          f"{args.turn}-token turn, {args.gen} tokens), the official openai client:")
     print_table(latency, list(latency[0]))
+    print("the same requests from each client: overhead over the API, and where it went (the server's own work, "
+          "before and after its worker call; the client and the loopback)")
+    print_table(by_client, list(by_client[0]))
     print("all agents at once (streamed):")
     print_table(sweep, list(sweep[0]))
-    write_json(Path(args.out or OUT_DIR) / "serving_http.json", {"machine": machine_info(args.device),
-                                                               "args": vars(args), "latency": latency, "sweep": sweep})
+    write_json(Path(args.out or OUT_DIR) / "serving_http.json",
+               {"machine": machine_info(args.device), "args": vars(args), "latency": latency, "by_client": by_client,
+                "sweep": sweep})
     return 0
 
 

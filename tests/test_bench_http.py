@@ -1,6 +1,6 @@
 """bench/serving.py --http on the CPU box: the HTTP server and the async API on one worker (so a one-GPU host
-runs it too), the openai client in a process of its own; every HTTP answer equals the async API's (the
-benchmark checks it), and the results are written. A machine without the GPU asked for is refused at once."""
+runs it too), the openai, httpx and lean clients in a process of their own; every HTTP answer equals the async
+API's (the benchmark checks it), and the results are written, with where each client's time went. A machine without the GPU asked for is refused at once."""
 from __future__ import annotations
 
 import json
@@ -29,6 +29,13 @@ def test_both_paths_on_one_worker(default_model_dir, tmp_path):
     assert [r["n"] for r in res["sweep"]] == [1, 2]
     for row in res["latency"]:
         assert row["api_p50_ms"] > 0 and row["http_p50_ms"] > 0  # both paths were timed
+    # every client's requests, and where their time went: the server's own work and the client's
+    assert [(r["request"], r["client"]) for r in res["by_client"]] == [
+        (kind, client) for kind in ("stream", "whole") for client in ("openai", "httpx", "lean")]
+    for row in res["by_client"]:
+        assert row["p50_ms"] > 0 and 0 < row["server_own_p50_ms"] < row["p50_ms"]
+        assert row["server_own_p50_ms"] == pytest.approx(row["before_call_p50_ms"] + row["after_call_p50_ms"], rel=0.5)
+        assert 0 < row["client_and_loopback_p50_ms"] < row["p50_ms"]
     for row in res["sweep"]:
         assert row["api_tokens_per_s"] > 0 and row["http_tokens_per_s"] > 0
 

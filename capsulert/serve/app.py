@@ -7,7 +7,8 @@
     DELETE /v1/capsules/{name}        delete one of them
     GET    /metrics                   the capsulert Prometheus metrics (metrics.py)
 
-Everything a request needs travels as arguments (its namespace handle comes from its API key); the
+The generation routes' plain-JSON bodies that validate are served by their endpoints straight from ASGI
+(lane.py); everything else through FastAPI. Everything a request needs travels as arguments (its namespace handle comes from its API key); the
 application's shared state is one ServerState built at start. Errors are OpenAI-style JSON
 (http_errors.py).
 """
@@ -27,8 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from capsulert.capsule_store import validate_name
 from capsulert.errors import CapsuleRTError, DuplicateCapsuleError, QueueFullError, UnknownCapsuleError
 from capsulert.chat.prompt import ChatRenderer
-from capsulert.serve.fastroute import fast_route
 from capsulert.serve.generation import RESERVED_PREFIX, Plan, Run
+from capsulert.serve.lane import GenerationLane, GenerationRoute
 from capsulert.serve.http_errors import INVALID, ApiError, ErrorKind, describe, error_body, retry_headers
 from capsulert.serve.metrics import CONTENT_TYPE, CountRequests, ServerMetrics, request_namespace, stream_failed
 from capsulert.serve.plans import Limits, chat_logprobs, chat_plan, completion_logprobs, completion_plan
@@ -83,7 +84,6 @@ class ServerState:
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="capsulert", docs_url=None, redoc_url=None, openapi_url=None, telemetry=NO_TELEMETRY)
     _install_error_handlers(app)
-    app.add_middleware(CountRequests, metrics=state.metrics)  # every request, refusals included
 
     def namespace(authorization: str | None) -> "Namespace":
         name = state.tenants.namespace_for(authorization)
@@ -93,34 +93,30 @@ def build_app(state: ServerState) -> FastAPI:
     async def tenant(authorization: str | None = Header(None)) -> "Namespace":  # async: no threadpool hop
         return namespace(authorization)
 
-    def tenant_of(request: Request) -> dict:  # `tenant` for fast_route: the same header, the same refusals
-        return {"ns": namespace(request.headers.get("authorization"))}
-
-    def generation_route(path: str, model: type):
-        def add(endpoint):
-            app.router.add_api_route(path, endpoint, methods=["POST"],
-                                     route_class_override=fast_route(model, "body", tenant_of))
-            return endpoint
-        return add
-
-    @app.get("/v1/models")
-    async def models(ns: "Namespace" = Depends(tenant)) -> dict:
-        return {"object": "list", "data": [{"id": state.limits.model_name, "object": "model", "created": 0,
-                                            "owned_by": "capsulert"}]}
-
-    @generation_route("/v1/completions", CompletionRequest)
     async def completions(body: CompletionRequest, ns: "Namespace" = Depends(tenant)) -> Response:
         t0 = time.perf_counter()
         plan = completion_plan(body, state.limits, state.tokens)
         shape = _shape(state, False, completion_logprobs(body), body.return_token_ids)
         return await _respond(state, "completions", ns, plan, shape, body.stream, body.include_usage, t0)
 
-    @generation_route("/v1/chat/completions", ChatCompletionRequest)
     async def chat_completions(body: ChatCompletionRequest, ns: "Namespace" = Depends(tenant)) -> Response:
         t0 = time.perf_counter()
         plan = chat_plan(body, state.limits, state.tokens, state.chat)
         shape = _shape(state, True, chat_logprobs(body), body.return_token_ids, plan.parse_tools)
         return await _respond(state, "chat", ns, plan, shape, body.stream, body.include_usage, t0)
+
+    # plain-JSON bodies that validate take the lane (lane.py); the rest FastAPI's routes, the same endpoints
+    generation = {"/v1/completions": GenerationRoute(CompletionRequest, completions),
+                  "/v1/chat/completions": GenerationRoute(ChatCompletionRequest, chat_completions)}
+    for path, route in generation.items():
+        app.post(path)(route.endpoint)
+    app.add_middleware(GenerationLane, routes=generation, namespace=namespace, refusal=refusal)
+    app.add_middleware(CountRequests, metrics=state.metrics)  # outside the lane: every request, refusals included
+
+    @app.get("/v1/models")
+    async def models(ns: "Namespace" = Depends(tenant)) -> dict:
+        return {"object": "list", "data": [{"id": state.limits.model_name, "object": "model", "created": 0,
+                                            "owned_by": "capsulert"}]}
 
     @app.get("/v1/capsules")
     async def list_capsules(ns: "Namespace" = Depends(tenant)) -> dict:
@@ -232,6 +228,14 @@ async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, s
 
 
 # ---------------------------------------------------------------------------------------------- errors
+def refusal(method: str, path: str, exc: Exception) -> JSONResponse:
+    """The answer to an ApiError or CapsuleRTError (from a route, or the generation lane)."""
+    kind, body = describe(exc)
+    if kind.status >= 500:
+        log.warning("%s %s: %s: %s", method, path, type(exc).__name__, exc)
+    return JSONResponse(body, status_code=kind.status, headers=retry_headers(kind, exc))
+
+
 def _json_error(kind: ErrorKind, body: dict) -> JSONResponse:
     return JSONResponse(body, status_code=kind.status)
 
@@ -249,10 +253,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     @app.exception_handler(CapsuleRTError)
     async def refused(request: Request, exc: Exception) -> JSONResponse:
-        kind, body = describe(exc)
-        if kind.status >= 500:
-            log.warning("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-        return JSONResponse(body, status_code=kind.status, headers=retry_headers(kind, exc))
+        return refusal(request.method, request.url.path, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, AsyncIterator
 from capsulert.errors import InvalidRequestError, UnknownCapsuleError
 from capsulert.serve.streaming import PendingTokens
 from capsulert.protocol.sampling import SamplingParams
-from capsulert.engine.stops import HeldText
 from capsulert.protocol.results import FinalEvent, GenerateResult
 
 if TYPE_CHECKING:
@@ -56,8 +55,7 @@ class Plan:
     prompts: tuple[tuple[int, ...], ...]
     n: int
     max_tokens: int
-    sampling: dict  # SamplingParams fields shared by every choice
-    seed: int | None
+    sampling: SamplingParams  # choice 0's (its seed is the request's); choice j's differ only by seed + j
     capsule: str | None = None
     snapshot_as: str | None = None
     pin: bool = False
@@ -68,8 +66,21 @@ class Plan:
         """Sessions the request holds at once (its admission reserves them): n branches of every prompt."""
         return len(self.prompts) * self.n
 
+    @classmethod
+    def of(cls, prompts, n: int, max_tokens: int, sampling: dict, seed: int | None, **kw) -> "Plan":
+        """The plan with its sampling fields checked once, as SamplingParams: the last choice's too (the
+        largest seed), so a bad value is refused before anything runs."""
+        first = SamplingParams(**sampling, seed=seed)
+        if n > 1 and seed is not None:
+            SamplingParams(**sampling, seed=seed + n - 1)
+        return cls(prompts, n, max_tokens, first, **kw)
+
     def params(self, branch: int) -> SamplingParams:
-        return SamplingParams(**self.sampling, seed=None if self.seed is None else self.seed + branch)
+        """Choice `branch`'s sampling: the request's, with seed + branch (checked by Plan.of)."""
+        seed = self.sampling.seed
+        if branch == 0 or seed is None:
+            return self.sampling
+        return self.sampling.model_copy(update={"seed": seed + branch})
 
 
 @dataclass(frozen=True)
@@ -146,22 +157,32 @@ class Run:
         self.ns, self.plan, self.metrics = namespace, plan, metrics
         self.groups: list[_Group | None] = [None] * len(plan.prompts)
         self.first_token_at: float | None = None
-        self._queue: asyncio.Queue = asyncio.Queue()  # the chunks of every streamed choice
+        self._queue: asyncio.Queue = asyncio.Queue()  # the chunks of every streamed choice (several streams)
         self._pumps: list[asyncio.Task] = []
+        self._single: tuple | None = None  # (i, j, events) of the one stream read by stream() itself, until its end
+        self._first = None  # its first event (read by begin_stream)
 
     async def __aenter__(self) -> "Run":
         return self
 
     async def __aexit__(self, *exc) -> None:
-        # shielded: a cancelled request (client gone) still closes its sessions
-        await asyncio.shield(self._close())
+        # nothing left to close (a one-request run that ran to its end): no task for it
+        if self._single is not None or any(not p.done() for p in self._pumps) or self._sessions():
+            # shielded: a cancelled request (client gone) still closes its sessions
+            await asyncio.shield(self._close())
+
+    def _sessions(self) -> list:
+        return [s for g in self.groups if g is not None for s in g.sessions]
 
     async def _close(self) -> None:
-        for p in self._pumps:
+        if self._single is not None:  # not read to its end (the client went away): it interrupts its generate
+            await self._single[2].aclose()
+        running = [p for p in self._pumps if not p.done()]
+        for p in running:
             p.cancel()  # a client that went away: each stream interrupts its generate
-        await asyncio.gather(*self._pumps, return_exceptions=True)
-        sessions = [s for g in self.groups if g is not None for s in g.sessions]
-        for r in await _settled([s.close() for s in sessions]):
+        if running:
+            await asyncio.gather(*running, return_exceptions=True)
+        for r in await _settled([s.close() for s in self._sessions()]):
             if isinstance(r, BaseException):
                 log.debug("closing a session failed: %s: %s", type(r).__name__, r)
 
@@ -276,7 +297,9 @@ class Run:
     # ------------------------------------------------------------------ stream
     async def begin_stream(self) -> None:
         """Start every choice's stream and wait for each one's first event (its first token, or its
-        refusal): an error up to then is raised here, before anything of the response is sent."""
+        refusal): an error up to then is raised here, before anything of the response is sent. One stream
+        (one prompt, one choice) is read by the request's own task (`stream`); several are each read by a
+        task of their own (`_pump`) into one queue, so their choices interleave."""
         loop, plan = asyncio.get_running_loop(), self.plan
         if self.one_request:
             streams = [(0, 0, self.ns.restore_append_stream(plan.capsule, self._prompt(0), plan.max_tokens,
@@ -284,6 +307,11 @@ class Run:
         else:
             streams = [(i, j, s.stream_turn(self._prompt(i), plan.max_tokens, plan.params(j)))
                        for i, g in enumerate(self.groups) for j, s in enumerate(g.sessions)]
+        if len(streams) == 1:
+            self._single = streams[0]
+            with self._lookup():
+                self._first = await anext(self._single[2])
+            return
         firsts = []
         for i, j, events in streams:
             first = loop.create_future()
@@ -296,6 +324,12 @@ class Run:
 
     async def stream(self) -> AsyncIterator[Chunk]:
         """Chunks of every choice as their tokens arrive (choices interleaved); ends when all are done."""
+        if self._single is not None:
+            i, j, events = self._single
+            async for chunk in self._chunks(i, j, _after(self._first, events)):
+                yield chunk
+            self._single = None  # read to its end: nothing to close
+            return
         left = len(self._pumps)
         while left:
             item = await self._queue.get()
@@ -307,24 +341,16 @@ class Run:
                 yield item
 
     async def _pump(self, i: int, j: int, events: AsyncIterator, first: asyncio.Future) -> None:
-        index, queue = i * self.plan.n + j, self._queue
-        # the worker's events never show text a stop string may start: nothing more to hold back here
-        held, pending = HeldText(), PendingTokens()
-        try:
+        queue = self._queue
+
+        async def seen() -> AsyncIterator:  # the events, the first one settling `first`
             async for ev in events:
                 if not first.done():
                     first.set_result(None)
-                if isinstance(ev, FinalEvent):
-                    res = ev.result
-                    self._took(i, res)
-                    queue.put_nowait(Chunk(index, held.finish(res.text), *pending.take(), final=Choice.of(index, res)))
-                    continue
-                if self.first_token_at is None:
-                    self.first_token_at = time.perf_counter()
-                pending.add(ev.token, ev.logprob, ev.top_logprobs)
-                text = held.push(ev.text)
-                if text or ev.text is None:  # a model without tokenizer streams ids: every token is news
-                    queue.put_nowait(Chunk(index, text, *pending.take()))
+                yield ev
+        try:
+            async for chunk in self._chunks(i, j, seen()):
+                queue.put_nowait(chunk)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -336,3 +362,29 @@ class Run:
             if not first.done():
                 first.cancel()
         queue.put_nowait(_END)
+
+    async def _chunks(self, i: int, j: int, events: AsyncIterator) -> AsyncIterator[Chunk]:
+        """Choice (i, j)'s chunks from its stream's events. The worker's events never show text a stop string
+        may start, so their texts are shown as they come (the final chunk carries what the result's text
+        has past them)."""
+        index, pending, shown = i * self.plan.n + j, PendingTokens(), 0
+        async for ev in events:
+            if isinstance(ev, FinalEvent):
+                res = ev.result
+                self._took(i, res)
+                rest = "" if res.text is None else res.text[shown:]
+                yield Chunk(index, rest, *pending.take(), final=Choice.of(index, res))
+                continue
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            pending.add(ev.token, ev.logprob, ev.top_logprobs)
+            if ev.text or ev.text is None:  # a model without tokenizer streams ids: every token is news
+                shown += len(ev.text or "")
+                yield Chunk(index, ev.text or "", *pending.take())
+
+
+async def _after(first, events: AsyncIterator) -> AsyncIterator:
+    """`first`, then the rest of `events`."""
+    yield first
+    async for ev in events:
+        yield ev

@@ -42,8 +42,8 @@ class DirectIngress:
         if access_log:  # capsulert's logger (the replica's stderr, which Ray forwards to the driver), at INFO
             ACCESS_LOG.setLevel(logging.INFO)
         config = uvicorn.Config(CancelOnDisconnect(app, access_log), host=host, port=port, lifespan="off",
-                                access_log=False, log_config=None, timeout_keep_alive=cls.KEEP_ALIVE_S,
-                                timeout_graceful_shutdown=cls.SHUTDOWN_S)
+                                http=head_with_body_protocol(), access_log=False, log_config=None,
+                                timeout_keep_alive=cls.KEEP_ALIVE_S, timeout_graceful_shutdown=cls.SHUTDOWN_S)
         server = uvicorn.Server(config)
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started:
@@ -68,6 +68,49 @@ class DirectIngress:
         except Exception as e:
             log.debug("stopping the HTTP server: %s: %s", type(e).__name__, e)
             self.task.cancel()
+
+
+class HeadWithBody:
+    """A connection's transport that holds a response's head (its status line and headers, which uvicorn
+    writes alone) until the body's first write, so both leave in one write and one TCP segment: the client
+    reads each answer once, not twice. A head no body follows in the same loop turn (a stream whose first
+    event is not ready, an interim 100 Continue) goes out at the end of that turn."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self._transport, self._loop = transport, loop
+        self._head: bytes | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def write(self, data) -> None:
+        if self._head is not None:
+            data, self._head = self._head + data, None
+        elif data[:9] == b"HTTP/1.1 " and data[-4:] == b"\r\n\r\n":
+            self._head = bytes(data)
+            self._loop.call_soon(self.flush)
+            return
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            self._transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+
+def head_with_body_protocol() -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (httptools when installed, else h11) with its connections' transports
+    wrapped in HeadWithBody."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    def connection_made(self, transport) -> None:
+        AutoHTTPProtocol.connection_made(self, HeadWithBody(transport, asyncio.get_running_loop()))
+
+    return type("HeadWithBody" + AutoHTTPProtocol.__name__, (AutoHTTPProtocol,), {"connection_made": connection_made})
 
 
 class CancelOnDisconnect:
@@ -98,27 +141,31 @@ class CancelOnDisconnect:
                             scope["path"], status[0] or "-", (time.perf_counter() - t0) * 1e3)
 
     async def _call(self, scope, receive, send) -> None:
-        # the handler runs in this task (no task of its own, no asyncio.wait per request); the watcher cancels
-        # this task when the client goes before the response is complete
+        # the handler runs in this task (no task of its own, no asyncio.wait per request). The request's body
+        # is read first, here (the app gets it as it was sent); then a watcher waits for the disconnect and
+        # cancels this task when the client goes before the response is complete
         scope[CANCELS_ON_DISCONNECT] = True
         me = asyncio.current_task()
-        inbox: asyncio.Queue = asyncio.Queue()
-        gone = complete = cancelled = False
+        body: list[dict] = []
+        while not body or body[-1]["type"] == "http.request" and body[-1].get("more_body", False):
+            body.append(await receive())
+        gone = asyncio.get_running_loop().create_future()  # set when the client went away
+        complete = cancelled = False
 
-        async def watch() -> None:  # reads ahead: the request's body, then (only) the disconnect
-            nonlocal gone, cancelled
-            while not gone:
-                message = await receive()
-                gone = message["type"] == "http.disconnect"
-                inbox.put_nowait(message)
+        async def watch() -> None:
+            nonlocal cancelled
+            while (await receive())["type"] != "http.disconnect":  # nothing else comes after the body
+                pass
+            gone.set_result(None)
             if not complete:
                 cancelled = True
                 me.cancel()
 
         async def app_receive():
-            if gone and inbox.empty():
-                return {"type": "http.disconnect"}
-            return await inbox.get()
+            if body:
+                return body.pop(0)
+            await asyncio.shield(gone)
+            return {"type": "http.disconnect"}
 
         async def app_send(message) -> None:
             nonlocal complete
@@ -126,7 +173,9 @@ class CancelOnDisconnect:
                 complete = True
             await send(message)
 
-        watcher = asyncio.ensure_future(watch())
+        watcher = None if body[-1]["type"] == "http.disconnect" else asyncio.ensure_future(watch())
+        if watcher is None:
+            gone.set_result(None)  # gone while its body was read: the app sees the disconnect in its receive
         try:
             await self.app(scope, app_receive, app_send)
         except asyncio.CancelledError:
@@ -136,6 +185,7 @@ class CancelOnDisconnect:
         finally:
             if cancelled:  # the handler swallowed our cancellation: it is spent
                 me.uncancel()
-            watcher.cancel()
-            if watcher.done() and not watcher.cancelled() and watcher.exception() is not None:
-                log.debug("reading a request failed: %s", watcher.exception())
+            if watcher is not None:
+                watcher.cancel()
+                if watcher.done() and not watcher.cancelled() and watcher.exception() is not None:
+                    log.debug("reading a request failed: %s", watcher.exception())

@@ -128,30 +128,39 @@ class PromMetrics:
         self._sessions = Gauge(PREFIX + "worker_sessions", "open sessions on the workers", ("model",),
                                registry=r).labels(m)
         self.model = m
+        # the labelled series, by their labels: prometheus_client's labels() checks and locks on every call
+        self._series: dict[tuple, object] = {}
+
+    def _of(self, metric, *labels: str):
+        key = (id(metric), *labels)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = metric.labels(self.model, *labels)
+        return series
 
     def exposition(self) -> bytes:
         """The Prometheus text exposition of these metrics (GET /metrics)."""
         return generate_latest(self.registry)
 
     def request(self, namespace: str, route: str, status: int, seconds: float) -> None:
-        self._requests.labels(self.model, namespace, route, str(status)).inc()
-        self._latency.labels(self.model, namespace, route).observe(seconds)
+        self._of(self._requests, namespace, route, str(status)).inc()
+        self._of(self._latency, namespace, route).observe(seconds)
 
     def tokens(self, namespace: str, route: str, prompt: int, completion: int, cached: int = 0) -> None:
         for counter, n in ((self._prompt, prompt), (self._cached, cached), (self._generated, completion)):
             if n:
-                counter.labels(self.model, namespace, route).inc(n)
+                self._of(counter, namespace, route).inc(n)
 
     def ttft(self, namespace: str, route: str, seconds: float) -> None:
-        self._ttft.labels(self.model, namespace, route).observe(seconds)
+        self._of(self._ttft, namespace, route).observe(seconds)
 
     def capsule_lookup(self, namespace: str, hit: bool, restore_s: float | None = None,
                        tier: str | None = None) -> None:
-        self._lookups.labels(self.model, namespace, "hit" if hit else "miss").inc()
+        self._of(self._lookups, namespace, "hit" if hit else "miss").inc()
         if hit and tier is not None:
-            self._hits.labels(self.model, namespace, tier).inc()
+            self._of(self._hits, namespace, tier).inc()
         if restore_s is not None:
-            self._restore.labels(self.model, tier or "").observe(restore_s)
+            self._of(self._restore, tier or "").observe(restore_s)
 
     def inflight(self, n: int) -> None:
         self._inflight.set(n)
@@ -164,16 +173,25 @@ class PromMetrics:
 class Deferred:
     """The app's ServerMetrics: records into `metrics` (PromMetrics) on the event loop's next turn, not in the
     request's own step, so a request's answer goes out first; labelled with the namespace of the request
-    being served (current_request), read at the call. Calls keep their order."""
+    being served (current_request), read at the call. Calls keep their order; those made in one turn are
+    recorded by one callback."""
 
     def __init__(self, metrics):
         self.metrics = metrics
+        self._due: list[tuple] = []  # (record, args) waiting for the loop's next turn
 
-    @staticmethod
-    def _later(record, *args) -> None:
-        try:
-            asyncio.get_running_loop().call_soon(record, *args)
-        except RuntimeError:  # no loop running: record now
+    def _later(self, record, *args) -> None:
+        if not self._due:
+            try:
+                asyncio.get_running_loop().call_soon(self._record)
+            except RuntimeError:  # no loop running: record now
+                record(*args)
+                return
+        self._due.append((record, args))
+
+    def _record(self) -> None:
+        due, self._due = self._due, []
+        for record, args in due:
             record(*args)
 
     def request(self, route: str, status: int, seconds: float) -> None:

@@ -44,11 +44,9 @@ def _plan(body: _GenerationRequest, prompts: list[list[int]], max_tokens: int, l
     sampling = body.sampling(logprobs)
     if constraint is not None:
         sampling["constraint"] = constraint
-    plan = Plan(prompts=tuple(tuple(p) for p in prompts), n=body.n, max_tokens=max_tokens,
-                sampling=sampling, seed=body.seed, capsule=body.capsule,
-                snapshot_as=body.snapshot_as, pin=body.pin, parse_tools=parse_tools)
-    plan.params(body.n - 1)  # SamplingParams refuses bad values now, as a 400 (the last branch has the largest seed)
-    return plan
+    # SamplingParams refuses bad values now, as a 400
+    return Plan.of(tuple(tuple(p) for p in prompts), body.n, max_tokens, sampling, body.seed, capsule=body.capsule,
+                   snapshot_as=body.snapshot_as, pin=body.pin, parse_tools=parse_tools)
 
 
 def completion_plan(body: CompletionRequest, limits: Limits, tokens: TokenText) -> Plan:

@@ -1,5 +1,5 @@
-"""The request path's shortcuts answer exactly what the plain path does: the generation routes' JSON body
-fast path (fastroute.py) against FastAPI's own; the event stream's response; a client going away. In
+"""The request path's shortcuts answer exactly what the plain path does: the generation routes' lane
+(lane.py) against FastAPI's own routes; the event stream's response; a client going away. In
 process, on a stub orchestrator (no worker)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from capsulert.serve import fastroute
+from capsulert.serve import lane
 from capsulert.serve.app import Admission, ServerState, build_app
 from capsulert.chat.prompt import ChatRenderer
 from capsulert.serve.ingress import CancelOnDisconnect
@@ -182,13 +182,13 @@ RAW = [b"", b"{", b"[]", b"null", b'{"model": "m", "prompt": "\\ud800"}', b'\xef
 @pytest.mark.parametrize("auth", [True, False])
 def test_the_body_fast_path_answers_as_fastapi_does(app, raw, auth, monkeypatch):
     """The same request as plain JSON (the fast path when valid) and with a charset (always FastAPI's path)."""
-    parsed, fast_body = [], fastroute.fast_body
+    parsed, fast_body = [], lane.fast_body
 
-    async def recorded(request, model):
-        body = await fast_body(request, model)
+    def recorded(content_type, raw, model):
+        body = fast_body(content_type, raw, model)
         parsed.append(body is not None)
         return body
-    monkeypatch.setattr(fastroute, "fast_body", recorded)
+    monkeypatch.setattr(lane, "fast_body", recorded)
     chat = b'"messages"' in raw
     path = "/v1/chat/completions" if chat else "/v1/completions"
     base = [(b"authorization", f"Bearer {KEY}".encode())] if auth else []
