@@ -27,7 +27,7 @@ from pathlib import Path
 
 from capsulert.capsule_store.block_pool import BlockPool, BlockRecord
 from capsulert.capsule_store.blocks import BlockLayout
-from capsulert.capsule_store.capsule import validate_name
+from capsulert.protocol.names import validate_name
 from capsulert.capsule_store.plan import Entry, Key, Plan
 from capsulert.capsule_store.prefix_index import PrefixIndex
 from capsulert.errors import (BudgetExceededError, CapsuleError, ConfigError, DuplicateCapsuleError,

@@ -9,8 +9,8 @@ here imports FastAPI or Ray.
     formats.py     tool_choice and response_format as a decoding Constraint
     turn.py        ChatTurn (a conversation planned into a prompt and sampling) and ChatReply
 """
-from capsulert.chat.messages import ToolSpec
-from capsulert.chat.prompt import ChatPrompt
+from capsulert.protocol.messages import ToolSpec
+from capsulert.protocol.conversation import ChatPrompt
 from capsulert.chat.tool_calls import ToolCall
 from capsulert.chat.turn import ChatReply, ChatTurn
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from capsulert.chat.messages import NamedToolChoice, ToolChoice, ToolSpec
+from capsulert.protocol.messages import NamedToolChoice, ToolChoice, ToolSpec
 from capsulert.chat.tool_calls import CLOSE, OPEN
 from capsulert.errors import InvalidRequestError
 from capsulert.protocol.constraint import Constraint, schema_text

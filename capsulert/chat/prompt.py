@@ -1,38 +1,13 @@
-"""ChatPrompt: a conversation to append to a session, rendered by the checkpoint's chat template where
-the tokenizer is (ChatRenderer); it travels as the tokens of an append (Session.append_chat, an Append or
+"""ChatRenderer: a conversation to append to a session (protocol/conversation.py: ChatPrompt) rendered by
+the checkpoint's chat template where the tokenizer is; it travels as the tokens of an append (Session.append_chat, an Append or
 Turn request to a worker), so every path renders it with the same code."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from capsulert.chat.messages import messages_arg, tools_arg
+from capsulert.protocol.conversation import ChatPrompt
 from capsulert.errors import InvalidRequestError
 from capsulert.protocol.tokens import check_text
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """Messages (dicts, as a template sees them), the tools the template lists, whether the rendering
-    ends by opening the assistant's turn, and extra template variables."""
-    messages: tuple[dict, ...]
-    tools: tuple[dict, ...] | None = None
-    add_generation_prompt: bool = True
-    template_kwargs: tuple[tuple[str, Any], ...] = ()
-
-    @classmethod
-    def of(cls, messages, tools=None, add_generation_prompt: bool = True, **template_kwargs) -> "ChatPrompt":
-        """Checked arguments of the Python chat API (InvalidRequestError naming what is wrong)."""
-        msgs = [m.for_template() for m in messages_arg(messages)]
-        specs = tools_arg(tools)
-        if not isinstance(add_generation_prompt, bool):
-            raise InvalidRequestError(f"add_generation_prompt must be a bool, got {add_generation_prompt!r}")
-        reserved = {"messages", "add_generation_prompt", "tools"} & set(template_kwargs)
-        if reserved:
-            raise InvalidRequestError(f"template variables cannot set {sorted(reserved)}")
-        return cls(tuple(msgs), None if specs is None else tuple(t.model_dump(exclude_none=True) for t in specs),
-                   add_generation_prompt, tuple(sorted(template_kwargs.items())))
 
 
 class ChatRenderer:

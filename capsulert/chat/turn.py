@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from capsulert.chat.formats import check_tool_choice, format_constraint, tool_constraint
-from capsulert.chat.messages import tool_choice_arg, tools_arg
-from capsulert.chat.prompt import ChatPrompt
+from capsulert.protocol.messages import tool_choice_arg, tools_arg
+from capsulert.protocol.conversation import ChatPrompt
 from capsulert.chat.tool_calls import ToolCall, parse_reply
 from capsulert.errors import InvalidRequestError
 from capsulert.protocol.sampling import SamplingParams

@@ -157,7 +157,7 @@ class CapsuleVerbs:
             layout_version=LAYOUT_VERSION,
             grid=eng.grid,
             nbytes=sum(t.numel() * t.element_size() for t in views.values()),
-            recompute_cost_s=eng._prefill_s_per_token * P,
+            recompute_cost_s=eng.prefill_s_per_token * P,
             decoded_from=session.decoded_from,
             replay_from=replay_from,
         )
@@ -290,5 +290,5 @@ class CapsuleVerbs:
         meta = CapsuleMeta.build(name="prefix", namespace=namespace, tokens=session.tokens[:G], grid_pos=G,
                                  fingerprint=eng.fingerprint, layout_version=LAYOUT_VERSION, grid=eng.grid,
                                  nbytes=sum(t.numel() * t.element_size() for t in views.values()),
-                                 recompute_cost_s=eng._prefill_s_per_token * G)
+                                 recompute_cost_s=eng.prefill_s_per_token * G)
         return self.store.keep_prefix(meta, views)

@@ -119,7 +119,7 @@ class Engine:
         self._sessions: dict[int, Session] = {}
         self._lock = threading.RLock()
         self._slot_freed = threading.Condition(self._lock)
-        self._prefill_s_per_token = 0.0
+        self.prefill_s_per_token = 0.0  # a running mean of prefill cost: capsules record their recompute cost by it
         from capsulert.engine.capsules import CapsuleVerbs
 
         self.capsules = CapsuleVerbs(self)
@@ -283,7 +283,7 @@ class Engine:
     def _own(self, session: Session) -> None:
         if session.engine is not self:
             raise ForeignSessionError(f"session {session.id} belongs to another engine")
-        session._check_open()
+        session.check_open()
 
     def chat(self, messages, max_new_tokens: int = 256, sampling: SamplingParams | None = None, *,
              namespace: str | None = "default", **chat_args):
@@ -334,7 +334,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         per_token = (time.perf_counter() - t0) / len(tokens)
-        self._prefill_s_per_token = per_token if not self._prefill_s_per_token else 0.9 * self._prefill_s_per_token + 0.1 * per_token
+        self.prefill_s_per_token = per_token if not self.prefill_s_per_token else 0.9 * self.prefill_s_per_token + 0.1 * per_token
 
     def append(self, session: Session, tokens_or_text) -> torch.Tensor:
         with self._lock:
@@ -399,12 +399,12 @@ class Engine:
                 self._own(s)
                 if not s.tokens:
                     raise InvalidRequestError(f"session {s.id} is empty; append a prompt before generating")
-                s._interrupt = False
+                s.interrupt_requested = False
                 s.stop_reason = None
             streams = [DecodeStream(self, s, max_new_tokens, p) for s, p in zip(sessions, params)]
 
             def stop(st: DecodeStream) -> bool:
-                return st.session._interrupt or (should_stop is not None and should_stop(st.session))
+                return st.session.interrupt_requested or (should_stop is not None and should_stop(st.session))
             while any(not st.done for st in streams):
                 advance(self, streams, stop)
             return [st.result for st in streams]

@@ -33,7 +33,7 @@ class Session:
         self.decoded_from: int | None = 0
         self.closed = False
         self.stop_reason: str | None = None
-        self._interrupt = False
+        self.interrupt_requested = False  # set by interrupt() from any thread, read by the decode loop
         # the weights version the slot's state was computed under: an update_weights makes the session stale
         # (its state mixes nothing: every verb but close, restore and rederive refuses it)
         self.weights_version = engine.weights_version
@@ -45,7 +45,7 @@ class Session:
         state = "closed" if self.closed else f"slot={self.slot} len={len(self.tokens)}"
         return f"Session(id={self.id}, {state})"
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.closed:
             raise SessionClosedError(f"session {self.id} is closed; open or restore a new one")
 
@@ -85,7 +85,7 @@ class Session:
         `tools` (OpenAI tool definitions) where the template lists tools, and opening the assistant's
         turn; returns the next-token logits. The template sees exactly these messages: give a new
         session the whole conversation, or a session that holds the earlier turns only the new ones."""
-        from capsulert.chat.prompt import ChatPrompt
+        from capsulert.protocol.conversation import ChatPrompt
 
         return self.append(ChatPrompt.of(messages, tools, add_generation_prompt, **template_kwargs))
 
@@ -111,7 +111,7 @@ class Session:
 
     def interrupt(self) -> None:
         """Stop a running generate at the next token boundary (thread-safe flag)."""
-        self._interrupt = True
+        self.interrupt_requested = True
 
     def snapshot(self, name: str, tier: str = Snapshot.tier, pin: bool = Snapshot.pin, mode: str = Snapshot.mode,
                  namespace: str = Snapshot.namespace) -> "CapsuleRef":

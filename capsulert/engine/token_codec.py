@@ -7,7 +7,8 @@ from typing import Sequence
 
 import torch
 
-from capsulert.chat.prompt import ChatPrompt, ChatRenderer
+from capsulert.chat.prompt import ChatRenderer
+from capsulert.protocol.conversation import ChatPrompt
 from capsulert.errors import InvalidTokenError, SequenceTooLongError
 from capsulert.protocol.tokens import check_text
 

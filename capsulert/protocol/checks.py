@@ -2,8 +2,8 @@
 checks its own fields when made) and the composite verbs that refuse bad input before any work starts
 (best_of_n, tree_search, EpisodeDriver). Each refusal is a typed error of capsulert.errors.
 
-May import: errors, protocol.sampling, the capsule name rule (capsule_store.capsule.validate_name), the
-text rule (engine.token_codec.check_text) and chat.prompt; nothing that runs a verb."""
+May import: errors and the rest of protocol (sampling, the name rule, the text rule, conversations);
+nothing that runs a verb."""
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -11,9 +11,9 @@ from typing import Any, Literal
 import torch
 from pydantic import TypeAdapter, ValidationError
 
-from capsulert.capsule_store.capsule import validate_name
-from capsulert.chat.prompt import ChatPrompt
-from capsulert.engine.token_codec import check_text
+from capsulert.protocol.names import validate_name
+from capsulert.protocol.conversation import ChatPrompt
+from capsulert.protocol.tokens import check_text
 from capsulert.errors import CapsuleRTError, ConfigError, InvalidRequestError, InvalidTokenError
 from capsulert.protocol.sampling import SamplingParams
 

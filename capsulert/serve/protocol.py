@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from capsulert.chat.formats import ResponseFormat, StructuredOutputs
-from capsulert.chat.messages import ChatMessage, ToolChoice, ToolSpec
+from capsulert.protocol.messages import ChatMessage, ToolChoice, ToolSpec
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import asyncio
 from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
-from capsulert.chat.prompt import ChatPrompt
+from capsulert.protocol.conversation import ChatPrompt
 from capsulert.chat.turn import ChatReply, ChatTurn
 from capsulert.errors import SessionClosedError, WorkerLost
 from capsulert.protocol.checks import sampling_params

@@ -154,7 +154,7 @@ class WorkerCore:
         handler = cls.HANDLERS.get(request_type)
         if handler is None and issubclass(request_type, Request) and request_type.lane == SESSION \
                 and request_type.engine_method is not None:
-            handler = WorkerCore._scheduled
+            handler = cls._scheduled
         if handler is None:
             raise InvalidRequestError(f"a worker runs typed requests (capsulert.protocol.requests), "
                                       f"not {request_type.__name__}")

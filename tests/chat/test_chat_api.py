@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from capsulert.chat.prompt import ChatPrompt
+from capsulert.protocol.conversation import ChatPrompt
 from capsulert.chat.template import ChatTemplate
 from capsulert.errors import InvalidRequestError
 from capsulert.sessions.local import AsyncEngine

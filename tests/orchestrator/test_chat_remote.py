@@ -31,6 +31,6 @@ async def test_remote_chat_equals_in_process(orch, fresh):
 
 
 def _prompt():
-    from capsulert.chat.prompt import ChatPrompt
+    from capsulert.protocol.conversation import ChatPrompt
 
     return ChatPrompt.of(CHAT, [WEATHER])

@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from capsulert.capsule_store.capsule import validate_name
+from capsulert.protocol.names import validate_name
 from capsulert.capsule_store.format.blockfiles import referenced_blocks, sweep_orphans
 from capsulert.capsule_store.format.headers import read_header_refs
 from capsulert.capsule_store.format.listing import list_capsule_files
