@@ -28,7 +28,8 @@ from capsulert.worker.scheduler import Sink, StepScheduler, queue_sink, stream_i
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_queue: int = 1024, step_prefill_tokens: int | None = None):
+    def __init__(self, engine: Engine, max_queue: int | None = None, step_prefill_tokens: int | None = None):
+        """max_queue and step_prefill_tokens override the engine config's (EngineConfig.scheduler)."""
         self.engine = engine
         self.scheduler = StepScheduler(engine, max_queue=max_queue, step_prefill_tokens=step_prefill_tokens)
         self.calls = RunningCalls(self.scheduler)  # running generates by call id: what an Interrupt names

@@ -50,13 +50,17 @@ __all__ = ["StepScheduler", "Sink", "queue_sink", "stream_item"]
 
 
 class StepScheduler:
-    def __init__(self, engine: Engine, max_queue: int = 1024, step_prefill_tokens: int | None = None,
+    def __init__(self, engine: Engine, max_queue: int | None = None, step_prefill_tokens: int | None = None,
                  first_id: int = 1):
+        """max_queue and step_prefill_tokens: this scheduler's own values where given, else the engine
+        config's (EngineConfig.scheduler)."""
+        config = engine.config.scheduler
+        max_queue = config.max_queue if max_queue is None else max_queue
         if max_queue < 1:
             raise InvalidRequestError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
-        self.budget = step_prefill_tokens or engine.chunk
+        self.budget = step_prefill_tokens or config.step_prefill_tokens or engine.chunk
         self._cv = threading.Condition()
         self._incoming: deque[Job] = deque()
         self._waiting: list[Job] = []  # admitted, not started (arrival order)

@@ -479,3 +479,20 @@ async def test_a_job_goes_through_its_typed_phases_in_order(make_engine, corpus)
         order = [Phase.PREFILL, Phase.DECODE]
         assert seen.count(Phase.PREFILL) >= 5 and Phase.DECODE in seen and seen == sorted(seen, key=order.index)
         assert turn_job[0].phase is None and decoding.phase is None
+
+
+def test_the_scheduler_takes_its_bounds_from_the_engine_config(make_engine):
+    """EngineConfig.scheduler sets the step scheduler's queue bound and prefill budget; arguments override."""
+    from capsulert.worker.scheduler import StepScheduler
+
+    eng = make_engine(slots=1, scheduler={"max_queue": 3, "step_prefill_tokens": 256})
+    sch = StepScheduler(eng)
+    try:
+        assert (sch.max_queue, sch.budget) == (3, 256)
+    finally:
+        sch.stop()
+    sch = StepScheduler(eng, max_queue=5)
+    try:
+        assert (sch.max_queue, sch.budget) == (5, 256)
+    finally:
+        sch.stop()
