@@ -17,8 +17,10 @@ router copy it to a worker with GAP fewer sessions (OrchestratorConfig.replicate
 `--http` runs the same workload through capsulert's HTTP server (the app and uvicorn, as a `capsulert serve`
 replica runs them) with the official openai client (async, in a process of its own), and through the async
 API on the same worker (serving_http.py: one worker, so one GPU is enough), and reports the HTTP overhead:
-p50 / p99 wall time of one request at a time (streamed and whole), and tokens/s and TTFT per N; every HTTP
-answer is checked against the async API's tokens. Writes bench/out/serving_http.json.
+p50 / p99 wall time of one request at a time (streamed and whole), and tokens/s and TTFT per N; the same
+requests also from httpx and from a minimal HTTP/1.1 client, each with its overhead split into the server's
+own work and the client's and the loopback's. Every HTTP answer is checked against the async API's tokens.
+Writes bench/out/serving_http.json.
 
     .venv/bin/python bench/serving.py --quick            # CPU, default model
     .venv/bin/python bench/serving.py --quick --http     # the same through the HTTP server

@@ -16,11 +16,10 @@ The one-at-a-time requests alternate between the paths (API, HTTP, raw, lean, AP
 falls on all alike. The HTTP requests come from three clients (serving_http_client.py): the official openai
 client (path "http", the headline), httpx (path "raw", what the openai client is built on) and a minimal
 HTTP/1.1 client ("lean", the least a client costs). Each one's overhead is the median of its requests' paired
-differences with the API request before them. Where it goes is measured inside the server too (ServerClock):
-from the moment the app has the whole request to its last byte written, minus the worker call it made
-(timed by TimedOrchestrator) is the server's own work; the client's wall time minus that span is the
-client and the loopback (both processes read the same monotonic clock). The concurrent sweeps run one path
-after the other.
+differences with the API request before them. Where it goes is measured inside the server too
+(serving_http_timing.py): from the moment the app has the whole request to its last byte written, minus the
+worker call it made, is the server's own work; the client's wall time minus that span is the client and the
+loopback (both processes read the same monotonic clock). The concurrent sweeps run one path after the other.
 """
 from __future__ import annotations
 
@@ -33,6 +32,7 @@ import time
 from pathlib import Path
 
 from common import OUT_DIR, log, machine_info, percentile, print_table, write_json
+from serving_http_timing import ServerClock, TimedOrchestrator
 
 from capsulert.protocol.sampling import SamplingParams
 from capsulert.protocol.results import FinalEvent
@@ -49,73 +49,6 @@ def free_port() -> int:
 
 
 # ---------------------------------------------------------------------------------------------- server
-class ServerClock:
-    """Where the one request in flight spent its time inside the server: when the app had all of it
-    (`entered`), when its worker call started and ended (`called`, `answered`), when its last byte was
-    written (`sent`)."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.entered = self.called = self.answered = self.sent = None
-
-    def own_ms(self) -> tuple[float, float]:
-        """The server's own work on the request, in ms: before its worker call, and after it."""
-        return (self.called - self.entered) * 1e3, (self.sent - self.answered) * 1e3
-
-    def app(self, app):
-        """The ASGI app `app`, stamping `entered` and `sent`."""
-        async def timed(scope, receive, send):
-            if scope["type"] != "http":
-                return await app(scope, receive, send)
-            self.entered = time.perf_counter()
-
-            async def timed_send(message) -> None:
-                await send(message)
-                if message["type"] == "http.response.body" and not message.get("more_body", False):
-                    self.sent = time.perf_counter()
-            await app(scope, receive, timed_send)
-        return timed
-
-
-class TimedOrchestrator:
-    """The orchestrator as the app sees it, each namespace handle timing the one-request verbs (a request's
-    one worker call) into `clock`; everything else is the orchestrator's own."""
-
-    def __init__(self, orch, clock: ServerClock):
-        self._orch, self._clock = orch, clock
-
-    def __getattr__(self, name: str):
-        return getattr(self._orch, name)
-
-    def namespace(self, name: str) -> "TimedNamespace":
-        return TimedNamespace(self._orch.namespace(name), self._clock)
-
-
-class TimedNamespace:
-    def __init__(self, ns, clock: ServerClock):
-        self._ns, self._clock = ns, clock
-
-    def __getattr__(self, name: str):
-        return getattr(self._ns, name)
-
-    async def restore_append_generate(self, *args, **kw):
-        self._clock.called = time.perf_counter()
-        try:
-            return await self._ns.restore_append_generate(*args, **kw)
-        finally:
-            self._clock.answered = time.perf_counter()
-
-    async def restore_append_stream(self, *args, **kw):
-        self._clock.called = time.perf_counter()
-        try:
-            async for event in self._ns.restore_append_stream(*args, **kw):
-                yield event
-        finally:
-            self._clock.answered = time.perf_counter()  # its last event
-
-
 async def start_server(engine_cfg: dict, threads: int, max_inflight: int, clock: ServerClock):
     """The orchestrator (one worker) and the HTTP app on it, served on a free loopback port in this event
     loop, timed by `clock`: (orchestrator, its HTTP server, base URL)."""
@@ -302,7 +235,8 @@ def report(args, api: dict, http: dict, raw: dict, lean: dict) -> int:
     def p50(xs):
         return percentile(xs, 50) if xs else float("nan")
 
-    latency = [{"request": kind, "api_p50_ms": p50(api["latency_ms"][kind]), "http_p50_ms": p50(http["latency_ms"][kind]),
+    latency = [{"request": kind, "api_p50_ms": p50(api["latency_ms"][kind]),
+                "http_p50_ms": p50(http["latency_ms"][kind]),
                 "overhead_p50_ms": p50(http["latency_ms"][kind]) - p50(api["latency_ms"][kind]),
                 "paired_overhead_p50_ms": paired_ms(api, http, kind),
                 "server_paired_p50_ms": paired_ms(api, raw, kind),  # httpx minus the API

@@ -8,9 +8,9 @@
     GET    /metrics                   the capsulert Prometheus metrics (metrics.py)
 
 The generation routes' plain-JSON bodies that validate are served by their endpoints straight from ASGI
-(lane.py); everything else through FastAPI. Everything a request needs travels as arguments (its namespace handle comes from its API key); the
-application's shared state is one ServerState built at start. Errors are OpenAI-style JSON
-(http_errors.py).
+(lane.py); everything else through FastAPI. Everything a request needs travels as arguments (its namespace
+handle comes from its API key); the application's shared state is one ServerState built at start. Errors
+are OpenAI-style JSON (http_errors.py).
 """
 from __future__ import annotations
 
