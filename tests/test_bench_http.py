@@ -34,7 +34,10 @@ def test_both_paths_on_one_worker(default_model_dir, tmp_path):
         (kind, client) for kind in ("stream", "whole") for client in ("openai", "httpx", "lean")]
     for row in res["by_client"]:
         assert row["p50_ms"] > 0 and 0 < row["server_own_p50_ms"] < row["p50_ms"]
-        assert row["server_own_p50_ms"] == pytest.approx(row["before_call_p50_ms"] + row["after_call_p50_ms"], rel=0.5)
+        # each request's own work is its time before plus after its worker call, so its median is at least
+        # either part's median (the order statistics of a sum of non-negative parts bound each part's)
+        assert max(row["before_call_p50_ms"], row["after_call_p50_ms"]) <= row["server_own_p50_ms"]
+        assert row["before_call_p50_ms"] > 0 and row["after_call_p50_ms"] > 0
         assert 0 < row["client_and_loopback_p50_ms"] < row["p50_ms"]
     for row in res["sweep"]:
         assert row["api_tokens_per_s"] > 0 and row["http_tokens_per_s"] > 0
