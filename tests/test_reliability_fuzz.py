@@ -447,7 +447,9 @@ def test_stateful_fuzz_of_engine_and_store_verbs(default_model_dir):
     before = Counter(FIGURES)
     run_state_machine_as_test(CapsuleMachine, settings=settings(
         max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None, print_blob=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+        # the same histories on every run, so the suite's verdict is the code's: random histories exercised
+        # no crash at all once in a while (one roll in three of a rule crashes), which says nothing of the code
+        derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     got = {k: FIGURES[k] - before[k] for k in FIGURES}
     got.update(losses=0, runs=EXAMPLES, steps_per_run=STEPS)  # a loss fails the run above
     print(f"\nstateful fuzz: {json.dumps(got, sort_keys=True)}")
