@@ -9,7 +9,7 @@ Capsules live in namespaces: `orch.namespace("acme")` is a handle with the sessi
 to the capsules of "acme" (see namespace.py); the Orchestrator passes the same verbs to its handle of
 namespace "default" (`orch.open(...)` is `orch.namespace("default").open(...)`).
 
-Worker logs reach the driver: each worker sends its `capsulert` logger to its stderr (worker_actor.py) at
+Worker logs reach the driver: each worker sends its `capsulert` logger to its stderr (worker/actor.py) at
 the driver's level (or `worker_log_level`), and a Ray this starts forwards workers' output to the driver's
 stderr (log_to_driver). A Ray the caller started forwards it when the caller's ray.init did.
 """

@@ -112,7 +112,7 @@ class CapsuleRouter:
 
         - "device": worker to worker over a pair link (worker/peer_link.py), set up on first use: the
           capsule packed into one buffer on the source's engine device, sealed with its digest, received into
-          one on the target's and checked there (packed_capsule.py). NCCL between CUDA workers, Gloo between
+          one on the target's and checked there (capsule_store/format/wire.py). NCCL between CUDA workers, Gloo between
           CPU workers;
         - "object_store": as safetensors bytes through the Ray object store;
         - "disk": as a verified capsule file written to and read from `directory`;

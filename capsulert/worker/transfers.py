@@ -118,7 +118,7 @@ class CapsuleTransfers:
         for op in ops:
             link.wait(op, deadline)
         phases.mark("recv")
-        digest = unseal(buf, size, name)  # on the device, as the sender's seal (packed_capsule.py)
+        digest = unseal(buf, size, name)  # on the device, as the sender's seal (capsule_store/format/wire.py)
         phases.mark("digest")
         if bad is not None:
             raise bad
