@@ -201,6 +201,9 @@ class WorkerPool:
         worker, finished = self.workers[w], False
         worker.pending += 1  # in flight until its last event, as a call is until its reply
         try:
+            # a feed opened just now: submitted before the worker hands it over, the first events could
+            # go to the stream it replaces
+            await reader.ready
             await self.call(w, Streamed(request, call_id))  # submitted: a refusal raises here, typed
             while True:
                 kind, value = await events.get()

@@ -56,11 +56,16 @@ class EventFeed:
 
     def stream(self) -> Iterator[list[Item]]:
         """Lists of every item put since the last list, as they come. Opening a new stream ends the one
-        before (an orchestrator that reconnects takes the feed over)."""
+        before (an orchestrator that reconnects takes the feed over).
+
+        The first list is empty: it says the takeover is done. An item put before it may still go to the
+        stream before (whose reader may be gone), so the orchestrator submits streamed requests only after
+        it (FeedReader.ready)."""
         with self._cv:
             self._generation += 1
             me = self._generation
             self._cv.notify_all()
+        yield []
         while True:
             with self._cv:
                 while not self._items and self._generation == me:
@@ -78,6 +83,8 @@ class FeedReader:
                  on_lost: Callable[[BaseException], None] | None = None):
         self.worker = worker
         self.subs: dict[Hashable, asyncio.Queue] = {}
+        # done once the worker has handed this reader the feed (its first, empty item), or the feed ended
+        self.ready = asyncio.get_running_loop().create_future()
         self._on_lost = on_lost  # called with the error that ended the feed (the worker's death, say)
         # in a context of its own: a feed opened while serving one request (a Ray Serve replica's) would
         # otherwise be that request's child task, and cancelled with it
@@ -98,7 +105,10 @@ class FeedReader:
         why = "its event feed ended"
         try:
             async for ref in open_feed():
-                for key, kind, value in await ref:
+                items = await ref
+                if not self.ready.done():
+                    self.ready.set_result(None)
+                for key, kind, value in items:
                     q = self.subs.get(key)
                     if q is not None:
                         q.put_nowait((kind, value))
@@ -107,6 +117,8 @@ class FeedReader:
             if self._on_lost is not None:
                 self._on_lost(e)
         # no await from here on: a consumer subscribing now sees the task done and opens a new feed
+        if not self.ready.done():
+            self.ready.set_result(None)
         lost = WorkerLost(f"worker {self.worker} was lost while streaming ({why})")
         for q in self.subs.values():
             q.put_nowait(("error", lost))

@@ -112,6 +112,7 @@ async def test_the_feed_is_a_stream_and_a_new_one_takes_it_over(engine_cfg):
     feed.put("k", "event", 1)
     feed.put("k", "error", KeyError("x"))  # not a capsulert error: travels as its text
     first = feed.stream()
+    assert next(first) == []  # the greeting: this stream holds the feed now
     items = next(first)
     assert items[0] == ("k", "event", 1) and isinstance(items[1][2], RuntimeError) and "KeyError" in str(items[1][2])
     done = threading.Event()
@@ -123,7 +124,45 @@ async def test_the_feed_is_a_stream_and_a_new_one_takes_it_over(engine_cfg):
     t = threading.Thread(target=read_rest)
     t.start()
     second = feed.stream()
+    assert next(second) == []  # from here every item is the second stream's
     feed.put("j", "done", 7)
     assert next(second) == [("j", "done", 7)]
     t.join(5)
     assert done.is_set()
+
+
+async def test_a_stream_is_submitted_only_once_its_feed_is_handed_over():
+    """A feed reader is ready on the worker's greeting, not before: a streamed request submitted earlier
+    could have its first events taken by the stream being replaced."""
+    from capsulert.worker.event_feed import FeedReader
+
+    greeted = asyncio.Event()
+
+    async def items():
+        await greeted.wait()
+        yield asyncio.sleep(0, result=[])
+        yield asyncio.sleep(0, result=[("k", "event", 1)])
+        await asyncio.sleep(3600)
+
+    reader = FeedReader(0, items)
+    events = reader.subscribe("k")
+    await asyncio.sleep(0.05)
+    assert not reader.ready.done()
+    greeted.set()
+    await asyncio.wait_for(reader.ready, 5)
+    assert await asyncio.wait_for(events.get(), 5) == ("event", 1)
+    reader.task.cancel()
+
+
+async def test_a_feed_that_ends_before_its_greeting_leaves_no_stream_waiting():
+    from capsulert.worker.event_feed import FeedReader
+
+    async def items():
+        raise ConnectionError("the worker is gone")
+        yield  # an async generator
+
+    reader = FeedReader(0, items)
+    events = reader.subscribe("k")
+    await asyncio.wait_for(reader.ready, 5)  # resolved by the end: a waiting stream goes on and fails typed
+    kind, error = await asyncio.wait_for(events.get(), 5)
+    assert kind == "error" and isinstance(error, WorkerLost) and "ConnectionError" in str(error)
