@@ -7,9 +7,11 @@ type says so: verbs.Request.rerunnable); otherwise it is WorkerLost. A worker th
 capsules re-listed into the CapsuleMap, and the last weights update re-applied (at the same version, so
 the capsules of its peers are current on it too).
 
-A worker's death is seen at once, even when nobody is calling it: every worker's event feed (one Ray stream
-per worker, event_feed.py) is kept open from start, and its end by the process's death marks the worker
-down. Calls on a session of a process that died (or is being restarted) then fail with WorkerLost at once,
+A worker's death is seen at once, even when nobody is calling it: the pool holds a connection to each
+worker process's lifeline (lifeline.py), whose end the operating system signals the moment the process dies,
+and every worker's event feed (one Ray stream per worker, event_feed.py) is kept open from start, its end by
+the process's death marking the worker down too (the way Ray sees it, up to a second later under load). Calls
+in flight on a process seen dead fail at once, as do the streams on it. Calls on a session of a process that died (or is being restarted) then fail with WorkerLost at once,
 instead of waiting for the restart only to learn that the session is gone (`check_session`); calls that
 may run again on the new process wait for it (bounded by call_timeout_s). Each restart's duration, from
 the death seen to the new process answering, is logged and kept (`WorkerRecord.last_restart_s`).
@@ -31,6 +33,7 @@ from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutErr
 from capsulert.errors import CapsuleRTError, ConfigError, WorkerLost
 from capsulert.orchestrator.admission import SessionGate
 from capsulert.orchestrator.capsule_map import CapsuleMap
+from capsulert.orchestrator.lifeline import ProcessExited, ProcessWatch
 from capsulert.worker.event_feed import FeedReader
 from capsulert.worker.actor import send, send_stream
 from capsulert.protocol.requests import (
@@ -43,7 +46,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _LOST = (RayActorError, WorkerCrashedError, ObjectLostError, GetTimeoutError)
-_DEATH = (RayActorError, ActorUnavailableError, WorkerCrashedError)  # how a call on a dead process ends
+# how a call on a dead process ends
+_DEATH = (RayActorError, ActorUnavailableError, WorkerCrashedError, ProcessExited)
 
 
 class _Restarting(Exception):
@@ -63,6 +67,7 @@ class WorkerRecord:
     device: str | None = None  # its engine's device type ("cuda", "cpu"), from its last ping
     down_since: float | None = None  # when its process was seen dead (Ray restarts it); None while it runs
     last_restart_s: float | None = None  # how long its last restart took, death seen to answering again
+    process: ProcessWatch | None = None  # the lifeline of the process answering now
 
 
 class WorkerPool:
@@ -234,7 +239,8 @@ class WorkerPool:
         return reader
 
     def _seen_dead(self, w: int, error: BaseException) -> None:
-        """Worker w's feed ended with an actor error: its process is gone (Ray restarts it, or not)."""
+        """A call or worker w's feed ended with an actor error, or its lifeline ended: its process is gone (Ray
+        restarts it, or not)."""
         worker = self.workers[w]
         if self.closed or worker.lost is not None or not isinstance(error, _DEATH):
             return
@@ -268,7 +274,7 @@ class WorkerPool:
         t = timeout if timeout is not None else self.call_timeout_s
         what = _what(request)
         try:
-            return await asyncio.wait_for(ref, t)
+            return await self._reply_or_exit(w, ref, t)
         except asyncio.TimeoutError:
             self.workers[w].stale = True
             raise WorkerLost(f"worker {w} did not answer {what} within {t:g}s") from None
@@ -279,15 +285,51 @@ class WorkerPool:
                 self.workers[w].stale = True
                 raise WorkerLost(f"a worker was lost while {what} ran on worker {w}: {type(e.cause).__name__}") from None
             raise
-        except ActorUnavailableError as e:
+        except (ActorUnavailableError, ProcessExited) as e:
             self._seen_dead(w, e)
-            raise _Restarting(f"worker {w} died during {what} and is restarting; the call did not complete "
-                              "and its sessions are gone") from None
+            how = "its process exited" if isinstance(e, ProcessExited) else "Ray reports it unavailable"
+            raise _Restarting(f"worker {w} died during {what} ({how}) and is restarting; the call did not "
+                              "complete and its sessions are gone") from None
         except _LOST as e:
             # an ActorDiedError may name a worker this call depended on (a migration's source): the next
             # call's resync pings worker w itself, and only that decides whether w is gone for good
             self.workers[w].stale = True
             raise WorkerLost(f"worker {w} was lost during {what}: {type(e).__name__}") from None
+
+    async def _reply_or_exit(self, w: int, ref, timeout: float) -> Any:
+        """The reply behind `ref`, or ProcessExited as soon as the lifeline of the process it went to ends
+        (not when Ray notices). A call sent while the process is already known dead waits for Ray: it runs
+        on the next process, or fails as Ray says."""
+        watch = self.workers[w].process
+        if watch is None or watch.exited.done():
+            return await asyncio.wait_for(ref, timeout)
+        reply = asyncio.ensure_future(ref)
+        done, _ = await asyncio.wait((reply, watch.exited), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if reply in done:
+            return reply.result()
+        reply.cancel()
+        if watch.exited in done:
+            raise ProcessExited(f"worker {w}'s process {watch.pid} exited")
+        raise asyncio.TimeoutError
+
+    def _watch_process(self, w: int, pong: dict) -> None:
+        """Hold the lifeline of the process that answered `pong` (a new one after a restart)."""
+        worker, address = self.workers[w], pong.get("lifeline")
+        if address is None or (worker.process is not None and worker.process.pid == pong["pid"]):
+            return
+        if worker.process is not None:
+            worker.process.close()
+        worker.process = ProcessWatch(w, pong["pid"], tuple(address), self._process_exited)
+
+    def _process_exited(self, w: int, pid: int) -> None:
+        """The lifeline of worker w's process `pid` ended: the process is gone, whatever Ray says yet."""
+        worker = self.workers[w]
+        if worker.pid != pid:
+            return  # an older process, or one this pool never served from
+        self._seen_dead(w, ProcessExited(f"process {pid} exited"))
+        reader = self.feeds.get(w)
+        if reader is not None:
+            reader.end(f"its process {pid} exited")
 
     # ------------------------------------------------------------------ liveness
     def mark_stale(self, w: int) -> None:
@@ -341,6 +383,8 @@ class WorkerPool:
         restarted = worker.pid is not None and pong["pid"] != worker.pid
         worker.sessions, worker.stale, worker.pid = stats["sessions"], False, pong["pid"]
         worker.device = pong.get("device")
+        if not self.closed:
+            self._watch_process(w, pong)
         if restarted and worker.down_since is not None:
             worker.last_restart_s = time.monotonic() - worker.down_since
             log.info("worker %d is back after %.2f s (its engine started in %.2f s)", w, worker.last_restart_s,
@@ -407,6 +451,9 @@ class WorkerPool:
             ray.kill(w.handle, no_restart=True)
         for reader in self.feeds.values():
             reader.task.cancel()
+        for w in self.workers:
+            if w.process is not None:
+                w.process.close()
 
 
 def _what(request: Request) -> str:

@@ -21,6 +21,8 @@ import ray
 from capsulert.errors import InvalidRequestError
 from capsulert.logs import setup_logging
 from capsulert.worker.core import WorkerCore
+from capsulert.worker.lifeline import Lifeline
+from capsulert.worker.peer_link import node_address
 from capsulert.protocol.requests import CONTROL, SESSION, STORE, TRANSFER, Request
 
 SESSION_GROUP, STORE_GROUP, CONTROL_GROUP, TRANSFER_GROUP = "session", "store", "control", "transfer"
@@ -51,9 +53,11 @@ class WorkerActorBody:
         setup_logging(log_level)  # first: the engine's start (model generation, loading) logs too
         if engine_config.get("progress") is None:  # nobody watches a worker's stderr as a terminal
             engine_config = {**engine_config, "progress": False}
+        # first too: a process that dies while its engine starts is seen dead at once
+        self.lifeline = Lifeline(node_address())
         # which Ray node runs this worker (health() shows it): placement on a cluster is Ray's choice
         self.core = WorkerCore(engine_config, persist_dir, torch_threads, worker_index,
-                               node=ray.get_runtime_context().get_node_id())
+                               node=ray.get_runtime_context().get_node_id(), lifeline=self.lifeline.address)
 
     @ray.method(concurrency_group=SESSION_GROUP)
     def execute(self, request: Request, call_id=None):

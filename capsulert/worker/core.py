@@ -72,12 +72,13 @@ class WorkerCore:
     """The actor's body (a plain class, so it is usable and testable in-process too)."""
 
     def __init__(self, engine_config: dict, persist_dir: str | None = None, torch_threads: int | None = None,
-                 worker_index: int = 0, node: str | None = None):
+                 worker_index: int = 0, node: str | None = None, lifeline: tuple[str, int] | None = None):
         t0 = time.perf_counter()
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.index = worker_index
         self.node = node  # the Ray node id (None in-process)
+        self.lifeline = lifeline  # where the process's lifeline listens (worker/lifeline.py; None in-process)
         self.engine = Engine.from_config(dict(engine_config))
         # ids never reused by a restarted actor: a session of the old process is unknown to the new one
         self.scheduler = StepScheduler(self.engine, first_id=random.getrandbits(40) << 20)
@@ -314,7 +315,7 @@ class WorkerCore:
         return {"worker": self.index, "pid": os.getpid(), "node": self.node, "device": dev.type, "gpu": gpu,
                 "weights_version": self.engine.weights_version, "reloaded": list(self.reloaded),
                 "reindexed": self.engine.store.reindexed, "quarantined": [q.to_dict() for q in self.quarantined],
-                "started_s": self.started_s}
+                "started_s": self.started_s, "lifeline": self.lifeline}
 
     def _stats(self, r: Stats, call_id) -> dict:
         sch = self.scheduler

@@ -86,13 +86,14 @@ class FeedReader:
         # done once the worker has handed this reader the feed (its first, empty item), or the feed ended
         self.ready = asyncio.get_running_loop().create_future()
         self._on_lost = on_lost  # called with the error that ended the feed (the worker's death, say)
+        self._ended = False
         # in a context of its own: a feed opened while serving one request (a Ray Serve replica's) would
         # otherwise be that request's child task, and cancelled with it
         self.task = asyncio.get_running_loop().create_task(self._pump(open_feed), context=contextvars.Context())
 
     @property
     def open(self) -> bool:
-        return not self.task.done()
+        return not self._ended and not self.task.done()
 
     def subscribe(self, key: Hashable) -> asyncio.Queue:
         q = self.subs[key] = asyncio.Queue()
@@ -116,7 +117,17 @@ class FeedReader:
             why = f"{type(e).__name__}"
             if self._on_lost is not None:
                 self._on_lost(e)
-        # no await from here on: a consumer subscribing now sees the task done and opens a new feed
+        self._fail_all(why)
+
+    def end(self, why: str) -> None:
+        """The worker is known gone (its lifeline ended) before its feed says so: stop reading, and every
+        consumer still waiting gets WorkerLost now."""
+        self._ended = True
+        self.task.cancel()
+        self._fail_all(why)
+
+    def _fail_all(self, why: str) -> None:
+        # no await here: a consumer subscribing after this sees the task done and opens a new feed
         if not self.ready.done():
             self.ready.set_result(None)
         lost = WorkerLost(f"worker {self.worker} was lost while streaming ({why})")

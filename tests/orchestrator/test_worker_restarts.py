@@ -113,7 +113,8 @@ async def test_callers_of_a_killed_workers_sessions_get_worker_lost_within_a_sec
         await kill_and_wait((await orch.health())[0]["pid"])
         t0 = time.monotonic()
         for r in await asyncio.gather(*running, return_exceptions=True):
-            assert isinstance(r, WorkerLost), r
+            # seen through the process's lifeline, not when Ray notices (up to a second under load)
+            assert isinstance(r, WorkerLost) and "its process exited" in str(r), r
         in_flight_s = time.monotonic() - t0
         t1 = time.monotonic()
         for r in await asyncio.gather(*(s.generate(4) for s in sessions), return_exceptions=True):

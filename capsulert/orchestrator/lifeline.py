@@ -1,0 +1,50 @@
+"""The orchestrator's end of a worker process's lifeline (worker/lifeline.py): one connection per process,
+whose end is that process's death, seen in milliseconds instead of the most of a second Ray's own
+notice can take under load.
+
+A watch belongs to one process (its pid): a restarted worker gets a new watch, and an end seen after the
+worker moved on to a new process is ignored by the pool. A worker whose lifeline cannot be reached (a
+firewall between nodes, say) is still watched by Ray: the watch logs that once and sees nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+class ProcessExited(Exception):
+    """Internal: a worker process's lifeline ended (the process is gone)."""
+
+
+class ProcessWatch:
+    def __init__(self, worker: int, pid: int, address: tuple[str, int], on_exit: Callable[[int, int], None]):
+        self.worker, self.pid = worker, pid
+        loop = asyncio.get_running_loop()
+        self.connected: asyncio.Future = loop.create_future()  # done once the connection stands
+        self.exited: asyncio.Future = loop.create_future()  # done when the process is seen gone
+        # in a context of its own: a watch started while serving one request must not be cancelled with it
+        self.task = loop.create_task(self._watch(address, on_exit), context=contextvars.Context())
+
+    async def _watch(self, address: tuple[str, int], on_exit: Callable[[int, int], None]) -> None:
+        try:
+            reader, writer = await asyncio.open_connection(*address)
+        except OSError as e:
+            log.warning("worker %d: its lifeline at %s:%d cannot be reached (%s); its death is seen through Ray "
+                        "only, which can take a second", self.worker, *address, e)
+            return
+        self.connected.set_result(None)
+        try:
+            await reader.read()  # the worker never writes: this returns at the end of the stream
+        except OSError:
+            pass
+        finally:
+            writer.close()
+        self.exited.set_result(None)
+        on_exit(self.worker, self.pid)
+
+    def close(self) -> None:
+        self.task.cancel()
