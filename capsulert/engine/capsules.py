@@ -276,9 +276,10 @@ class CapsuleVerbs:
         session.decoded_from = match.grid
         return True
 
-    def keep_checkpoint(self, session: "Session", namespace: str) -> bool:
+    def keep_checkpoint(self, session: "Session", namespace: str, grid_hidden: bool = False) -> bool:
         """Offer the session's last grid checkpoint to the store as an anonymous prefix entry: KV rows
-        [0, G), the recurrent and conv state at G and, when the session stands on G, its last hidden state."""
+        [0, G), the recurrent and conv state at G and, when the session stands on G, its last hidden state;
+        `grid_hidden`: the piece just run crossed G and left the hidden state before it in state.grid_hidden."""
         eng, slot = self.engine, session.slot
         P = len(session.tokens)
         G = P // eng.grid * eng.grid
@@ -287,6 +288,8 @@ class CapsuleVerbs:
         views = self._grid_views(slot, G)  # on the grid the grid checkpoint is the live state
         if P == G:
             views["last_hidden"] = eng.state.last_hidden[slot]
+        elif grid_hidden:
+            views["last_hidden"] = eng.state.grid_hidden[slot]
         meta = CapsuleMeta.build(name="prefix", namespace=namespace, tokens=session.tokens[:G], grid_pos=G,
                                  fingerprint=eng.fingerprint, layout_version=LAYOUT_VERSION, grid=eng.grid,
                                  nbytes=sum(t.numel() * t.element_size() for t in views.values()),

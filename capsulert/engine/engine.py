@@ -59,15 +59,27 @@ LONG_PREFILL_CHUNKS = 4
 GRID = GATED_DELTA_CHUNK
 
 
-def prefill_pieces(start: int, end: int, chunk: int, grid: int = GRID) -> list[tuple[int, int]]:
-    """[start, end) cut at the multiples of `chunk` and at end's grid point: every piece starts on the grid
-    (when start does), none is longer than chunk, and the last grid point is a piece boundary, so the state
-    there can be kept and the tokens past it are always computed in the same piece."""
+def prefill_pieces(start: int, end: int, chunk: int, grid: int | None = GRID) -> list[tuple[int, int]]:
+    """[start, end) cut at the multiples of `chunk` and, when `grid` is given, at end's last grid point: every
+    piece starts on the grid (when start does) and none is longer than chunk.
+
+    Whether to cut at the last grid point depends on the device's GEMMs. The tokens past it must get the bits
+    a piece starting at it gives them (a restore there re-runs them so). CPU GEMMs take another path for a few
+    rows (gemv at one row), so there they are computed in a piece of their own (grid=GRID, two passes of the
+    weights when an append crosses a grid point). On CUDA (cuBLASLt, 1-byte workspace: numerics.py) a row's
+    bits do not depend on the rows computed with it, so the last piece may cross the grid point (grid=None)
+    and the model keeps the state there as it runs (HybridModel.forward's grid_at): one pass."""
     cuts = set(range((start // chunk + 1) * chunk, end, chunk))
-    if start < end // grid * grid < end:
+    if grid is not None and start < end // grid * grid < end:
         cuts.add(end // grid * grid)
     bounds = [start, *sorted(cuts), end]
     return list(zip(bounds, bounds[1:]))
+
+
+def grid_point_inside(a: int, b: int, grid: int = GRID) -> int | None:
+    """How far into the piece [a, b) its last grid point lies, when strictly inside it."""
+    g = b // grid * grid
+    return g - a if a < g < b else None
 
 
 def _token_text(tokenizer, ids: Sequence[int]) -> str | None:
@@ -110,6 +122,9 @@ class Engine:
         self.grammars = Grammars(tokenizer, model_cfg.vocab_size, self.eos_token_ids)  # constrained decoding
         self.chunk = config.prefill_chunk  # the longest prefill piece
         self.grid = GRID  # where canonical state is kept (capsules, prefix blocks, re-runs)
+        # a prefill piece may cross its last grid point (prefill_pieces): where a row's bits never depend on
+        # the rows computed with it (CUDA, checked above)
+        self.grid_inside_pieces = self.device.type == "cuda"
         # one extra scratch slot absorbs the padding rows of captured graphs; KV keeps a chunk of slack
         # rows because a padded prefill chunk writes (ignored) KV past the last real token
         self.scratch_slot = config.slots
@@ -306,14 +321,15 @@ class Engine:
     def _kv_len(self, end: int) -> int:
         return min(self.config.max_seq, -(-end // self.chunk) * self.chunk)
 
-    def _run_prefill(self, slot: int, tokens: list[int], start: int) -> None:
+    def _run_prefill(self, slot: int, tokens: list[int], start: int) -> bool:
         """Run tokens at positions [start, start+len) in prefill pieces (prefill_pieces); the slot's live state
-        must be at start. The state at the last grid point reached becomes the slot's grid checkpoint."""
+        must be at start. The state at the last grid point reached becomes the slot's grid checkpoint. True when
+        that grid point fell inside the last piece: state.grid_hidden then holds the hidden state before it."""
         if self.graphs is None:
             slots = torch.tensor([slot], device=self.device)
             ids = torch.tensor(tokens, device=self.device)
         end = start + len(tokens)
-        pieces = prefill_pieces(start, end, self.chunk, self.grid)
+        pieces = prefill_pieces(start, end, self.chunk, None if self.grid_inside_pieces else self.grid)
         # a bar only for long prefills: a short one ends before any bar would show
         bar = progress_bar(len(pieces), "capsulert: prefill", unit="chunk",
                            progress=self.config.progress if len(pieces) > LONG_PREFILL_CHUNKS else False)
@@ -322,10 +338,12 @@ class Engine:
         t0 = time.perf_counter()
         with bar:
             for a, b in pieces:
+                # the state at end's last grid point is the slot's checkpoint, kept inside the last piece
+                at = grid_point_inside(a, b, self.grid) if b == end else None
                 if self.graphs is not None:
-                    self.graphs.prefill(slot, tokens[a - start:b - start])
+                    self.graphs.prefill(slot, tokens[a - start:b - start], grid_at=at)
                 else:
-                    self.model.forward(self.state, slots, ids[None, a - start:b - start], self._kv_len(b))
+                    self.model.forward(self.state, slots, ids[None, a - start:b - start], self._kv_len(b), grid_at=at)
                 if b % self.grid == 0:
                     self.state.save_grid(slot)
                 if pace:
@@ -335,6 +353,7 @@ class Engine:
             torch.cuda.synchronize(self.device)
         per_token = (time.perf_counter() - t0) / len(tokens)
         self.prefill_s_per_token = per_token if not self.prefill_s_per_token else 0.9 * self.prefill_s_per_token + 0.1 * per_token
+        return at is not None
 
     def append(self, session: Session, tokens_or_text) -> torch.Tensor:
         with self._lock:
@@ -353,8 +372,8 @@ class Engine:
             self._own(session)
             session.check_current()
             for piece in self.prefix.pieces(session, ids):  # cut where checkpoints are to be kept
-                self._extend(session, piece)
-                self.prefix.reached(session)
+                grid_hidden = self._extend(session, piece)
+                self.prefix.reached(session, grid_hidden)
 
     def reuse_prefix(self, session: Session, tokens: list[int]) -> list[int]:
         """Restore the longest cached grid prefix of the session's tokens + `tokens` (prefix cache); the
@@ -364,15 +383,17 @@ class Engine:
             session.check_current()
             return self.prefix.before_append(session, tokens)
 
-    def _extend(self, session: Session, new: list[int]) -> None:
+    def _extend(self, session: Session, new: list[int]) -> bool:
+        """Append `new`; True when state.grid_hidden holds the hidden state before the new grid point."""
         P = len(session.tokens)
         G = P // self.grid * self.grid
         if P != G:  # re-run [G, P) with the new tokens from the grid checkpoint, as a cold prefill does
             self.state.load_grid(session.slot)
             self.state.pos[session.slot] = G
-        self._run_prefill(session.slot, session.tokens[G:] + new, G)
+        grid_hidden = self._run_prefill(session.slot, session.tokens[G:] + new, G)
         session.tokens.extend(new)
         session.decoded_from = len(session.tokens)
+        return grid_hidden
 
     def logits(self, session: Session) -> torch.Tensor:
         self._own(session)

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, order=True)
 class ShapeKey:
-    phase: str  # "prefill" or "decode"
+    phase: str  # "prefill", "prefill_grid" (keeps the state at a grid point inside the piece) or "decode"
     batch: int
     tokens: int
 
@@ -58,6 +58,7 @@ class GraphPlans:
         self.tokens = torch.zeros(max(bmax, 1), prefill_chunk, dtype=torch.long, device=dev)
         self.slots = torch.full((bmax,), scratch_slot, dtype=torch.long, device=dev)
         self.valid = torch.ones(bmax, dtype=torch.long, device=dev)
+        self.grid_at = torch.full((1,), grid, dtype=torch.long, device=dev)
         rows = model.decode_rows or bmax
         self.logits = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
@@ -72,7 +73,8 @@ class GraphPlans:
         self.state.pos[self.scratch:self.scratch + 1].zero_()
         decode = key.phase == "decode"
         self.model.forward(self.state, self.slots[:B], self.tokens[:B, :T], self.max_seq,
-                           None if decode else self.valid[:B], decode=decode)
+                           None if decode else self.valid[:B], decode=decode,
+                           grid_at=self.grid_at if key.phase == "prefill_grid" else None)
         if decode:
             logits = self.model.logits(self.state, self.slots[:B])
             self.logits[:logits.shape[0]].copy_(logits)
@@ -82,6 +84,7 @@ class GraphPlans:
         terminal)."""
         keys = [ShapeKey("decode", b, 1) for b in self.decode_batches]
         keys += [ShapeKey("prefill", 1, t) for t in self.prefill_sizes] if prefill else []
+        keys += [ShapeKey("prefill_grid", 1, t) for t in self.prefill_sizes if t > self.grid] if prefill else []
         keys += [ShapeKey("prefill", b, self.grid) for b in self.decode_batches if b > 1] if prefill else []
         with progress_bar(2 * len(keys), "capsulert: CUDA graphs", progress=progress, unit="shape") as bar:
             self._capture(keys, bar)
@@ -93,6 +96,7 @@ class GraphPlans:
         saved = {n: b.clone() for n, b in self.state.buffers.items() if n in ("pos",)}
         self.slots.fill_(self.scratch)
         self.valid.fill_(1)
+        self.grid_at.fill_(self.grid)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         bar.set_postfix_str("warm-up")
@@ -131,7 +135,9 @@ class GraphPlans:
             self.state.buffers[n].copy_(b)
         self.capture_s = time.perf_counter() - t0
 
-    def prefill(self, slot: int, tokens: list[int]) -> None:
+    def prefill(self, slot: int, tokens: list[int], grid_at: int | None = None) -> None:
+        """One piece of `tokens` for `slot`; `grid_at`: the piece's last grid point lies that many tokens in
+        (its state becomes the slot's grid checkpoint)."""
         n = len(tokens)
         T = next((t for t in self.prefill_sizes if t >= n), None)
         if T is None:
@@ -141,7 +147,11 @@ class GraphPlans:
         self.tokens[0, :T].copy_(row, non_blocking=True)
         self.slots[0] = slot
         self.valid[0] = n
-        self.graphs[ShapeKey("prefill", 1, T)].replay()
+        if grid_at is None:
+            self.graphs[ShapeKey("prefill", 1, T)].replay()
+        else:
+            self.grid_at[0] = grid_at
+            self.graphs[ShapeKey("prefill_grid", 1, T)].replay()
 
     def prefill_rows(self, slots: list[int], rows: list[list[int]]) -> None:
         """`grid` tokens for each slot at once (the grid points decode reached); padding rows run in the

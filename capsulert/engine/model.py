@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from capsulert.config.model import FULL, ModelConfig
+from capsulert.kernels.conv import conv_history_at
 from capsulert.kernels.fused import gated_delta_gates, gated_delta_qk
 from capsulert.kernels.ops import KernelSet, reference_kernels
 from capsulert.engine.moe import moe_mlp
@@ -88,13 +89,19 @@ class HybridModel:
 
     @torch.inference_mode()
     def forward(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, kv_len: int,
-                valid: torch.Tensor | None = None, decode: bool = False) -> None:
+                valid: torch.Tensor | None = None, decode: bool = False,
+                grid_at: int | torch.Tensor | None = None) -> None:
         """Run tokens [B, T] for slots [B] at positions state.pos[slots] + t; updates every state buffer
         of those slots in place, stores the last token's hidden state in last_hidden and advances pos.
 
         decode=True: one token per slot (T = 1) through the recurrent step, batch-invariant (module doc).
         `valid` [B] (device) marks only the first valid[b] tokens of a row as real: the rest is padding
-        that a captured graph of a fixed T carries; it neither writes state nor advances pos."""
+        that a captured graph of a fixed T carries; it neither writes state nor advances pos.
+
+        `grid_at` (prefill, an int or a [B] device tensor for a graph): the piece crosses a grid point that many
+        tokens in; the recurrent and conv state there become the slots' grid checkpoints (ssm_grid, conv_grid)
+        and the hidden state before it goes to grid_hidden, so a piece past its last grid point needs no cut
+        there (and no second pass of the weights)."""
         B = tokens.shape[0]
         if decode and self.rowwise and B > 1:
             for i in range(B):
@@ -122,10 +129,13 @@ class HybridModel:
             if layer.kind == FULL:
                 x = self._attention(layer, x, state, slots, start, kv_len, rope, decode)
             else:
-                x = self._gated_delta_net(layer, x, state, slots, decode, valid)
+                x = self._gated_delta_net(layer, x, state, slots, decode, valid, grid_at)
             h, x = add_rms_norm(h, x, w["post_attention_layernorm.weight"], eps)
             delta = self._mlp(w, x, B)
         h = (h + delta)[:B]
+        if grid_at is not None:  # the hidden state before the grid point: the logits a checkpoint there gives
+            before = h[:, grid_at - 1] if isinstance(grid_at, int) else h[torch.arange(B, device=self.device), grid_at - 1]
+            state.grid_hidden.index_copy_(0, slots, before)
         if valid is None:
             state.last_hidden.index_copy_(0, slots, h[:, -1])
             state.pos.index_add_(0, slots, torch.full_like(slots, tokens.shape[1], dtype=torch.int32))
@@ -167,7 +177,7 @@ class HybridModel:
         o = pad_rows(o, R).reshape(R, T, -1) * torch.sigmoid(gate)
         return F.linear(o, w["self_attn.o_proj.weight"])
 
-    def _gated_delta_net(self, layer, x, state, slots, decode: bool, valid):
+    def _gated_delta_net(self, layer, x, state, slots, decode: bool, valid, grid_at=None):
         cfg, w = self.cfg, layer.w
         R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
         B = slots.shape[0]
@@ -183,6 +193,8 @@ class HybridModel:
             o = pad_rows(o, R)[:, None]
             o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
             return F.linear(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
+        if grid_at is not None:
+            state.conv_grid[li].index_copy_(0, slots, conv_history_at(mixed, conv_buf[slots], grid_at))
         mixed = self.kernels.conv_prefill(mixed, conv_buf, slots, w["conv"], valid)
         q, k, v = torch.split(mixed, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
         q = q.reshape(R, T, Hk, Dk)
@@ -194,9 +206,24 @@ class HybridModel:
             beta = beta * real
             g = g * real
         q, k = gated_delta_qk(q, k, Hv)
+        if grid_at is not None:
+            self._grid_state(state.ssm_grid[li], ssm_buf, slots, (q, k, v.float(), g, beta), grid_at)
         o = self.kernels.gated_delta_prefill(q, k, v.float(), g, beta, ssm_buf, slots)
         o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
         return F.linear(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
+
+    def _grid_state(self, grid_buf, ssm_buf, slots, qkvgb, at) -> None:
+        """The recurrent state `at` tokens into the piece (a grid point) into grid_buf, from the state at the
+        piece's start: the chunk math of a piece that ended there, on the same rows (split-invariant prefill),
+        so the checkpoint is bitwise the one a cut at the grid point keeps."""
+        grid_buf.index_copy_(0, slots, ssm_buf[slots])
+        if isinstance(at, int):
+            q, k, v, g, beta = (t[:, :at] for t in qkvgb)
+        else:  # a graph's fixed shape: the tokens from `at` on neither decay nor write the state
+            q, k, v, g, beta = qkvgb
+            keep = (torch.arange(q.shape[1], device=q.device)[None, :] < at[:, None]).float()[..., None]
+            g, beta = g * keep, beta * keep
+        self.kernels.gated_delta_prefill(q, k, v, g, beta, grid_buf, slots)
 
     def _project(self, w: dict[str, torch.Tensor], pack: str, x: torch.Tensor) -> list[torch.Tensor]:
         """The projections of group `pack` of x: one GEMM over the packed weight when packed, else one each."""

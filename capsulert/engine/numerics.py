@@ -34,13 +34,15 @@ def configure_cuda() -> None:
 
 
 def check_split_invariant_gemm(weight: torch.Tensor, rows: int = 1024) -> None:
-    """Rows of a GEMM over a piece of whole 64-row tiles equal the same rows of one `rows`-row GEMM (the
-    property split-invariant prefill needs: pieces start on the grid, and the piece past the last grid point is
-    the same piece in every run), on `weight`'s device and dtype; ConfigError otherwise."""
+    """Rows of a GEMM over a piece of any number of rows equal the same rows of one `rows`-row GEMM (the
+    property split-invariant prefill needs: pieces start on the grid, and the rows past the last grid point
+    get the same bits whether their piece started there or earlier), on `weight`'s device and dtype;
+    ConfigError otherwise."""
     g = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype, generator=g)
     full = F.linear(x, weight)
-    for a, m in ((0, 64), (64, 64), (64, 192), (512, 256)):
+    # whole tiles, and the few-row and ragged pieces of an append that crosses a grid point inside its piece
+    for a, m in ((0, 64), (64, 64), (64, 192), (512, 256), (64, 1), (64, 7), (128, 33), (64, 65), (448, 100)):
         if not torch.equal(F.linear(x[a:a + m], weight), full[a:a + m]):
             raise ConfigError(
                 f"GEMM rows on {weight.device} depend on the number of rows computed with them ({m} rows at {a} "

@@ -11,8 +11,9 @@ its snapshots stay whole instead of sharing blocks.
   ones past its own grid point is restored into the slot (capsules.restore_prefix) and only the rest is
   prefilled. The checkpoints to keep on the way are planned then: the branch point (the deepest grid
   point where the store's blocks still follow the new tokens: another prompt shares the prefix up to
-  there, so the next one will too) and the new tokens' last grid point. The append is cut at those
-  points (`pieces`) and each is kept when reached (`reached`).
+  there, so the next one will too) and the new tokens' last grid point. The append is cut at the branch
+  point and, on CPU, at the last one (`pieces`); on CUDA the piece that crosses the last grid point keeps the
+  state and logits there anyway, so it needs no cut; each is kept when reached (`reached`).
 - When a session closes: its last grid point is kept (it covers the grid points decode crossed).
 The store decides whether a checkpoint is admitted (cost-aware) and evicts anonymous entries first.
 
@@ -102,19 +103,24 @@ class PrefixCache:
         return new
 
     def pieces(self, session: "Session", new: list[int]) -> list[list[int]]:
-        """`new` cut at the session's planned keep points."""
+        """`new` cut at the session's planned keep points; where prefill pieces may cross a grid point
+        (Engine.grid_inside_pieces) not at its own last grid point, whose state and logits the piece that
+        crosses it keeps anyway (kept once the piece is done)."""
         t = self._slots.get(session.slot)
-        cuts = [p - len(session.tokens) for p in (t.keep if t is not None else ())]
+        eng = self.engine
+        last = (len(session.tokens) + len(new)) // eng.grid * eng.grid if eng.grid_inside_pieces else None
+        cuts = [p - len(session.tokens) for p in (t.keep if t is not None else ()) if p != last]
         cuts = [c for c in cuts if 0 < c < len(new)]
         return [new[a:b] for a, b in zip([0] + cuts, cuts + [len(new)]) if b > a]
 
-    def reached(self, session: "Session") -> None:
-        """After a piece: keep the checkpoint when the session stands on a planned keep point."""
+    def reached(self, session: "Session", grid_hidden: bool = False) -> None:
+        """After a piece: keep the checkpoint when the session's last grid point is a planned keep point;
+        `grid_hidden`: the piece crossed that point and left the hidden state before it (its logits)."""
         t = self._serving(session)
         if t is None:
             return
         P = len(session.tokens)
         if t.keep and t.keep[0] <= P:
-            if t.keep[0] == P:
-                self.verbs.keep_checkpoint(session, t.namespace)  # type: ignore[arg-type]
+            if P // self.engine.grid * self.engine.grid in t.keep:
+                self.verbs.keep_checkpoint(session, t.namespace, grid_hidden)  # type: ignore[arg-type]
             t.keep = [p for p in t.keep if p > P]

@@ -71,6 +71,9 @@ class StateLayout:
             "conv_grid": (conv, self.dtype),
             "pos": ((self.slots,), torch.int32),
             "last_hidden": ((self.slots, self.hidden), self.dtype),
+            # the hidden state of the token before the grid point a prefill piece crossed (its logits), so
+            # the checkpoint kept there needs no cut of the piece; meaningful only right after that piece
+            "grid_hidden": ((self.slots, self.hidden), self.dtype),
         }
 
 

@@ -22,3 +22,14 @@ def causal_conv1d_step_ref(x, conv_state, weight):
     history = torch.cat([conv_state, x[:, :, None]], dim=-1)
     out = (history * weight).sum(-1)
     return F.silu(out), history[:, :, 1:]
+
+
+def conv_history_at(x, conv_state, at):
+    """The conv state after the first `at` tokens of x [B, T, C] from conv_state [B, C, K-1]: the last K-1
+    inputs before token `at` (an int, or a [B] tensor of per-row positions, for a CUDA graph)."""
+    width = conv_state.shape[-1]
+    full = torch.cat([conv_state, x.transpose(1, 2)], dim=-1)
+    if isinstance(at, int):
+        return full[:, :, at:at + width]
+    idx = (at[:, None] + torch.arange(width, device=x.device))[:, None, :].expand(-1, full.shape[1], -1)
+    return full.gather(-1, idx)

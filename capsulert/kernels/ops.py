@@ -14,7 +14,7 @@ import torch
 
 from capsulert.kernels import fused, moe
 from capsulert.kernels.attention import attention_ref, tiled_attention_ref, write_kv_ref
-from capsulert.kernels.conv import causal_conv1d_ref, causal_conv1d_step_ref
+from capsulert.kernels.conv import causal_conv1d_ref, causal_conv1d_step_ref, conv_history_at
 from capsulert.kernels.gated_delta import chunk_gated_delta_rule_ref
 
 
@@ -48,12 +48,8 @@ def conv_prefill_ref(x, conv_buf, slots, weight, valid=None) -> torch.Tensor:
     first valid[b] tokens of a row are real: the new state is the history ending at the last real one."""
     history = conv_buf[slots]
     out, new_state = causal_conv1d_ref(x, history, weight)
-    if valid is not None:
-        # the history ending at the last real token: inputs [valid, valid + width) of cat(history, x)
-        width = history.shape[-1]
-        full = torch.cat([history, x.transpose(1, 2)], dim=-1)
-        idx = (valid[:, None] + torch.arange(width, device=x.device))[:, None, :].expand(-1, full.shape[1], -1)
-        new_state = full.gather(-1, idx)
+    if valid is not None:  # the history ending at the last real token
+        new_state = conv_history_at(x, history, valid)
     conv_buf.index_copy_(0, slots, new_state)
     return out
 

@@ -30,6 +30,7 @@ def test_graph_count_is_bounded(cuda_engine):
     g = cuda_engine.graphs
     # decode buckets, prefill buckets, and the batched re-derivation of grid points (b rows of 64 tokens)
     assert set(g.graphs) == ({ShapeKey("decode", b, 1) for b in (1, 2, 4)} | {ShapeKey("prefill", 1, t) for t in (16, 32, 64, 128)}
+                             | {ShapeKey("prefill_grid", 1, 128)}
                              | {ShapeKey("prefill", b, 64) for b in (2, 4)})
 
 

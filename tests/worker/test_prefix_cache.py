@@ -75,6 +75,27 @@ def test_reuse_is_bitwise_a_cold_prefill(cached):
     assert eng.store.list() == []  # anonymous entries are never listed
 
 
+def test_a_checkpoint_kept_inside_a_piece_gives_the_logits_of_its_grid_point(cached, monkeypatch):
+    """Where a prefill piece crosses its last grid point (CUDA; forced here), the append is not cut there: the
+    checkpoint kept at 448 takes the hidden state before it from the piece, so a prompt of exactly 448 tokens
+    is served from it, with the logits of a cold prefill, and the append ran in one piece."""
+    eng = cached
+    eng.grid_inside_pieces = True
+    base = toks(500, 9)
+    passes = []
+    forward = eng.model.forward
+    monkeypatch.setattr(eng.model, "forward", lambda *a, **k: (passes.append(a[2].shape[1]), forward(*a, **k))[1])
+    s = eng.open(prompt=base)  # pieces of 128: the last one, [384, 500), crosses 448
+    assert passes == [128, 128, 128, 116], passes
+    s.close()
+    monkeypatch.setattr(eng.model, "forward", forward)
+    eng.grid_inside_pieces = False  # the CPU's own way from here: a cold 448 computes [384, 448) as one piece
+    before = hits(eng)
+    r = eng.open(prompt=base[:448])
+    assert hits(eng) == (before[0] + 1, before[1] + 448)  # all of it from the checkpoint, nothing re-run
+    assert_cold_equal(eng, r)
+
+
 def test_append_to_a_live_session_reuses_past_its_own_grid_point(cached):
     eng = cached
     base = toks(900, 3)
