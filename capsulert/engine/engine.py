@@ -60,17 +60,21 @@ GRID = GATED_DELTA_CHUNK
 
 
 def prefill_pieces(start: int, end: int, chunk: int, grid: int | None = GRID) -> list[tuple[int, int]]:
-    """[start, end) cut at the multiples of `chunk` and, when `grid` is given, at end's last grid point: every
-    piece starts on the grid (when start does) and none is longer than chunk.
+    """[start, end) in pieces of at most `chunk` tokens that start on the grid (when start does).
 
-    Whether to cut at the last grid point depends on the device's GEMMs. The tokens past it must get the bits
-    a piece starting at it gives them (a restore there re-runs them so). CPU GEMMs take another path for a few
-    rows (gemv at one row), so there they are computed in a piece of their own (grid=GRID, two passes of the
-    weights when an append crosses a grid point). On CUDA (cuBLASLt, 1-byte workspace: numerics.py) a row's
-    bits do not depend on the rows computed with it, so the last piece may cross the grid point (grid=None)
-    and the model keeps the state there as it runs (HybridModel.forward's grid_at): one pass."""
+    Where they are cut depends on the device's GEMMs. The tokens past the last grid point must get the bits a
+    piece starting at it gives them (a restore there re-runs them so). CPU GEMMs take another path for a few
+    rows (gemv at one row), so there (grid=GRID) the pieces are cut at the multiples of `chunk` and at end's
+    last grid point, which puts those tokens in a piece of their own: two passes of the weights when an append
+    crosses a grid point. On CUDA (cuBLASLt, 1-byte workspace: numerics.py) a row's bits do not depend on the
+    rows computed with it, so (grid=None) the pieces are `chunk` tokens from start, the last one may cross the
+    grid point, and the model keeps the state there as it runs (HybridModel.forward's grid_at): one pass for an
+    append of up to a chunk, wherever it starts."""
+    if grid is None:
+        bounds = [start, *range(start + chunk, end, chunk), end]
+        return list(zip(bounds, bounds[1:]))
     cuts = set(range((start // chunk + 1) * chunk, end, chunk))
-    if grid is not None and start < end // grid * grid < end:
+    if start < end // grid * grid < end:
         cuts.add(end // grid * grid)
     bounds = [start, *sorted(cuts), end]
     return list(zip(bounds, bounds[1:]))

@@ -270,11 +270,13 @@ class StepScheduler:
                 if s is None:
                     raise SessionClosedError(f"session {job.session} was closed")
                 while job.prefill and budget > 0:
-                    P, chunk = len(s.tokens), self.engine.chunk
-                    end = min(P + len(job.prefill), (P // chunk + 1) * chunk)  # cut at the next chunk boundary
+                    P, G = len(s.tokens), len(s.tokens) // self.engine.grid * self.engine.grid
+                    # a chunk of work, counted with the re-run past the grid point: one prefill piece where
+                    # pieces may cross grid points (Engine.grid_inside_pieces)
+                    end = min(P + len(job.prefill), G + self.engine.chunk)
                     piece, job.prefill = job.prefill[:end - P], job.prefill[end - P:]
                     self.engine.append_checked(s, piece)
-                    budget -= end - P // self.engine.grid * self.engine.grid  # with the re-run past the grid point
+                    budget -= end - G
                     job.bar.update()
                 if not job.prefill:
                     job.prefill = None

@@ -14,6 +14,7 @@ from capsulert.capsule_store.format.meta import meta_from_json, meta_to_json
 from capsulert.errors import IncompatibleCapsuleError
 from capsulert.engine.engine import GRID, grid_point_inside, prefill_pieces
 from capsulert.protocol.sampling import SamplingParams
+from tests.worker.pieces import count_pieces
 
 NOEOS = SamplingParams(ignore_eos=True)
 
@@ -41,13 +42,14 @@ def assert_same(a: dict, b: dict, what: str) -> None:
     (0, 300, 128, [(0, 128), (128, 256), (256, 300)], [(0, 128), (128, 256), (256, 300)]),
     (0, 200, 1024, [(0, 192), (192, 200)], [(0, 200)]),
     (192, 200, 1024, [(192, 200)], [(192, 200)]),
-    (64, 1100, 1024, [(64, 1024), (1024, 1088), (1088, 1100)], [(64, 1024), (1024, 1100)]),
+    (64, 1100, 1024, [(64, 1024), (1024, 1088), (1088, 1100)], [(64, 1088), (1088, 1100)]),
+    (3008, 3103, 1024, [(3008, 3072), (3072, 3103)], [(3008, 3103)]),
     (0, 256, 128, [(0, 128), (128, 256)], [(0, 128), (128, 256)]),
     (128, 130, 128, [(128, 130)], [(128, 130)]),
-], ids=["chunks+tail", "grid-cut", "tail-only", "from-grid", "on-grid", "short"])
+], ids=["chunks+tail", "grid-cut", "tail-only", "from-grid", "across-a-chunk", "on-grid", "short"])
 def test_prefill_pieces_start_on_the_grid_and_cut_at_the_last_grid_point_where_asked(start, end, chunk, cut, inside):
     assert prefill_pieces(start, end, chunk) == cut  # CPU: the tokens past it in a piece of their own
-    assert prefill_pieces(start, end, chunk, grid=None) == inside  # CUDA: the piece crosses it
+    assert prefill_pieces(start, end, chunk, grid=None) == inside  # CUDA: chunks from start, crossing it
 
 
 @pytest.mark.parametrize("a,b,want", [(0, 200, 192), (2944, 3032, 64), (192, 200, None), (0, 256, None),
@@ -56,7 +58,7 @@ def test_the_last_grid_point_inside_a_piece(a, b, want):
     assert grid_point_inside(a, b) == want
 
 
-@pytest.mark.parametrize("P,n", [(120, 40), (191, 32), (100, 140), (130, 62)])
+@pytest.mark.parametrize("P,n", [(120, 40), (191, 32), (100, 140), (130, 62), (250, 20)])
 def test_a_piece_that_crosses_its_grid_point_keeps_the_checkpoint_in_one_pass(make_engine, P, n, monkeypatch):
     """An append past a grid point runs as one piece (one pass of the weights, not one up to the grid point
     and one past it), and the grid checkpoint it keeps inside the piece is bitwise the state a prefill that
@@ -72,12 +74,10 @@ def test_a_piece_that_crosses_its_grid_point_keeps_the_checkpoint_in_one_pass(ma
     cut.close()
     s = eng.open()
     s.append(t[:P])
-    passes = []
-    forward = eng.model.forward
-    monkeypatch.setattr(eng.model, "forward", lambda *a, **k: (passes.append(a[2].shape[1]), forward(*a, **k))[1])
-    got = s.append(t[P:]).clone()
+    with monkeypatch.context() as m:
+        passes = count_pieces(eng, m)
+        got = s.append(t[P:]).clone()
     assert passes == [P + n - P // GRID * GRID], passes  # the re-run and the new tokens, in one piece
-    monkeypatch.setattr(eng.model, "forward", forward)
     mine = state_of(eng, s)
     for k in ("ssm", "conv"):
         assert torch.equal(mine[f"{k}_grid"], at_grid[k]), f"{k} checkpoint at {G}"

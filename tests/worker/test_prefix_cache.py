@@ -19,6 +19,7 @@ from capsulert.engine.engine import GRID
 from capsulert.protocol.sampling import SamplingParams
 from capsulert.protocol.requests import Close
 from tests.models import MODELS
+from tests.worker.pieces import count_pieces
 
 CHUNK = GRID  # checkpoints every 64 tokens (the fixture prefills in pieces of 128)
 LONG = SamplingParams(ignore_eos=True)  # greedy, through the grid points whatever the random model emits
@@ -82,14 +83,12 @@ def test_a_checkpoint_kept_inside_a_piece_gives_the_logits_of_its_grid_point(cac
     eng = cached
     eng.grid_inside_pieces = True
     base = toks(500, 9)
-    passes = []
-    forward = eng.model.forward
-    monkeypatch.setattr(eng.model, "forward", lambda *a, **k: (passes.append(a[2].shape[1]), forward(*a, **k))[1])
-    s = eng.open(prompt=base)  # pieces of 128: the last one, [384, 500), crosses 448
+    with monkeypatch.context() as m:
+        passes = count_pieces(eng, m)
+        s = eng.open(prompt=base)  # pieces of 128: the last one, [384, 500), crosses 448
     assert passes == [128, 128, 128, 116], passes
     s.close()
-    monkeypatch.setattr(eng.model, "forward", forward)
-    eng.grid_inside_pieces = False  # the CPU's own way from here: a cold 448 computes [384, 448) as one piece
+    eng.grid_inside_pieces = eng.device.type == "cuda"  # the device's own way from here
     before = hits(eng)
     r = eng.open(prompt=base[:448])
     assert hits(eng) == (before[0] + 1, before[1] + 448)  # all of it from the checkpoint, nothing re-run
