@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from capsulert.config.scheduler import SchedulerConfig
 from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK
 
+RANDOM_PREFIX = "random:"  # model="random:<architecture yaml>": deterministic random weights on the device
+
 
 class TierBudgets(BaseModel):
     """Byte budget per capsule tier; None = unlimited, 0 = tier disabled."""

@@ -10,11 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from capsulert.config.engine import EngineConfig
+from capsulert.config.engine import RANDOM_PREFIX, EngineConfig
 from capsulert.config.orchestrator import OrchestratorConfig
 from capsulert.errors import ConfigError
 
-RANDOM_PREFIX = "random:"
 # where a server's orchestrator defaults differ from a library caller's (config/orchestrator.py):
 # - engine.prefix_cache: clients resend their conversations, so a server reuses the longest cached prefix of every
 #   prompt (exact: engine/prefix_reuse.py);
@@ -39,7 +38,9 @@ class ServerOptions(BaseModel):
     max_n: int | None = Field(None, ge=1, description="largest n (choices per prompt); default: engine.slots")
     ray_metrics_port: int | None = Field(None, ge=0, le=65535, description=(
         "export Ray's and Ray Serve's own metrics from Ray's metrics agent on this port (a local Ray only); None: "
-        "Ray collects and exports none, and nothing but the server listens (its GET /metrics has capsulert's)"))
+        "Ray's metrics agent collects and exports none, and the server's GET /metrics has capsulert's. (Ray's "
+        "autoscaler and dashboard processes serve a few metrics of their own on ports 44217 and 44227 whenever "
+        "prometheus_client is installed, as it is here; Ray has no setting that turns those off)"))
     stats_interval_s: float = Field(5.0, gt=0, description="how often the queue-depth gauge polls the workers")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     access_log: bool = False

@@ -34,7 +34,7 @@ from capsulert.errors import (
     NoFreeSlotError,
     WeightUpdateError,
 )
-from capsulert.config.engine import EngineConfig
+from capsulert.config.engine import RANDOM_PREFIX, EngineConfig
 from capsulert.engine.model import HybridModel, pad_rows
 from capsulert.engine.capsules import Replay
 from capsulert.chat.prompt import ChatRenderer
@@ -48,7 +48,6 @@ from capsulert.engine.token_codec import TokenCodec
 from capsulert.protocol.requests import Snapshot
 from capsulert.protocol.results import GenerateResult
 
-RANDOM_PREFIX = "random:"  # model="random:<architecture yaml>": deterministic random weights on the device
 # sessions per decode step; larger generate calls run several steps per token. On CUDA every dense op of a
 # step runs on exactly this many rows (batch invariance, engine/model.py).
 MAX_DECODE_BATCH = 64

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from capsulert.config.engine import EngineConfig
 from capsulert.config.model import ModelConfig
-from capsulert.config.server import RANDOM_PREFIX
+from capsulert.config.engine import RANDOM_PREFIX
 
 
 def model_dir(engine: EngineConfig) -> Path | None:
