@@ -49,6 +49,19 @@ from capsulert.worker.starters import starter, takes_slots
 __all__ = ["StepScheduler", "Sink", "queue_sink", "stream_item"]
 
 
+def prefill_steps(held: int, new: int, grid: int, chunk: int) -> list[tuple[int, int]]:
+    """The scheduler's prefill steps for `new` tokens after `held`: (end, work) each, a step ending a chunk past
+    the last grid point before it (one prefill piece where pieces may cross grid points:
+    Engine.grid_inside_pieces) and its work counted with the re-run past that grid point."""
+    steps, P, end = [], held, held + new
+    while P < end:
+        G = P // grid * grid
+        stop = min(end, G + chunk)
+        steps.append((stop, stop - G))
+        P = stop
+    return steps
+
+
 class StepScheduler:
     def __init__(self, engine: Engine, max_queue: int | None = None, step_prefill_tokens: int | None = None,
                  first_id: int = 1):
@@ -222,8 +235,7 @@ class StepScheduler:
         held = len(s.tokens)
         job.prefill = eng.reuse_prefix(s, tokens)  # a cached prefix: only the rest is prefilled
         job.cached_tokens += len(s.tokens) - held
-        chunk = eng.chunk
-        pieces = (len(s.tokens) + len(job.prefill) - 1) // chunk - len(s.tokens) // chunk + 1
+        pieces = len(prefill_steps(len(s.tokens), len(job.prefill), eng.grid, eng.chunk))
         if pieces > LONG_PREFILL_CHUNKS:  # drawn only where someone watches (EngineConfig.progress)
             job.bar = progress_bar(pieces, f"capsulert: prefill (session {job.session})", unit="chunk",
                                    progress=eng.config.progress)
@@ -270,13 +282,11 @@ class StepScheduler:
                 if s is None:
                     raise SessionClosedError(f"session {job.session} was closed")
                 while job.prefill and budget > 0:
-                    P, G = len(s.tokens), len(s.tokens) // self.engine.grid * self.engine.grid
-                    # a chunk of work, counted with the re-run past the grid point: one prefill piece where
-                    # pieces may cross grid points (Engine.grid_inside_pieces)
-                    end = min(P + len(job.prefill), G + self.engine.chunk)
+                    P = len(s.tokens)
+                    [(end, work)] = prefill_steps(P, len(job.prefill), self.engine.grid, self.engine.chunk)[:1]
                     piece, job.prefill = job.prefill[:end - P], job.prefill[end - P:]
                     self.engine.append_checked(s, piece)
-                    budget -= end - G
+                    budget -= work
                     job.bar.update()
                 if not job.prefill:
                     job.prefill = None

@@ -13,7 +13,7 @@ from capsulert.protocol.sampling import SamplingParams
 from capsulert.protocol.requests import Append, Delete, Generate, Open, Ping, Promote, Request, Restore, Turn
 from capsulert.protocol.results import FinalEvent, TokenEvent
 from capsulert.worker.jobs import Phase
-from capsulert.worker.scheduler import Sink
+from capsulert.worker.scheduler import Sink, prefill_steps
 
 NOEOS = SamplingParams(ignore_eos=True)
 
@@ -496,3 +496,13 @@ def test_the_scheduler_takes_its_bounds_from_the_engine_config(make_engine):
         assert (sch.max_queue, sch.budget) == (5, 256)
     finally:
         sch.stop()
+
+
+@pytest.mark.parametrize("held,new,want", [
+    (0, 300, [(128, 128), (256, 128), (300, 44)]),
+    (100, 200, [(192, 128), (300, 108)]),  # from its grid point 64: a chunk past it, counted with the re-run
+    (130, 20, [(150, 22)]),
+    (191, 1, [(192, 64)]),
+], ids=["cold", "off-grid", "short", "to-the-grid"])
+def test_prefill_steps_end_a_chunk_past_their_grid_point_and_count_the_rerun(held, new, want):
+    assert prefill_steps(held, new, 64, 128) == want
