@@ -56,26 +56,21 @@ LONG_PREFILL_CHUNKS = 4
 # canonical state is kept at every multiple of the gated delta rule's chunk: the finest grid at which the
 # chunked prefill can stop and resume bitwise
 GRID = GATED_DELTA_CHUNK
+# a CPU prefill piece runs on a whole number of these rows (the rest padding that writes no state): CPU GEMMs
+# take another path for a few rows (gemv at one row) and elementwise kernels finish a ragged tail in scalar
+# code, so a row's bits would depend on the piece's row count; on whole 16-row multiples they do not
+# (tests/worker/test_grid64.py). CUDA's GEMMs give a row the same bits at any row count (numerics.py).
+CPU_PIECE_ROWS = 16
 
 
-def prefill_pieces(start: int, end: int, chunk: int, grid: int | None = GRID) -> list[tuple[int, int]]:
-    """[start, end) in pieces of at most `chunk` tokens that start on the grid (when start does).
-
-    Where they are cut depends on the device's GEMMs. The tokens past the last grid point must get the bits a
-    piece starting at it gives them (a restore there re-runs them so). CPU GEMMs take another path for a few
-    rows (gemv at one row), so there (grid=GRID) the pieces are cut at the multiples of `chunk` and at end's
-    last grid point, which puts those tokens in a piece of their own: two passes of the weights when an append
-    crosses a grid point. On CUDA (cuBLASLt, 1-byte workspace: numerics.py) a row's bits do not depend on the
-    rows computed with it, so (grid=None) the pieces are `chunk` tokens from start, the last one may cross the
-    grid point, and the model keeps the state there as it runs (HybridModel.forward's grid_at): one pass for an
-    append of up to a chunk, wherever it starts."""
-    if grid is None:
-        bounds = [start, *range(start + chunk, end, chunk), end]
-        return list(zip(bounds, bounds[1:]))
-    cuts = set(range((start // chunk + 1) * chunk, end, chunk))
-    if start < end // grid * grid < end:
-        cuts.add(end // grid * grid)
-    bounds = [start, *sorted(cuts), end]
+def prefill_pieces(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) in pieces of `chunk` tokens from start (the last one shorter): every piece starts on the grid
+    when start does. The last piece may cross end's last grid point: the model keeps the state and the hidden
+    state there as it runs (HybridModel.forward's grid_at), so an append of up to a chunk is one pass of the
+    weights wherever it starts. That is exact because a row gets the same bits whatever piece it is computed
+    in (split-invariant prefill): the tokens past the grid point get those a piece starting there gives them,
+    which is how a restore there re-runs them."""
+    bounds = [start, *range(start + chunk, end, chunk), end]
     return list(zip(bounds, bounds[1:]))
 
 
@@ -125,9 +120,6 @@ class Engine:
         self.grammars = Grammars(tokenizer, model_cfg.vocab_size, self.eos_token_ids)  # constrained decoding
         self.chunk = config.prefill_chunk  # the longest prefill piece
         self.grid = GRID  # where canonical state is kept (capsules, prefix blocks, re-runs)
-        # a prefill piece may cross its last grid point (prefill_pieces): where a row's bits never depend on
-        # the rows computed with it (CUDA, checked above)
-        self.grid_inside_pieces = self.device.type == "cuda"
         # one extra scratch slot absorbs the padding rows of captured graphs; KV keeps a chunk of slack
         # rows because a padded prefill chunk writes (ignored) KV past the last real token
         self.scratch_slot = config.slots
@@ -332,7 +324,7 @@ class Engine:
             slots = torch.tensor([slot], device=self.device)
             ids = torch.tensor(tokens, device=self.device)
         end = start + len(tokens)
-        pieces = prefill_pieces(start, end, self.chunk, None if self.grid_inside_pieces else self.grid)
+        pieces = prefill_pieces(start, end, self.chunk)
         # a bar only for long prefills: a short one ends before any bar would show
         bar = progress_bar(len(pieces), "capsulert: prefill", unit="chunk",
                            progress=self.config.progress if len(pieces) > LONG_PREFILL_CHUNKS else False)
@@ -346,7 +338,7 @@ class Engine:
                 if self.graphs is not None:
                     self.graphs.prefill(slot, tokens[a - start:b - start], grid_at=at)
                 else:
-                    self.model.forward(self.state, slots, ids[None, a - start:b - start], self._kv_len(b), grid_at=at)
+                    self._forward_piece(slots, ids[a - start:b - start], a, at)
                 if b % self.grid == 0:
                     self.state.save_grid(slot)
                 if pace:
@@ -357,6 +349,17 @@ class Engine:
         per_token = (time.perf_counter() - t0) / len(tokens)
         self.prefill_s_per_token = per_token if not self.prefill_s_per_token else 0.9 * self.prefill_s_per_token + 0.1 * per_token
         return at is not None
+
+    def _forward_piece(self, slots: torch.Tensor, ids: torch.Tensor, a: int, at: int | None) -> None:
+        """One prefill piece through the model (no graphs); on CPU padded to whole CPU_PIECE_ROWS."""
+        n = ids.shape[0]
+        rows = -(-n // CPU_PIECE_ROWS) * CPU_PIECE_ROWS if self.device.type == "cpu" else n
+        if rows == n:
+            self.model.forward(self.state, slots, ids[None], self._kv_len(a + n), grid_at=at)
+        else:
+            padded = torch.cat([ids, ids.new_zeros(rows - n)])[None]
+            valid = torch.tensor([n], device=self.device)
+            self.model.forward(self.state, slots, padded, self._kv_len(a + rows), valid=valid, grid_at=at)
 
     def append(self, session: Session, tokens_or_text) -> torch.Tensor:
         with self._lock:

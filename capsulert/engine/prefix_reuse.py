@@ -12,8 +12,8 @@ its snapshots stay whole instead of sharing blocks.
   prefilled. The checkpoints to keep on the way are planned then: the branch point (the deepest grid
   point where the store's blocks still follow the new tokens: another prompt shares the prefix up to
   there, so the next one will too) and the new tokens' last grid point. The append is cut at the branch
-  point and, on CPU, at the last one (`pieces`); on CUDA the piece that crosses the last grid point keeps the
-  state and logits there anyway, so it needs no cut; each is kept when reached (`reached`).
+  point (`pieces`); the piece that crosses the last grid point keeps the state and logits there anyway, so
+  it needs no cut; each is kept when reached (`reached`).
 - When a session closes: its last grid point is kept (it covers the grid points decode crossed).
 The store decides whether a checkpoint is admitted (cost-aware) and evicts anonymous entries first.
 
@@ -103,12 +103,10 @@ class PrefixCache:
         return new
 
     def pieces(self, session: "Session", new: list[int]) -> list[list[int]]:
-        """`new` cut at the session's planned keep points; where prefill pieces may cross a grid point
-        (Engine.grid_inside_pieces) not at its own last grid point, whose state and logits the piece that
-        crosses it keeps anyway (kept once the piece is done)."""
+        """`new` cut at the session's planned keep points but its own last grid point, whose state and logits
+        the piece that crosses it keeps anyway (kept once the piece is done)."""
         t = self._slots.get(session.slot)
-        eng = self.engine
-        last = (len(session.tokens) + len(new)) // eng.grid * eng.grid if eng.grid_inside_pieces else None
+        last = (len(session.tokens) + len(new)) // self.engine.grid * self.engine.grid
         cuts = [p - len(session.tokens) for p in (t.keep if t is not None else ()) if p != last]
         cuts = [c for c in cuts if 0 < c < len(new)]
         return [new[a:b] for a, b in zip([0] + cuts, cuts + [len(new)]) if b > a]

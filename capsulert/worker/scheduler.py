@@ -51,8 +51,8 @@ __all__ = ["StepScheduler", "Sink", "queue_sink", "stream_item"]
 
 def prefill_steps(held: int, new: int, grid: int, chunk: int) -> list[tuple[int, int]]:
     """The scheduler's prefill steps for `new` tokens after `held`: (end, work) each, a step ending a chunk past
-    the last grid point before it (one prefill piece where pieces may cross grid points:
-    Engine.grid_inside_pieces) and its work counted with the re-run past that grid point."""
+    the last grid point before it (one prefill piece: engine.prefill_pieces) and its work counted with the
+    re-run past that grid point."""
     steps, P, end = [], held, held + new
     while P < end:
         G = P // grid * grid

@@ -10,5 +10,8 @@ def count_pieces(eng, monkeypatch) -> list[int]:
                                                                               prefill(slot, tokens, **k))[1])
     else:
         forward = eng.model.forward
-        monkeypatch.setattr(eng.model, "forward", lambda *a, **k: (pieces.append(a[2].shape[1]), forward(*a, **k))[1])
+        def counted(*a, **k):  # the real rows: a CPU piece is padded to whole rows (engine.CPU_PIECE_ROWS)
+            pieces.append(int(k["valid"][0]) if k.get("valid") is not None else a[2].shape[1])
+            return forward(*a, **k)
+        monkeypatch.setattr(eng.model, "forward", counted)
     return pieces

@@ -38,18 +38,17 @@ def assert_same(a: dict, b: dict, what: str) -> None:
         assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
 
 
-@pytest.mark.parametrize("start,end,chunk,cut,inside", [
-    (0, 300, 128, [(0, 128), (128, 256), (256, 300)], [(0, 128), (128, 256), (256, 300)]),
-    (0, 200, 1024, [(0, 192), (192, 200)], [(0, 200)]),
-    (192, 200, 1024, [(192, 200)], [(192, 200)]),
-    (64, 1100, 1024, [(64, 1024), (1024, 1088), (1088, 1100)], [(64, 1088), (1088, 1100)]),
-    (3008, 3103, 1024, [(3008, 3072), (3072, 3103)], [(3008, 3103)]),
-    (0, 256, 128, [(0, 128), (128, 256)], [(0, 128), (128, 256)]),
-    (128, 130, 128, [(128, 130)], [(128, 130)]),
-], ids=["chunks+tail", "grid-cut", "tail-only", "from-grid", "across-a-chunk", "on-grid", "short"])
-def test_prefill_pieces_start_on_the_grid_and_cut_at_the_last_grid_point_where_asked(start, end, chunk, cut, inside):
-    assert prefill_pieces(start, end, chunk) == cut  # CPU: the tokens past it in a piece of their own
-    assert prefill_pieces(start, end, chunk, grid=None) == inside  # CUDA: chunks from start, crossing it
+@pytest.mark.parametrize("start,end,chunk,want", [
+    (0, 300, 128, [(0, 128), (128, 256), (256, 300)]),
+    (0, 200, 1024, [(0, 200)]),
+    (192, 200, 1024, [(192, 200)]),
+    (64, 1100, 1024, [(64, 1088), (1088, 1100)]),
+    (3008, 3103, 1024, [(3008, 3103)]),
+    (0, 256, 128, [(0, 128), (128, 256)]),
+    (128, 130, 128, [(128, 130)]),
+], ids=["chunks+tail", "grid-inside", "tail-only", "from-grid", "across-a-chunk", "on-grid", "short"])
+def test_prefill_pieces_are_chunks_from_where_they_start(start, end, chunk, want):
+    assert prefill_pieces(start, end, chunk) == want
 
 
 @pytest.mark.parametrize("a,b,want", [(0, 200, 192), (2944, 3032, 64), (192, 200, None), (0, 256, None),
@@ -65,7 +64,6 @@ def test_a_piece_that_crosses_its_grid_point_keeps_the_checkpoint_in_one_pass(ma
     stops at the grid point computes, as are the live state and the logits after it, and the hidden state
     before the grid point (the logits a checkpoint there gives)."""
     eng = make_engine(prefill_chunk=256, slots=3)
-    eng.grid_inside_pieces = True  # as on CUDA; the CPU's own prefills cut at the grid point (prefill_pieces)
     t = toks(P + n, 6)
     G = (P + n) // GRID * GRID
     cut = eng.open()
@@ -190,3 +188,17 @@ def test_capsule_of_the_previous_layout_reads_its_grid_and_is_refused(make_engin
     with pytest.raises(IncompatibleCapsuleError, match="layout version 2, this build uses 3"):
         eng.store.load(tmp_path / "v2")
     assert eng.store.list() == []
+
+
+def test_a_cpu_piece_runs_on_whole_16_row_multiples(make_engine, monkeypatch):
+    """CPU kernels give a row other bits at a few rows (gemv) or a ragged tail (scalar code), so every CPU
+    prefill piece is padded to whole CPU_PIECE_ROWS, the padding writing no state (valid)."""
+    eng = make_engine(device="cpu", prefill_chunk=128)
+    shapes = []
+    forward = eng.model.forward
+    monkeypatch.setattr(eng.model, "forward", lambda *a, **k: (shapes.append(
+        (a[2].shape[1], None if k.get("valid") is None else int(k["valid"][0]))), forward(*a, **k))[1])
+    s = eng.open()
+    s.append(toks(449, 7))
+    assert shapes == [(128, None), (128, None), (128, None), (80, 65)], shapes  # [384, 449): 65 real rows
+    assert int(eng.state.pos[s.slot]) == 449

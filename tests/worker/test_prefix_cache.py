@@ -77,18 +77,16 @@ def test_reuse_is_bitwise_a_cold_prefill(cached):
 
 
 def test_a_checkpoint_kept_inside_a_piece_gives_the_logits_of_its_grid_point(cached, monkeypatch):
-    """Where a prefill piece crosses its last grid point (CUDA; forced here), the append is not cut there: the
-    checkpoint kept at 448 takes the hidden state before it from the piece, so a prompt of exactly 448 tokens
-    is served from it, with the logits of a cold prefill, and the append ran in one piece."""
+    """A prefill piece crosses its last grid point, and the append is not cut there: the checkpoint kept at 448
+    takes the hidden state before it from the piece, so a prompt of exactly 448 tokens is served from it, with
+    the logits of a cold prefill, and the append ran in one piece."""
     eng = cached
-    eng.grid_inside_pieces = True
     base = toks(500, 9)
     with monkeypatch.context() as m:
         passes = count_pieces(eng, m)
         s = eng.open(prompt=base)  # pieces of 128: the last one, [384, 500), crosses 448
     assert passes == [128, 128, 128, 116], passes
     s.close()
-    eng.grid_inside_pieces = eng.device.type == "cuda"  # the device's own way from here
     before = hits(eng)
     r = eng.open(prompt=base[:448])
     assert hits(eng) == (before[0] + 1, before[1] + 448)  # all of it from the checkpoint, nothing re-run
