@@ -58,9 +58,10 @@ LONG_PREFILL_CHUNKS = 4
 GRID = GATED_DELTA_CHUNK
 # a CPU prefill piece runs on a whole number of these rows (the rest padding that writes no state): CPU GEMMs
 # take another path for a few rows (gemv at one row) and elementwise kernels finish a ragged tail in scalar
-# code, so a row's bits would depend on the piece's row count; on whole 16-row multiples they do not
-# (tests/worker/test_grid64.py). CUDA's GEMMs give a row the same bits at any row count (numerics.py).
-CPU_PIECE_ROWS = 16
+# code, so a row's bits would depend on the piece's row count; on whole 8-row multiples they do not (every
+# exactness test; 16 gave the same bits at more padding). CUDA's GEMMs give a row the same bits at any row
+# count (numerics.py).
+CPU_PIECE_ROWS = 8
 
 
 def prefill_pieces(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
