@@ -36,6 +36,7 @@ from capsulert.errors import (
 )
 from capsulert.config.engine import RANDOM_PREFIX, EngineConfig
 from capsulert.engine.model import HybridModel, pad_rows
+from capsulert.engine.numerics import CPU_PIECES, check_split_invariant_gemm, configure_cuda
 from capsulert.engine.capsules import Replay
 from capsulert.chat.prompt import ChatRenderer
 from capsulert.engine.grammar import Grammars
@@ -103,10 +104,10 @@ class Engine:
         self.model_weights = weights
         cuda = self.device.type == "cuda"
         if cuda:
-            from capsulert.engine.numerics import check_split_invariant_gemm, configure_cuda
-
             configure_cuda()  # before the first CUDA GEMM (weights are loaded and generated without one)
             check_split_invariant_gemm(self.probe_weight(weights, model_cfg))
+        else:  # the pieces a CPU prefill runs (CPU_PIECE_ROWS)
+            check_split_invariant_gemm(self.probe_weight(weights, model_cfg), rows=256, pieces=CPU_PIECES)
         self.model = HybridModel(model_cfg, weights, self._kernels(config),
                                  decode_rows=MAX_DECODE_BATCH if cuda else None, rowwise=not cuda)
         self.tokenizer = tokenizer

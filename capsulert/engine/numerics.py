@@ -33,17 +33,29 @@ def configure_cuda() -> None:
     torch.backends.cuda.preferred_blas_library("cublaslt")
 
 
-def check_split_invariant_gemm(weight: torch.Tensor, rows: int = 1024) -> None:
-    """Rows of a GEMM over a piece of any number of rows equal the same rows of one `rows`-row GEMM (the
-    property split-invariant prefill needs: pieces start on the grid, and the rows past the last grid point
-    get the same bits whether their piece started there or earlier), on `weight`'s device and dtype;
-    ConfigError otherwise."""
+# (offset, rows) of the pieces compared with one GEMM over all the rows: on CUDA whole tiles and the few-row and
+# ragged pieces of an append that crosses a grid point inside its piece; on CPU pieces of whole 8-row multiples
+# (engine.CPU_PIECE_ROWS: CPU prefill pieces are padded so), the only ones a CPU prefill runs
+CUDA_PIECES = ((0, 64), (64, 64), (64, 192), (512, 256), (64, 1), (64, 7), (128, 33), (64, 65), (448, 100))
+CPU_PIECES = ((0, 8), (8, 8), (64, 72), (128, 40), (200, 56))
+
+
+def check_split_invariant_gemm(weight: torch.Tensor, rows: int = 1024,
+                               pieces: tuple[tuple[int, int], ...] = CUDA_PIECES) -> None:
+    """Rows of a GEMM over each piece equal the same rows of one `rows`-row GEMM (the property split-invariant
+    prefill needs: pieces start on the grid, and the rows past the last grid point get the same bits whether
+    their piece started there or earlier), on `weight`'s device and dtype; ConfigError otherwise."""
     g = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype, generator=g)
     full = F.linear(x, weight)
-    # whole tiles, and the few-row and ragged pieces of an append that crosses a grid point inside its piece
-    for a, m in ((0, 64), (64, 64), (64, 192), (512, 256), (64, 1), (64, 7), (128, 33), (64, 65), (448, 100)):
+    for a, m in pieces:
         if not torch.equal(F.linear(x[a:a + m], weight), full[a:a + m]):
+            if weight.device.type != "cuda":
+                raise ConfigError(
+                    f"GEMM rows on {weight.device} depend on the number of rows computed with them ({m} rows at "
+                    f"{a} vs one {rows}-row GEMM, {weight.dtype}): this machine's BLAS breaks split-invariant "
+                    "prefill, on which capsules' exactness rests (a restore + append would not equal a cold "
+                    "prefill bitwise)")
             raise ConfigError(
                 f"GEMM rows on {weight.device} depend on the number of rows computed with them ({m} rows at {a} "
                 f"vs one {rows}-row GEMM): split-invariant prefill needs cuBLASLt with a 1-byte workspace, read "

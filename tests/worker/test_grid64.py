@@ -202,3 +202,24 @@ def test_a_cpu_piece_runs_on_whole_8_row_multiples(make_engine, monkeypatch):
     s.append(toks(449, 7))
     assert shapes == [(128, None), (128, None), (128, None), (72, 65)], shapes  # [384, 449): 65 real rows
     assert int(eng.state.pos[s.slot]) == 449
+
+
+def test_a_cpu_whose_gemm_rows_depend_on_the_piece_is_refused_at_start(make_engine, monkeypatch):
+    """The engine checks at start that this machine's BLAS gives a row the same bits in every piece a CPU prefill
+    runs (whole CPU_PIECE_ROWS multiples): otherwise capsules could not be exact, and it says so."""
+    import torch.nn.functional as F
+
+    from capsulert.engine.engine import CPU_PIECE_ROWS
+    from capsulert.engine.numerics import CPU_PIECES
+    from capsulert.errors import ConfigError
+
+    assert all(a % CPU_PIECE_ROWS == 0 and m % CPU_PIECE_ROWS == 0 for a, m in CPU_PIECES)
+    real = F.linear
+
+    def ragged(x, w, *args):  # a BLAS whose 72-row GEMMs round otherwise
+        out = real(x, w, *args)
+        return out * (1 + 2 ** -20) if x.shape[0] == 72 else out
+
+    monkeypatch.setattr(F, "linear", ragged)
+    with pytest.raises(ConfigError, match="breaks split-invariant prefill"):
+        make_engine(device="cpu")
