@@ -103,7 +103,7 @@ def main() -> int:
         f"peak {mem_gb:.1f} GB (beyond weights+state: {mem_gb - weights_gb - state_gb:.1f} GB)")
     g = torch.Generator().manual_seed(1)
     vocab = eng.model_cfg.vocab_size
-    base = torch.randint(0, vocab, (max(args.lengths) + SUFFIX,), generator=g).tolist()
+    base = torch.randint(0, vocab, (max(args.lengths) + max(SUFFIX, 2 * max(DECODE_BATCHES)),), generator=g).tolist()
     hf = None if args.no_hf else hf_causal_lm(eng)
 
     rows, curves = [], {k: [] for k in ("ours cold", "ours capsule", "HF cold", "HF prefix-kept")}
@@ -176,10 +176,14 @@ def main() -> int:
     fast.capture(prefill=False)
     for B in DECODE_BATCHES:
         sess = eng.fork("ctx", B)
+        # each session its own next token, so the batch's rows differ as a real batch's do: forks of one
+        # context would otherwise generate the same tokens, and an MoE step would read only their k experts
+        for i, x in enumerate(sess):
+            x.append([base[ctx + i]])
         n = 32
         ms, _ = timed(lambda: eng.generate(sess, n), 1, 0)
         decode[f"ours_b{B}_ms_per_token"] = ms / n
-        slots, toks = [x.slot for x in sess], [1] * B
+        slots, toks = [x.slot for x in sess], base[ctx + B:ctx + 2 * B]
         # replay alone; both paths advance the same slots, which is fine for timing (values are not used)
         inv_ms, _ = timed(lambda: [eng.graphs.decode(slots, toks) for _ in range(16)], 3, 1)
         fast_ms, _ = timed(lambda: [fast.decode(slots, toks) for _ in range(16)], 3, 1)

@@ -56,17 +56,57 @@ def kernel_table(prof, steps: int) -> tuple[list[dict], list[dict]]:
     return kinds, top
 
 
+def profile_append(eng: Engine, suffix: list[int], steps: int) -> dict:
+    """Restore of capsule "ctx" and an append of `suffix` to it: wall and host time of each half, and the
+    kernels of the append (a graph replay: the same kernels, seen by the profiler)."""
+    def halves():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        r = eng.restore("ctx")
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        r.append(suffix)
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        r.close()
+        return dict(restore_host_ms=(t1 - t0) * 1e3, restore_wall_ms=(t2 - t0) * 1e3,
+                    append_host_ms=(t3 - t2) * 1e3, append_wall_ms=(t4 - t2) * 1e3)
+    for _ in range(2):
+        halves()
+    runs = [halves() for _ in range(steps)]
+    out = {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in runs[0]}
+    r = eng.restore("ctx")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        r.append(suffix)
+        torch.cuda.synchronize()
+    r.close()
+    kinds, top = kernel_table(prof, 1)
+    out.update(kernels=sum(k["kernels_per_step"] for k in kinds), kernel_ms=sum(k["ms_per_step"] for k in kinds),
+               kinds=kinds, top=top)
+    log(f"append {len(suffix)} to ctx: restore {out['restore_wall_ms']:.2f} ms (host {out['restore_host_ms']:.2f}), "
+        f"append {out['append_wall_ms']:.2f} ms (host {out['append_host_ms']:.2f}); {out['kernels']:.0f} kernels, "
+        f"{out['kernel_ms']:.2f} ms")
+    print_table(kinds, ["kind", "kernels_per_step", "ms_per_step"])
+    print_table(top, ["kernel", "kind", "per_step", "ms_per_step"])
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--capsule", type=int, default=16384)
     ap.add_argument("--prefill-chunk", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--model", default=f"random:{SHAPE}", help="random:<shape YAML> (default: the 9B shape) or a "
+                    "checkpoint directory")
+    ap.add_argument("--append", type=int, default=32, help="tokens of the profiled restore + append")
     args = ap.parse_args()
     c = args.prefill_chunk
     max_seq = (max(args.context, args.capsule) + 2 * c) // c * c
     t0 = time.perf_counter()
-    eng = Engine.from_config(model=f"random:{SHAPE}", device="cuda", dtype="bfloat16", slots=66, max_seq=max_seq,
+    eng = Engine.from_config(model=args.model, device="cuda", dtype="bfloat16", slots=66, max_seq=max_seq,
                              prefill_chunk=c)
     start_s = time.perf_counter() - t0
     log(f"engine up in {start_s:.1f} s, capture {eng.graphs.capture_s:.1f} s (warm-up {eng.graphs.warmup_s:.1f} s), kernels {eng.model.kernels.name}")
@@ -85,7 +125,8 @@ def main() -> int:
     for B in (1, 64):
         sess = eng.fork("ctx", B)
         slots = torch.tensor([x.slot for x in sess], device="cuda")
-        toks = torch.ones(B, 1, dtype=torch.long, device="cuda")
+        # distinct tokens: rows that differ as a real batch's do (an MoE step routes each to its own experts)
+        toks = torch.tensor(base[:B], dtype=torch.long, device="cuda").view(B, 1)
 
         def eager_step():
             eng.model.forward(eng.state, slots, toks, max_seq, decode=True)
@@ -100,11 +141,11 @@ def main() -> int:
         kinds, top = kernel_table(prof, args.steps)
         ids = [x.slot for x in sess]
         for _ in range(3):
-            eng.graphs.decode(ids, [1] * B)
+            eng.graphs.decode(ids, base[:B])
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(20):
-            eng.graphs.decode(ids, [1] * B)
+            eng.graphs.decode(ids, base[:B])
         torch.cuda.synchronize()
         replay_ms = (time.perf_counter() - t) / 20 * 1e3
         total = sum(k["kernels_per_step"] for k in kinds)
@@ -118,6 +159,8 @@ def main() -> int:
         result["decode"][f"b{B}"] = dict(kernels_per_step=total, kernel_ms=gpu_ms, replay_ms=replay_ms, kinds=kinds, top=top)
         for x in sess:
             x.close()
+
+    result["append"] = profile_append(eng, base[args.context:args.context + args.append], args.steps)
 
     # capsule moves: restore and snapshot of a long capsule, host vs device time
     s = eng.open()

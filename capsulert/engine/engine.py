@@ -15,6 +15,7 @@ weights, capturing the graphs, and a prefill of more than LONG_PREFILL_CHUNKS ch
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -48,6 +49,8 @@ from capsulert.engine.stops import eos_ids_from_checkpoint
 from capsulert.engine.token_codec import TokenCodec
 from capsulert.protocol.requests import Snapshot
 from capsulert.protocol.results import GenerateResult
+
+log = logging.getLogger(__name__)
 
 # sessions per decode step; larger generate calls run several steps per token. On CUDA every dense op of a
 # step runs on exactly this many rows (batch invariance, engine/model.py).
@@ -158,7 +161,17 @@ class Engine:
 
         if self.device.type != "cuda" or config.kernels == "reference":
             return ops.reference_kernels()
-        return ops.cuda_kernels(use_fla=config.kernels != "triton")
+        large_moe_tiles = True
+        if self.model_cfg.is_moe:
+            from capsulert.kernels import triton_moe
+
+            large_moe_tiles = triton_moe.tiles_agree(self.dtype, self.device)
+            if not large_moe_tiles:
+                log.warning("the MoE expert GEMMs give other bits with 64-row tiles than with 16-row tiles on %s "
+                            "(%s): every piece runs 16-row tiles, so long prefills of this MoE model are slower "
+                            "(up to ~2.5x in the expert GEMMs), and exact", torch.cuda.get_device_name(self.device),
+                            self.dtype)
+        return ops.cuda_kernels(use_fla=config.kernels != "triton", large_moe_tiles=large_moe_tiles)
 
     @classmethod
     def from_config(cls, config: EngineConfig | dict | None = None, **overrides) -> "Engine":

@@ -8,6 +8,7 @@ entry keeps the state-buffer contract: read a slot's state by `slots`, update it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -111,8 +112,9 @@ def _fla_prefill():
     return gated_delta_prefill_fla
 
 
-def cuda_kernels(use_fla: bool = True) -> KernelSet:
-    """Triton kernels of ours (+ fla's chunked prefill when installed and asked for)."""
+def cuda_kernels(use_fla: bool = True, large_moe_tiles: bool = True) -> KernelSet:
+    """Triton kernels of ours (+ fla's chunked prefill when installed and asked for). `large_moe_tiles`: the
+    expert GEMMs of long pieces run 64-row tiles (only where triton_moe.tiles_agree holds)."""
     from capsulert.kernels.triton_attention import attention, prefill_attention
     from capsulert.kernels.triton_conv import conv_step
     from capsulert.kernels import triton_fused, triton_moe
@@ -132,6 +134,6 @@ def cuda_kernels(use_fla: bool = True) -> KernelSet:
         silu_mul=triton_fused.silu_mul,
         gated_delta_step_fused=triton_fused.gated_delta_step_fused,
         moe_route=triton_moe.moe_route,
-        moe_experts=triton_moe.moe_experts,
+        moe_experts=triton_moe.moe_experts if large_moe_tiles else partial(triton_moe.moe_experts, large_from=None),
         packed_projections=True,
     )

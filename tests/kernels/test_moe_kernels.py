@@ -119,7 +119,7 @@ def test_experts_match_reference(shape, dtype):
 
 def test_experts_all_rows_on_one_expert_set_span_several_row_tiles():
     """Every token chose the same experts: each expert gets more rows than one BM tile holds."""
-    n = 3 * tm.GATE_UP_TILE["BM"] + 5
+    n = 3 * tm.SMALL.gate_up["BM"] + 5
     args = _expert_inputs(n, n, 64, 32, 8, 2, torch.float32, same_experts=True)
     torch.testing.assert_close(tm.moe_experts(*args), ref.moe_experts(*args), **TOL[torch.float32])
 
@@ -139,6 +139,55 @@ def test_experts_row_invariant(dtype):
                                                          solo_args[5][0], solo_args[6][0])
         got = tm.moe_experts(x, ids, w, solo_args[3], solo_args[4], shared, sg)
         assert torch.equal(got[pos], solo), f"row at {pos} of {n} differs from the row alone"
+
+
+# the 64-row set runs bf16 on a CUDA device only (the interpreter runs the fp32 GEMMs only; fp32 takes SMALL)
+TILE_SETS = pytest.mark.parametrize("tiles", [tm.SMALL, tm.LARGE] if CUDA else [tm.SMALL],
+                                    ids=["small", "large"] if CUDA else ["small"])
+
+
+@TILE_SETS
+def test_experts_match_reference_under_each_tile_set(tiles):
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    args = _expert_inputs(150, 150, 256, 128, 8, 2, dtype, same_experts=True)
+    got = tm.moe_experts(*args, tiles=tiles)
+    torch.testing.assert_close(got.float(), ref.moe_experts(*_fp32(*args)).float(), **TOL[dtype])
+
+
+def test_tile_set_follows_the_rows_and_the_dtype():
+    assert tm.tiles_for(1, torch.bfloat16, tm.LARGE_FROM_ROWS) is tm.SMALL
+    assert tm.tiles_for(tm.LARGE_FROM_ROWS - 1, torch.bfloat16, tm.LARGE_FROM_ROWS) is tm.SMALL
+    assert tm.tiles_for(tm.LARGE_FROM_ROWS, torch.bfloat16, tm.LARGE_FROM_ROWS) is tm.LARGE
+    assert tm.tiles_for(4096, torch.float16, tm.LARGE_FROM_ROWS) is tm.LARGE
+    assert tm.tiles_for(4096, torch.float32, tm.LARGE_FROM_ROWS) is tm.SMALL  # does not fit shared memory
+    assert tm.tiles_for(4096, torch.bfloat16, None) is tm.SMALL
+
+
+if CUDA:
+    def test_a_row_gets_the_same_bits_under_both_tile_sets():
+        """The condition for choosing the tile set from the number of rows (a row of a long prefill piece and
+        the same row in a decode step or a short append): bitwise, at the 35B-A3B layer shape, with experts of
+        one row and experts of several 64-row tiles."""
+        assert tm.tiles_agree(torch.bfloat16, DEVICE)
+        H, I, E, k, n = 2048, 512, 256, 8, 1100
+        x, ids, w, wgu, wd, shared, sg = _expert_inputs(n, n, H, I, E, k, torch.bfloat16, seed=70)
+        ids[: n // 2] = torch.arange(k, device=DEVICE, dtype=ids.dtype)  # 550 rows on experts 0..7
+        small = tm.moe_experts(x, ids, w, wgu, wd, shared, sg, tiles=tm.SMALL)
+        large = tm.moe_experts(x, ids, w, wgu, wd, shared, sg)  # n >= LARGE_FROM_ROWS: the large set
+        assert n >= tm.LARGE_FROM_ROWS and torch.equal(small, large)
+        solo = tm.moe_experts(x[5:6], ids[5:6], w[5:6], wgu, wd, shared[5:6], sg[5:6])  # the small set
+        assert torch.equal(solo[0], large[5])
+
+    def test_engine_runs_small_tiles_only_where_the_sets_disagree(monkeypatch, tiny_moe_dir, caplog):
+        from capsulert.engine.engine import Engine
+
+        eng = Engine.from_config(model=str(tiny_moe_dir), device="cuda", slots=2, max_seq=256, cuda_graphs=False)
+        assert eng.model.kernels.moe_experts is tm.moe_experts
+        monkeypatch.setattr(tm, "tiles_agree", lambda dtype, device: False)
+        with caplog.at_level("WARNING", logger="capsulert.engine.engine"):
+            eng = Engine.from_config(model=str(tiny_moe_dir), device="cuda", slots=2, max_seq=256, cuda_graphs=False)
+        assert eng.model.kernels.moe_experts.keywords == {"large_from": None}
+        assert "16-row tiles" in caplog.text
 
 
 def test_padding_rows_get_the_shared_expert_only_and_unchosen_experts_do_no_work():
