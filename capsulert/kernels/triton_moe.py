@@ -3,8 +3,9 @@
     moe_route(logits, top_k, normalize)  one program per row: softmax in fp32, the top-k by repeated argmax
                                          (the lowest id among equal probabilities), renormalised
     moe_experts(x, ids, weights, w_gate_up, w_down, shared, shared_gate)
-        1. the (token, rank) pairs sorted by expert (torch, on the device): each expert's rows, contiguous
-        2. gate/up GEMM: one program per (expert, block of I columns), looping over that expert's rows in
+        1. the (token, rank) pairs sorted by expert (kernels/triton_moe_plan.py): each expert's rows,
+           contiguous, and for a step of few pairs the list of the chosen experts only
+        2. gate/up GEMM: one program per (chosen expert, block of I columns), looping over that expert's rows in
            blocks of BM and over H in blocks of BK; silu(gate) * up in the epilogue -> act [pairs, I]
         3. down GEMM: one program per (expert, block of H columns) over the same rows; the routing weight in
            the epilogue -> y [pairs, H] fp32
@@ -23,10 +24,10 @@ it does not hold, the engine runs SMALL everywhere and says so in its log (engin
 act to the model's dtype (the reference rounds gate/up, silu and the product separately), so results match the
 reference within a tolerance, not bitwise.
 
-Only experts that some row chose do work: the program of an unchosen expert finds no rows and returns, so a
-decode step reads the weights of the experts its tokens use (the active-weight floor), and the padding rows of
-a fixed-shape step are never routed. CUDA-graph capturable: no host syncs (the sort, the per-expert offsets and
-every grid depend on shapes only).
+Only experts that some row chose do work: a step of few pairs launches programs for the chosen experts only,
+and in a longer piece the program of an unchosen expert finds no rows and returns, so a decode step reads the
+weights of the experts its tokens use (the active-weight floor), and the padding rows of a fixed-shape step are
+never routed. CUDA-graph capturable: no host syncs (the plan and every grid depend on shapes only).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from capsulert.kernels.triton_moe_plan import expert_plan
 
 
 
@@ -99,15 +102,16 @@ def moe_route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, offsets_ptr, H, I,
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, experts_ptr, bounds_ptr, H, I,
                     s_x, s_we, s_wn, s_a,
-                    TOP_K: tl.constexpr, IEEE: tl.constexpr,
+                    TOP_K: tl.constexpr, IEEE: tl.constexpr, COMPACT: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e = tl.program_id(0)
+    j = tl.program_id(0)
+    e = tl.load(experts_ptr + j) if COMPACT else j  # the plan's expert of this program (triton_moe_plan.py)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     col_ok = cols < I
-    start = tl.load(offsets_ptr + e)
-    end = tl.load(offsets_ptr + e + 1)
+    start = tl.load(bounds_ptr + j)
+    end = tl.load(bounds_ptr + j + 1)
     w_gate = w_ptr + e.to(tl.int64) * s_we + cols[None, :] * s_wn  # [1, BN] row pointers of the gate rows
     w_up = w_gate + I * s_wn  # the up rows follow the gate rows
     for m0 in range(start, end, BM):
@@ -136,14 +140,16 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, offsets_ptr, H, I,
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, y_ptr, rw_ptr, order_ptr, offsets_ptr, H, I,
+def _down_kernel(act_ptr, w_ptr, y_ptr, rw_ptr, order_ptr, experts_ptr, bounds_ptr, H, I,
                  s_a, s_we, s_wn, s_y,
-                 IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e = tl.program_id(0)
+                 IEEE: tl.constexpr, COMPACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr):
+    j = tl.program_id(0)
+    e = tl.load(experts_ptr + j) if COMPACT else j
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     col_ok = cols < H
-    start = tl.load(offsets_ptr + e)
-    end = tl.load(offsets_ptr + e + 1)
+    start = tl.load(bounds_ptr + j)
+    end = tl.load(bounds_ptr + j + 1)
     w_rows = w_ptr + e.to(tl.int64) * s_we + cols[None, :] * s_wn
     for m0 in range(start, end, BM):
         at = m0 + tl.arange(0, BM)
@@ -202,22 +208,22 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     out = torch.empty(R, H, dtype=shared.dtype, device=dev)
     y = torch.empty(n * k, H, dtype=torch.float32, device=dev)
     if n:
-        # each expert's (token, rank) pairs, contiguous and in pair order; offsets[e]..offsets[e+1] are expert e's
-        experts, order = torch.sort(ids.reshape(-1).to(torch.int32), stable=True)
-        offsets = torch.searchsorted(experts, torch.arange(E + 1, dtype=torch.int32, device=dev), out_int32=True)
+        plan = expert_plan(ids, E)  # each program's expert and (token, rank) pairs
+        compact = plan.experts is not None
+        experts = plan.experts if compact else plan.bounds  # not read when not compact
         act = torch.empty(n * k, I, dtype=x.dtype, device=dev)
         ieee = x.dtype == torch.float32  # fp32 inputs: full-precision dot products, not TF32
         chosen = tiles or tiles_for(n, x.dtype, large_from)
         t = chosen.gate_up
-        _gate_up_kernel[(E, triton.cdiv(I, t["BN"]))](
-            x, w_gate_up, act, order, offsets, H, I, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-            act.stride(0), TOP_K=k, IEEE=ieee, BM=t["BM"], BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"],
-            num_stages=t["num_stages"])
+        _gate_up_kernel[(plan.programs, triton.cdiv(I, t["BN"]))](
+            x, w_gate_up, act, plan.order, experts, plan.bounds, H, I, x.stride(0), w_gate_up.stride(0),
+            w_gate_up.stride(1), act.stride(0), TOP_K=k, IEEE=ieee, COMPACT=compact, BM=t["BM"], BN=t["BN"],
+            BK=t["BK"], num_warps=t["num_warps"], num_stages=t["num_stages"])
         t = chosen.down
-        _down_kernel[(E, triton.cdiv(H, t["BN"]))](
-            act, w_down, y, weights.reshape(-1).contiguous(), order, offsets, H, I, act.stride(0),
-            w_down.stride(0), w_down.stride(1), y.stride(0), IEEE=ieee, BM=t["BM"], BN=t["BN"], BK=t["BK"],
-            num_warps=t["num_warps"], num_stages=t["num_stages"])
+        _down_kernel[(plan.programs, triton.cdiv(H, t["BN"]))](
+            act, w_down, y, weights.reshape(-1).contiguous(), plan.order, experts, plan.bounds, H, I,
+            act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), IEEE=ieee, COMPACT=compact,
+            BM=t["BM"], BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"], num_stages=t["num_stages"])
     if R:
         _combine_kernel[(R, triton.cdiv(H, COMBINE_BH))](
             y, shared, shared_gate, out, n, H, y.stride(0), shared.stride(0), shared_gate.stride(0), out.stride(0),
