@@ -10,11 +10,12 @@ on the source device, the transfer, the check on the target and its store), and 
 to restore bitwise: the same greedy tokens as the original. Reports latency p50 / max and GB/s (capsule bytes
 / p50) per path, and the raw link: a plain send/recv of a buffer of the capsule's size between the same two
 workers over the same pair link (LinkProbe, timed on the receiving worker), with the device path's fraction of
-it, and the device move's time per phase on each worker against the wall time of its two calls and of
-orch.migrate: the sender's manifest (read, lay out, encode, start sending), pack (pack and seal; on CUDA only
-queued), answer (until the receiver's yes, the pack done) and send; the receiver's manifest (from its call's
-start: includes the sender's read), check (its refusals, the buffer, answer and receive started), meta (the
-metadata built while the bytes move), recv, digest and store (on CUDA queued on the engine's stream).
+it, and the device move's time per phase on each worker against the wall time of its one call (SendCapsule
+to the source; the target receives on the link itself) and of orch.migrate: the sender's manifest (read, lay
+out, encode, start sending), pack (pack and seal; on CUDA only queued), answer (until the receiver's yes, the
+pack done), send and stored (until the receiver's final reply); the receiver's manifest (the message
+decoded), check (its refusals, the buffer, answer and receive started), meta (the metadata built while the
+bytes move), recv, digest and store (on CUDA queued on the engine's stream).
 
 Prints a table, writes bench/out/migration.json and bench/out/migration.png.
 
@@ -40,7 +41,7 @@ import torch  # noqa: E402
 from capsulert.errors import InvalidTokenError  # noqa: E402
 from capsulert.orchestrator import Orchestrator  # noqa: E402
 from capsulert.engine.default_model import CORPUS_PATH  # noqa: E402
-from capsulert.protocol.requests import Delete, LinkProbe, ReceiveCapsule, SendCapsule, Tokenize, Turn  # noqa: E402
+from capsulert.protocol.requests import Delete, LinkProbe, SendCapsule, Tokenize, Turn  # noqa: E402
 
 PATHS = ("device", "object_store", "disk")
 SUFFIX = [101, 202, 303, 404]  # token ids: every model has them, tokenizer or not
@@ -118,24 +119,23 @@ async def link_seconds(orch, nbytes: int, repeats: int) -> list[float]:
 
 
 async def device_phases(orch, name: str, repeats: int) -> dict:
-    """Where a device move's time goes: SendCapsule and ReceiveCapsule called on the two workers directly
-    (over the link set up by then), each half's wall time per phase (ms, median of `repeats`; a mark does
-    not wait for the device: queued GPU work shows in the phase that waits for it), and the two calls' wall
-    time from here. What orch.migrate adds on top is the router."""
+    """Where a device move's time goes: SendCapsule called on worker 0 directly (over the link set up by
+    then; worker 1 receives on the link itself), each side's wall time per phase from its reply (ms, median
+    of `repeats`; a mark does not wait for the device: queued GPU work shows in the phase that waits for it),
+    and the call's wall time from here. What orch.migrate adds on top is the router."""
     key = orch.pool.links[(0, 1)][1]
     halves, walls = {"send": [], "receive": []}, []
     for _ in range(repeats):
         t0 = time.perf_counter()
         async with orch.pool.transferring(0, 1):
-            sent, got = await asyncio.gather(orch.call(0, SendCapsule(name, key, "default", 60.0)),
-                                             orch.call(1, ReceiveCapsule(key, "device", timeout_s=60.0, name=name)))
+            reply = await orch.call(0, SendCapsule(name, key, "default", 60.0))
         walls.append((time.perf_counter() - t0) * 1e3)
-        halves["send"].append(sent["phases_ms"])
-        halves["receive"].append(got["phases_ms"])
+        for half in halves:
+            halves[half].append(reply["phases_ms"][half])
         await orch.call(1, Delete(name))
     out = {f"{half}_{phase}": percentile([p[phase] for p in rows], 50)
            for half, rows in halves.items() for phase in rows[0]}
-    out["calls"] = percentile(walls, 50)
+    out["call"] = percentile(walls, 50)
     return out
 
 

@@ -25,13 +25,14 @@ import logging
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
-from capsulert.errors import CapsuleRTError, ConfigError, DuplicateCapsuleError, UnknownCapsuleError, WorkerLost
+from capsulert.errors import (CapsuleRTError, ConfigError, DuplicateCapsuleError, PeerLinkError, UnknownCapsuleError,
+                              WorkerLost)
 from capsulert.orchestrator.capsule_map import NamespaceMap
 from capsulert.protocol.checks import name_arg, tier_arg
 from capsulert.orchestrator.worker_pool import WorkerPool
 from capsulert.protocol.requests import (
     Delete, Demote, ExportCapsule, ExportToDir, ImportCapsule, ImportFromFile, ListCapsules, PeerClose, Promote,
-    ReceiveCapsule, Rebuild, Request, SendCapsule)
+    Rebuild, Request, SendCapsule)
 
 log = logging.getLogger(__name__)
 _TIER_ORDER = ("gpu", "host", "disk")  # fastest first, as workers list them
@@ -112,8 +113,9 @@ class CapsuleRouter:
 
         - "device": worker to worker over a pair link (worker/peer_link.py), set up on first use: the
           capsule packed into one buffer on the source's engine device, sealed with its digest, received into
-          one on the target's and checked there (capsule_store/format/wire.py). NCCL between CUDA workers, Gloo between
-          CPU workers;
+          one on the target's and checked there (capsule_store/format/wire.py). One call per move, to the
+          source: the target receives on the link itself (worker/transfers.py). NCCL between CUDA workers,
+          Gloo between CPU workers;
         - "object_store": as safetensors bytes through the Ray object store;
         - "disk": as a verified capsule file written to and read from `directory`;
         - "auto" (the default): "device" when both workers' engines are on CUDA, else "object_store". If the
@@ -162,10 +164,12 @@ class CapsuleRouter:
             return via
 
     async def _by_device(self, name: str, src: int, dst: int, tier: str, *, fall_back: bool) -> bool:
-        """Copy capsule `name` from src to dst over their pair link: SendCapsule and ReceiveCapsule run at
-        once, one on each worker. False when the link could not be set up and `fall_back` allows another
-        path (logged as a warning with the reason); raises when the copy fails."""
-        timeout = self.pool.call_timeout_s  # each half's own deadline; its call waits a little longer
+        """Copy capsule `name` from src to dst over their pair link: one call, SendCapsule to src, whose reply
+        is dst's (dst receives on the link itself: worker/transfers.py). False when the link could not be set
+        up and `fall_back` allows another path (logged as a warning with the reason); raises when the copy
+        fails: the target's refusal or failure as its typed error, a lost worker or a broken link as
+        WorkerLost (PeerLinkError)."""
+        timeout = self.pool.call_timeout_s  # the move's deadline on both workers; the call waits a little longer
         async with self.pool.transferring(src, dst):
             try:
                 key = await self.pool.link(src, dst, min(LINK_CONNECT_TIMEOUT_S, timeout))
@@ -175,35 +179,22 @@ class CapsuleRouter:
                 log.warning("capsule %r: no device link between workers %d and %d (%s); migrating it through the "
                             "object store instead", name, src, dst, e)
                 return False
-            halves = {src: asyncio.ensure_future(self.pool.call(src, SendCapsule(name, key, self.ns, timeout),
-                                                                timeout=timeout + 10)),
-                      dst: asyncio.ensure_future(self.pool.call(dst, ReceiveCapsule(key, tier, namespace=self.ns,
-                                                                                    timeout_s=timeout, name=name),
-                                                                timeout=timeout + 10))}
-            await asyncio.wait(halves.values(), return_when=asyncio.FIRST_EXCEPTION)
-            broke = any(t.done() and isinstance(t.exception(), WorkerLost) for t in halves.values())
-            if broke and not all(t.done() for t in halves.values()):
-                # the exchange cannot complete, and the half still running would wait for its peer until its
-                # deadline (NCCL never notices a dead peer): drop the link on each worker still answering, so
-                # it fails at once (a Gloo op fails when its peer closes the link; an NCCL op when its own does)
-                for w in (src, dst):
-                    if not self.pool.workers[w].stale:
-                        with suppress(CapsuleRTError):
-                            await self.pool.call(w, PeerClose(key), timeout=10)
-            sent, got = await asyncio.gather(*halves.values(), return_exceptions=True)
-        if not isinstance(sent, BaseException) and not isinstance(got, BaseException):
-            return True
-        if isinstance(sent, WorkerLost) or isinstance(got, WorkerLost):
-            self.pool.drop_link(src, dst)  # broken or out of step: the next transfer sets up a new link
-        if not isinstance(got, BaseException):
-            # the target stored a verified copy, the source failed afterwards: the next call on the target
-            # re-lists its capsules, so the view learns of the copy from the worker itself
-            self.pool.mark_stale(dst)
-        # the root cause first: the source's own failure (the target then only heard that nothing comes),
-        # else the target's refusal or failure, else the source's link error
-        if isinstance(sent, BaseException) and not isinstance(sent, WorkerLost):
-            raise sent
-        raise got if isinstance(got, BaseException) else sent
+            try:
+                await self.pool.call(src, SendCapsule(name, key, self.ns, timeout, tier), timeout=timeout + 10)
+            except WorkerLost as e:
+                if not isinstance(e, PeerLinkError) and not self.pool.workers[dst].stale:
+                    # the sender was lost or went silent, and the target may still wait on the link (an NCCL op
+                    # never notices a dead peer): closing its end fails that op at once. A sender that failed
+                    # on the link (PeerLinkError) is alive and closed its end, which breaks the target's
+                    # messages; a data op there ends by the same deadline at the latest
+                    with suppress(CapsuleRTError):
+                        await self.pool.call(dst, PeerClose(key), timeout=10)
+                self.pool.drop_link(src, dst)  # the next transfer sets up a new link
+                # the target may have stored its verified copy before the link broke: its next call re-lists
+                # its capsules, so the view learns of the copy from the worker itself
+                self.pool.mark_stale(dst)
+                raise
+        return True
 
     async def capsules(self) -> list[dict]:
         """This namespace's capsules on every worker: name, namespace, tier (the fastest copy's), pinned

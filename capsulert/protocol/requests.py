@@ -24,7 +24,7 @@ Tokens = Union[str, Sequence[int]]
 SESSION = "session"  # the worker's step scheduler: ordered per session, decodes batched across sessions
 STORE = "store"  # the capsule store and the weights outside the scheduler: one at a time per worker
 CONTROL = "control"  # reads and interrupts: answer while anything else runs
-TRANSFER = "transfer"  # worker-to-worker transfers: each blocks until its peer's half runs (see TransferRequest)
+TRANSFER = "transfer"  # worker-to-worker transfers: each blocks until its peer took part (see TransferRequest)
 LANES = (SESSION, STORE, CONTROL, TRANSFER)
 
 
@@ -68,13 +68,14 @@ class ControlRequest(Request):
 
 @dataclass(frozen=True)
 class TransferRequest(Request):
-    """One half of a worker-to-worker transfer over a pair link (worker/peer_link.py): it blocks until
-    the peer runs the other half, so it has a lane of its own. Not the session lane (its calls are the step
-    scheduler's), not the store lane (one at a time: a send waiting there for its receiver would hold up the
-    worker's imports and exports, and two workers migrating to each other while the object store path runs
-    would wait on each other for good), not the control lane (its few threads must answer health checks and
-    interrupts). Its own threads let a send and a receive run while the worker keeps serving. Never rerun:
-    the peer's half is gone with the old process."""
+    """A worker-to-worker transfer's request (worker/transfers.py, over a pair link: worker/peer_link.py): it
+    blocks until the peer's side of the link took part (its receive loop, or its own half of a connect or a
+    probe), so it has a lane of its own. Not the session lane (its calls are the step scheduler's), not the
+    store lane (one at a time: a send waiting there for its peer would hold up the worker's imports and
+    exports, and two workers migrating to each other while the object store path runs would wait on each
+    other for good), not the control lane (its few threads must answer health checks and interrupts). Its
+    own threads let a transfer run while the worker keeps serving. Never rerun: the peer's side is gone with
+    the old process."""
     lane: ClassVar[str] = TRANSFER
     memory_only: ClassVar[bool] = False
 
@@ -399,27 +400,29 @@ class PeerConnect(TransferRequest):
 
 @dataclass(frozen=True)
 class SendCapsule(TransferRequest):
-    """Send a capsule over pair link `peer_key` to the worker running the matching ReceiveCapsule: its
-    tensors packed into one buffer on the engine device, sealed with their digest, sent in one op. The
-    manifest (metadata, origin, tensor names, dtypes, shapes and offsets) goes first; the buffer only once
-    the receiver said yes. The reply says whether the receiver took it (or why it refused)."""
+    """Move capsule `name` of `namespace` over pair link `peer_key` to its peer, which receives it on the link
+    itself (worker/transfers.py), no call of its own: the manifest (metadata, origin, tensor names, dtypes,
+    shapes and offsets) goes first, with this request's order; the receiver checks it (the name, the
+    namespace, not held yet) before any byte moves, then takes the tensors packed into one buffer on the
+    engine device, sealed with their digest, checks the digest and stores the capsule in `tier` like
+    ImportCapsule. The reply is the receiver's: name, tier, nbytes, boundary, digest, and each side's time per
+    phase; a refusal or a failure on either side stores nothing and raises its typed error."""
     name: str
     peer_key: str
     namespace: str = "default"
     timeout_s: float = 60.0
-
-
-@dataclass(frozen=True)
-class ReceiveCapsule(TransferRequest):
-    """Receive the capsule a SendCapsule sends over `peer_key` into one buffer on the engine device, check
-    it (name when given, namespace, not held yet: all before any byte moves; then the digest) and store it
-    like ImportCapsule; a refusal or a failure stores nothing."""
-    peer_key: str
     tier: str = "device"
     pin: bool = False
-    namespace: str | None = None
-    timeout_s: float = 60.0
-    name: str | None = None  # the capsule the orchestrator asked to move: the sender's must be this one
+
+    def __post_init__(self) -> None:
+        name_arg(self.name)
+        name_arg(self.namespace, "namespace")
+        if not isinstance(self.peer_key, str) or not self.peer_key:
+            raise InvalidRequestError(f"peer_key must be a link's key, got {self.peer_key!r:.80}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise InvalidRequestError(f"timeout_s must be a number of seconds > 0, got {self.timeout_s!r:.80}")
+        tier_arg(self.tier)
+        bool_arg(self.pin, "pin")
 
 
 @dataclass(frozen=True)
@@ -448,7 +451,7 @@ class PeerAddress(ControlRequest):
 @dataclass(frozen=True)
 class PeerClose(ControlRequest):
     """Drop pair link `peer_key` now: its peer was lost, so an op still blocked on it fails at once instead
-    of at its deadline (the control lane answers while the transfer lane waits)."""
+    of at its deadline (the control lane answers while the transfer lane waits), and its listener ends."""
     memory_only: ClassVar[bool] = False  # never rerun: a restarted process holds no link to drop
     peer_key: str
 
@@ -498,6 +501,6 @@ __all__ = [
     'Request', 'StoreRequest', 'ControlRequest', 'TransferRequest', 'Open', 'Append', 'Rederive', 'Truncate',
     'Generate', 'Snapshot', 'Restore', 'Fork', 'Close', 'Batch', 'Delete', 'Turn', 'Streamed', 'Feed', 'Promote',
     'Demote', 'Rebuild', 'ExportCapsule', 'ImportCapsule', 'ExportToDir', 'ImportFromFile', 'UpdateWeights',
-    'PeerConnect', 'SendCapsule', 'ReceiveCapsule', 'LinkProbe', 'Ping', 'PeerAddress', 'PeerClose', 'Stats',
+    'PeerConnect', 'SendCapsule', 'LinkProbe', 'Ping', 'PeerAddress', 'PeerClose', 'Stats',
     'ListCapsules', 'ReadTokens', 'Tokenize', 'Detokenize', 'Interrupt', 'LastCall', 'SESSION', 'STORE', 'CONTROL',
     'TRANSFER', 'LANES', 'BATCHABLE']

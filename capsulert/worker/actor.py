@@ -27,9 +27,9 @@ from capsulert.protocol.requests import CONTROL, SESSION, STORE, TRANSFER, Reque
 
 SESSION_GROUP, STORE_GROUP, CONTROL_GROUP, TRANSFER_GROUP = "session", "store", "control", "transfer"
 SESSION_CONCURRENCY = 512  # requests in flight per worker (each waits on the scheduler in its own thread)
-# the orchestrator runs one transfer per worker at a time (a send or a receive); the spare threads serve
-# the connects of a new link and let a half whose peer failed finish (by its deadline) without holding up
-# the next transfer
+# the orchestrator runs one move per worker at a time (its send; a receive runs on the link's own listening
+# thread, worker/transfers.py); the spare threads serve the connects of a new link and let a send whose peer
+# failed finish (by its deadline) without holding up the next move
 TRANSFER_CONCURRENCY = 4
 _GROUP = {SESSION: SESSION_GROUP, STORE: STORE_GROUP, CONTROL: CONTROL_GROUP, TRANSFER: TRANSFER_GROUP}
 

@@ -8,9 +8,9 @@ per session, decodes batched across every caller); store requests call the capsu
 control requests read and interrupt; transfer requests run the worker's CapsuleTransfers. Sessions are named
 by integer ids that stay unique across actor restarts. Everything returned is plain data (protocol/results.py,
 CapsuleRef, token lists, numpy logits); capsules cross actors as safetensors bytes (never pickle), or worker to
-worker over a pair link as one packed buffer on the engine device (SendCapsule / ReceiveCapsule, see
-peer_link.py). Pinned capsules are also written to `persist_dir` and reloaded (pinned) when the worker starts
-again, whichever caller pinned them.
+worker over a pair link as one packed buffer on the engine device (SendCapsule to the source; the target
+receives on the link itself, see transfers.py). Pinned capsules are also written to `persist_dir` and
+reloaded (pinned) when the worker starts again, whichever caller pinned them.
 
 The dispatch, and its invariant: every request type maps to exactly one handler, in `WorkerCore.HANDLERS`
 (a session request's maps to `_scheduled`, which hands it to the scheduler; its starter, the loop-side half,
@@ -50,8 +50,8 @@ from capsulert.engine.state import LAYOUT_VERSION
 from capsulert.protocol.requests import (
     BATCHABLE, CONTROL, SESSION, Batch, Close, Delete, Demote, Detokenize, ExportCapsule, ExportToDir, Feed,
     Generate, ImportCapsule, ImportFromFile, Interrupt, LastCall, LinkProbe, ListCapsules, PeerAddress, PeerClose,
-    PeerConnect, Ping, Promote, ReadTokens, Rebuild, ReceiveCapsule, Request, SendCapsule, Snapshot, Stats,
-    Streamed, Tokenize, Turn, UpdateWeights)
+    PeerConnect, Ping, Promote, ReadTokens, Rebuild, Request, SendCapsule, Snapshot, Stats, Streamed, Tokenize,
+    Turn, UpdateWeights)
 from capsulert.protocol.results import CapsuleExport
 
 log = logging.getLogger(__name__)
@@ -367,8 +367,8 @@ class WorkerCore:
         Promote: _promote, Demote: _demote, Rebuild: _rebuild, UpdateWeights: _update_weights,
         ExportCapsule: _export, ImportCapsule: _import, ExportToDir: _export_to_dir, ImportFromFile: _import_from_file,
         PeerConnect: _on_transfers(CapsuleTransfers.connect), SendCapsule: _on_transfers(CapsuleTransfers.send),
-        ReceiveCapsule: _on_transfers(CapsuleTransfers.receive), LinkProbe: _on_transfers(CapsuleTransfers.probe),
-        PeerAddress: _on_transfers(CapsuleTransfers.address), PeerClose: _on_transfers(CapsuleTransfers.close_link),
+        LinkProbe: _on_transfers(CapsuleTransfers.probe), PeerAddress: _on_transfers(CapsuleTransfers.address),
+        PeerClose: _on_transfers(CapsuleTransfers.close_link),
         Ping: _ping, Stats: _stats, ListCapsules: _list, ReadTokens: _read_tokens, Tokenize: _tokenize,
         Detokenize: _detokenize, Interrupt: _interrupt, LastCall: _last_call,
     }

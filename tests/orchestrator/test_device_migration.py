@@ -1,10 +1,11 @@
 """Capsule migration worker to worker over a pair link (migrate via="device"): the same code that runs NCCL
 between CUDA workers runs Gloo here, between two CPU workers. A migrated capsule is the source's capsule
 to the byte (same greedy tokens, logprobs and logits on both workers, identical exports); a link is set up
-once per worker pair and reused; "auto" picks the object store between CPU workers; a refusal or a
-corrupted transfer stores nothing on the target and leaves the router's view and the link as they were;
-a silent peer fails an op at its deadline instead of hanging the worker. The protocol itself, in one
-process: test_transfer_protocol.py; the packed buffer and its digest: test_packed_capsule.py."""
+once per worker pair and reused; a move is one Ray call, to the source (the target receives on the link
+itself); "auto" picks the object store between CPU workers; a refusal or a failure on the target stores
+nothing there and leaves the router's view and the link as they were; a lost worker fails a move fast, and
+the next move sets up a new link. The protocol itself, in one process: test_transfer_protocol.py; the
+packed buffer and its digest: test_packed_capsule.py."""
 import asyncio
 import logging
 import time
@@ -13,10 +14,10 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from capsulert.errors import CapsuleError, ConfigError, PeerLinkError, UnknownCapsuleError, WorkerLost
-from capsulert.orchestrator import Orchestrator
+from capsulert.errors import ConfigError, DuplicateCapsuleError, PeerLinkError, UnknownCapsuleError, WorkerLost
+from capsulert.orchestrator import Orchestrator, worker_pool
 from capsulert.protocol.requests import (
-    Append, Close, ExportCapsule, ListCapsules, ReceiveCapsule, Restore, SendCapsule, Turn)
+    Append, Close, Delete, ExportCapsule, ListCapsules, PeerClose, Restore, SendCapsule, Turn)
 from tests.orchestrator.processes import kill_and_wait
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")
@@ -51,8 +52,35 @@ async def _served(orch, w: int, name: str):
     return list(res), list(res.logprobs), np.asarray(after.logits)
 
 
+def _ray_calls(monkeypatch) -> list[str]:
+    """The request type of every Ray call the pool submits from now on."""
+    submitted, real = [], worker_pool.send
+
+    def counted(handle, request, call_id=None):
+        submitted.append(type(request).__name__)
+        return real(handle, request, call_id)
+
+    monkeypatch.setattr(worker_pool, "send", counted)
+    return submitted
+
+
+def _calls(orch, monkeypatch, lose=None) -> list[tuple[int, str]]:
+    """(worker, request type) of every call the pool makes from now on; a request of type `lose` fails with
+    WorkerLost instead, as when its worker was lost under it."""
+    calls, real = [], orch.pool.call
+
+    async def counted(w, request, **kw):
+        calls.append((w, type(request).__name__))
+        if lose is not None and isinstance(request, lose):
+            raise WorkerLost(f"worker {w} was lost (simulated)")
+        return await real(w, request, **kw)
+
+    monkeypatch.setattr(orch.pool, "call", counted)
+    return calls
+
+
 @on_session_loop
-async def test_a_capsule_migrated_over_the_link_is_the_same_capsule_and_the_link_is_reused(orch2):
+async def test_a_capsule_migrated_over_the_link_is_the_same_capsule_and_the_link_is_reused(orch2, monkeypatch):
     orch = orch2
     await _capsule(orch, "dev-a")
     gen = orch.pool.link_generation
@@ -69,9 +97,12 @@ async def test_a_capsule_migrated_over_the_link_is_the_same_capsule_and_the_link
     assert e1.blob == e0.blob and e1.checksum == e0.checksum and e1.meta_json == e0.meta_json
     assert e1.origin == e0.origin is not None  # same origin: the target shares its blocks like the source
 
-    # the other way round, over the same link: nothing is set up again
+    # the other way round, over the same link: nothing is set up again, and a move is one call, to the source
     await _capsule(orch, "dev-b", PROMPT + " Another branch.", worker=1)
+    calls, submitted = _calls(orch, monkeypatch), _ray_calls(monkeypatch)
     assert await orch.migrate("dev-b", 0, via="device") == "device"
+    assert calls == [(1, "SendCapsule")] and submitted == ["SendCapsule"]
+    monkeypatch.undo()
     assert orch.pool.link_generation == gen + 1 and next(iter(orch.pool.links.values()))[1] == key
     assert (await _served(orch, 0, "dev-b"))[0] == (await _served(orch, 1, "dev-b"))[0]
     assert await orch.migrate("dev-b", 0, via="device") is None  # held already: nothing copied
@@ -135,15 +166,16 @@ async def test_a_failing_receiver_stores_nothing_and_leaves_the_view_and_the_lin
         await orch.migrate("fail-a", 1, via="device", tier="disk")
     assert orch.placement() == view and "fail-a" not in await _names_on(orch, 1)
 
-    # the target refuses before any bytes move (a capsule of another namespace), asked directly over the
-    # link the failed migration set up (it stays up: both sides ran the whole exchange)
+    # the target refuses before any bytes move (a capsule it holds already), asked directly over the link the
+    # failed migration set up (it stays up: both sides ran the whole exchange)
     assert len(orch.pool.links) == 1
     key = next(iter(orch.pool.links.values()))[1]
-    sent, got = await asyncio.gather(orch.call(0, SendCapsule("fail-a", key)),
-                                     orch.call(1, ReceiveCapsule(key, namespace="other")), return_exceptions=True)
-    assert sent["sent"] is False and "namespace" in sent["refused"]
-    assert isinstance(got, CapsuleError) and "namespace" in str(got)
-    assert "fail-a" not in await _names_on(orch, 1) and orch.placement() == view
+    await _capsule(orch, "fail-b")
+    await orch.call(0, SendCapsule("fail-b", key))
+    with pytest.raises(DuplicateCapsuleError, match="already exists"):
+        await orch.call(0, SendCapsule("fail-b", key))
+    await orch.call(1, Delete("fail-b"))  # the copy the router does not know of
+    assert "fail-a" not in await _names_on(orch, 1) and orch.placement() == {**view, "fail-b": {0}}
 
     # the link is still in step: the next migration over it succeeds, bitwise
     gen = orch.pool.link_generation
@@ -153,26 +185,23 @@ async def test_a_failing_receiver_stores_nothing_and_leaves_the_view_and_the_lin
 
 
 @on_session_loop
-async def test_a_receiver_lost_unnoticed_by_the_link_does_not_leave_the_sender_waiting(orch2, monkeypatch):
-    """As NCCL would (it never notices a dead peer): the receiving half is lost before it touches the link.
-    The sender's half is released by dropping its link (PeerClose), not at its 30 s deadline."""
+async def test_a_sender_lost_under_a_move_has_the_targets_end_of_the_link_closed(orch2, monkeypatch):
+    """As Ray reports a source lost under its call: the target may still wait on the link for bytes (an NCCL
+    op never notices a dead peer), so the router closes the target's end (PeerClose), which breaks the link
+    on both workers; the next move sets up a new one."""
     orch = orch2
     await _capsule(orch, "lost-a")
     await orch.migrate("lost-a", 1, via="device")  # the link is up
-    gen, real_call = orch.pool.link_generation, orch.pool.call
-
-    async def lose_receives(w, request, **kw):
-        if isinstance(request, ReceiveCapsule):
-            raise WorkerLost(f"worker {w} was lost (simulated)")
-        return await real_call(w, request, **kw)
-
-    monkeypatch.setattr(orch.pool, "call", lose_receives)
+    gen, key = orch.pool.link_generation, orch.pool.links[(0, 1)][1]
+    calls = _calls(orch, monkeypatch, lose=SendCapsule)
     await _capsule(orch, "lost-b")
     t0 = time.monotonic()
     with pytest.raises(WorkerLost, match="simulated"):
         await orch.migrate("lost-b", 1, via="device")
     assert time.monotonic() - t0 < 10 and orch.holders("lost-b") == {0} and (0, 1) not in orch.pool.links
+    assert calls[-2:] == [(0, "SendCapsule"), (1, "PeerClose")]
     monkeypatch.undo()
+    assert await orch.call(1, PeerClose(key)) is None  # closed already: a no-op
     assert await orch.migrate("lost-b", 1, via="device") == "device"  # over a new link
     assert orch.pool.link_generation == gen + 1
 
@@ -190,7 +219,7 @@ async def test_a_peer_that_dies_fails_the_transfer_fast_and_its_restart_gets_a_n
     orch.pool.workers[1].process.close()
     await kill_and_wait(pids[1])  # gone before the migration starts: a kill lands some time after it is sent
     t0 = time.monotonic()
-    with pytest.raises(WorkerLost):  # the receiver died: the sender's half is not left waiting for it
+    with pytest.raises(WorkerLost):  # the receiver died: the link tells the sender, which does not wait for it
         await orch.migrate("rs-b", 1, via="device")
     assert time.monotonic() - t0 < 20 and orch.placement() == view and (0, 1) not in orch.pool.links
 
