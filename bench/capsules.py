@@ -7,7 +7,8 @@ For each prefix length P (real text from capsulert/data/corpus.txt, through the 
 - ours capsule:       restore(capsule of the prefix) + append(suffix), logits ready; checked bitwise equal
                       to ours cold on every call (the benchmark fails loudly otherwise)
 - snapshot / restore: each alone; capsule MB; restore bandwidth = capsule bytes / restore time
-- HF cold:            transformers Qwen3_5ForCausalLM (same checkpoint directory) forward of prefix + suffix
+- HF cold:            transformers Qwen3_5ForCausalLM, or Qwen3_5MoeForCausalLM for an MoE checkpoint (same
+                      checkpoint directory), forward of prefix + suffix
 - HF prefix-kept:     prefix prefilled once; per call copy.deepcopy(past_key_values) + forward the suffix
 
 Medians over --repeats timed calls after one warm-up each. Writes bench/out/capsules.json and
@@ -112,11 +113,16 @@ def model_dir(model: str) -> Path:
     return Path(model)
 
 
-def load_hf(path: Path, dtype: torch.dtype, device: str):
+def hf_class_name(moe: bool) -> str:
+    return "Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"
+
+
+def load_hf(path: Path, dtype: torch.dtype, device: str, moe: bool):
+    """HF's CausalLM of the checkpoint: the MoE class for a Qwen3.5-MoE model, else the dense one."""
     import transformers
 
     transformers.logging.set_verbosity_error()  # the "falling back to the reference kernel" notes
-    model = transformers.Qwen3_5ForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = getattr(transformers, hf_class_name(moe)).from_pretrained(path, dtype=dtype).to(device).eval()
     return model
 
 
@@ -265,8 +271,9 @@ def main(argv=None) -> int:
     hf = None
     if not args.skip_hf:
         path = model_dir(args.model)
-        log(f"HF: Qwen3_5ForCausalLM.from_pretrained({path}, dtype={engine.dtype})")
-        hf = load_hf(path, engine.dtype, args.device)
+        moe = engine.model_cfg.is_moe
+        log(f"HF: {hf_class_name(moe)}.from_pretrained({path}, dtype={engine.dtype})")
+        hf = load_hf(path, engine.dtype, args.device, moe)
     info_start = machine_info(args.device)
     log(f"load average at start: {info_start.get('loadavg_1_5_15')}")
 
