@@ -5,6 +5,13 @@ for every stream from its current logits (one vectorised draw per group of at mo
 the tokens in one batched decode step per group, and applies each stream's stop rule. Streams never share
 anything but the step, so a stream's tokens do not depend on its partners (batch invariance).
 
+On a GPU the host work between a step's tokens reaching the host and the next step's launch leaves the GPU
+idle, so a group that steps again with the same streams (a _Batch) keeps its logits block (the next step
+samples it in place: no stacking or padding) and its sampling plan (the per-row parameters on the device),
+and the next step is launched as soon as the tokens are on the host: before their logprobs (computed on the
+GPU meanwhile) and the per-stream bookkeeping (text, stops, results, events), which then runs while the GPU
+computes.
+
 A constrained stream (SamplingParams.constraint) fills its row of the step's token bitmask before the
 draw and takes its token into its grammar state once the token is committed, once per token; a grammar
 that can take nothing more ends the generate ("grammar_end"). Constrained and unconstrained streams share
@@ -22,7 +29,7 @@ import torch
 
 from capsulert.engine.grammar import allowed_tokens
 from capsulert.protocol.sampling import GREEDY, SamplingParams
-from capsulert.engine.sampler import RowDraw, resolve_seed, sample_rows
+from capsulert.engine.sampler import SamplingPlan, resolve_seed
 from capsulert.engine.stops import HeldText, StopRule, TextStream
 from capsulert.protocol.results import GenerateResult, TokenEvent
 
@@ -44,6 +51,7 @@ class DecodeStream:
         self.held = HeldText(tuple(self.params.stop))  # the output's text, and what the events showed of it
         self.result = GenerateResult(weights_version=engine.weights_version)
         self.logits: torch.Tensor | None = None  # next-token logits row (fp32 [vocab])
+        self.batch: _Batch | None = None  # the group whose block holds `logits`
         self.done = max_new_tokens == 0
         constraint = self.params.constraint
         self.grammar = None if constraint is None or self.done else engine.grammars.state(constraint)
@@ -53,6 +61,7 @@ class DecodeStream:
     def finish(self, reason: str) -> str:
         """End the generate; the text its events have not shown yet ("" without a tokenizer)."""
         self.done = True
+        self.logits = self.batch = None  # its group's block is not kept alive for it
         self.session.stop_reason = self.result.stop_reason = reason
         self.result.length = len(self.session.tokens)
         if not self.has_text:
@@ -63,20 +72,41 @@ class DecodeStream:
         return self.held.finish(final)
 
 
+class _Batch:
+    """A decode group that steps together: its streams in row order, their next-token logits as the rows of
+    `block` (the fixed-shape block the sampler runs on, its padding rows zero, as Engine.pad_logits makes
+    it) and the sampling plan of their parameters. Each step writes the new logits into the same block, so
+    while the group stays the same the next step samples it as it is."""
+
+    def __init__(self, streams: list[DecodeStream], block: torch.Tensor):
+        self.streams = streams
+        self.block = block
+        self.plan = SamplingPlan([st.params for st in streams], [st.seed for st in streams], block.shape[0],
+                                 block.shape[1], block.device)
+        self.constrained = any(st.grammar is not None for st in streams)
+        for r, st in enumerate(streams):
+            if st.batch is not None:  # its old group is split: none of it may sample that block in place again
+                st.batch.streams = []
+            st.batch, st.logits = self, block[r]
+
+
 def advance(engine: "Engine", streams: list[DecodeStream],
-            should_stop: Callable[[DecodeStream], bool] | None = None) -> list[tuple[DecodeStream, TokenEvent]]:
-    """One token for every live stream. Returns the (stream, event) pairs produced, in stream order. Holds
-    the engine lock throughout: the graphs' static inputs and outputs are shared by every step."""
+            should_stop: Callable[[DecodeStream], bool] | None = None,
+            events: bool = True) -> list[tuple[DecodeStream, TokenEvent]]:
+    """One token for every live stream. Returns the (stream, event) pairs produced, in stream order (none
+    with events=False: a caller that reads only the results). Holds the engine lock throughout: the graphs'
+    static inputs and outputs are shared by every step."""
     with engine.lock:
-        return _advance(engine, streams, should_stop)
+        return _advance(engine, streams, should_stop, events)
 
 
-def _advance(engine, streams, should_stop):
+def _advance(engine, streams, should_stop, events):
+    max_seq = engine.config.max_seq
     live = []
     for st in streams:
         if st.done:
             continue
-        if len(st.session.tokens) >= engine.config.max_seq:
+        if len(st.session.tokens) >= max_seq:
             st.finish("max_seq")
             continue
         if st.session.weights_version != engine.weights_version:
@@ -89,50 +119,56 @@ def _advance(engine, streams, should_stop):
     if need:
         for st, row in zip(need, engine.logits_rows([st.session for st in need])):
             st.logits = row
-    events = []
-    groups = engine.decode_groups(live)
-    for group in groups:
-        logits = engine.pad_logits([st.logits for st in group])
-        draws = sample_rows(logits, [RowDraw(st.params, st.seed, len(st.session.tokens)) for st in group],
-                            _allowed(engine, group, logits))
+    out = []
+    for group in engine.decode_groups(live):
+        batch = group[0].batch
+        if batch is None or batch.streams != group:  # a new group: its rows stacked into a block of its own
+            batch = _Batch(group, engine.pad_logits([st.logits for st in group]))
+        tokens, rest = batch.plan.start(batch.block, [len(st.session.tokens) for st in group],
+                                        _allowed(engine, group, batch.block) if batch.constrained else None)
         # copied out of the graph's output buffer: the next group's replay, or another thread's step between
         # ours, reuses it
-        block = engine.decode([st.session for st in group], draws.tokens)[:len(group)].clone()
+        batch.block[:len(group)].copy_(engine.decode([st.session for st in group], tokens)[:len(group)])
+        logprobs, tops = rest()
         for r, st in enumerate(group):
-            token = draws.tokens[r]
-            st.logits = block[r]
-            res = st.result
-            res.append(token)
-            res.logprobs.append(draws.logprobs[r])
-            top = draws.top_logprobs[r]  # empty unless this stream asked for logprobs
-            if st.params.logprobs:
-                res.top_logprobs.append(top)
-            if st.grammar is not None:
-                st.grammar.accept(token)  # the token is committed: the grammar takes it, once
-            delta = st.text.push(token)
-            shown = None if delta is None else st.held.push(delta)
-            reason = st.rule.check(token, len(res.tokens), st.held.cut is not None)
-            if reason is None and st.grammar is not None and st.grammar.complete:
-                reason = "grammar_end"
-            if reason is None and len(st.session.tokens) >= engine.config.max_seq:
-                reason = "max_seq"  # full: no token can follow this one
-            if reason is None and should_stop is not None and should_stop(st):
-                reason = "interrupted"
-            if reason is not None:
-                rest = st.finish(reason)
-                if shown is not None:  # the last event carries the rest: the events add up to the result
-                    shown += rest
-            else:
-                res.length = len(st.session.tokens)
-            events.append((st, TokenEvent(token, draws.logprobs[r], shown, len(res.tokens) - 1, tuple(top))))
-    return events
+            top = tops[r]  # empty unless this stream asked for logprobs
+            shown = _commit(st, tokens[r], logprobs[r], top, max_seq, should_stop)
+            if events:
+                out.append((st, TokenEvent(tokens[r], logprobs[r], shown, len(st.result) - 1, tuple(top))))
+    return out
 
 
-def _allowed(engine: "Engine", group: list[DecodeStream], block: torch.Tensor) -> torch.Tensor | None:
-    """The step's boolean token mask [rows, vocab] when a stream of the group is constrained (each such
-    stream fills its own row; the others and the padding rows allow everything), else None."""
-    if all(st.grammar is None for st in group):
-        return None
+def _commit(st: DecodeStream, token: int, logprob: float, top: list, max_seq: int, should_stop) -> str | None:
+    """Record the stream's token and apply its stop rule; the text its event shows (None without a
+    tokenizer)."""
+    res = st.result
+    res.append(token)
+    res.logprobs.append(logprob)
+    if st.params.logprobs:
+        res.top_logprobs.append(top)
+    if st.grammar is not None:
+        st.grammar.accept(token)  # the token is committed: the grammar takes it, once
+    delta = st.text.push(token)
+    shown = None if delta is None else st.held.push(delta)
+    reason = st.rule.check(token, len(res), st.held.cut is not None)
+    if reason is None and st.grammar is not None and st.grammar.complete:
+        reason = "grammar_end"
+    if reason is None and len(st.session.tokens) >= max_seq:
+        reason = "max_seq"  # full: no token can follow this one
+    if reason is None and should_stop is not None and should_stop(st):
+        reason = "interrupted"
+    if reason is not None:
+        rest = st.finish(reason)
+        if shown is not None:  # the last event carries the rest: the events add up to the result
+            shown += rest
+    else:
+        res.length = len(st.session.tokens)
+    return shown
+
+
+def _allowed(engine: "Engine", group: list[DecodeStream], block: torch.Tensor) -> torch.Tensor:
+    """The step's boolean token mask [rows, vocab] (each constrained stream fills its own row; the others
+    and the padding rows allow everything)."""
     bitmask = engine.grammars.bitmask(block.shape[0])
     for r, st in enumerate(group):
         if st.grammar is not None:

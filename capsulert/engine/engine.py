@@ -448,7 +448,7 @@ class Engine:
             def stop(st: DecodeStream) -> bool:
                 return st.session.interrupt_requested or (should_stop is not None and should_stop(st.session))
             while any(not st.done for st in streams):
-                advance(self, streams, stop)
+                advance(self, streams, stop, events=False)  # the results carry everything: no events to build
             return [st.result for st in streams]
 
     @staticmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -52,18 +53,21 @@ class TextStream:
         self.tokens: list[int] = []
         self._prefix = 0  # the window's first token
         self._read = 0  # tokens whose text was returned
+        self._before: str | None = None  # the text of tokens[_prefix:_read], kept while a character is incomplete
 
     def push(self, token: int) -> str | None:
         """The new text `token` completes ("" while a character is incomplete); None without a tokenizer."""
         self.tokens.append(token)
         if self._decode is None:
             return None
-        before = self._decode(self.tokens[self._prefix:self._read])
+        before = self._before
+        if before is None:
+            before = self._before = self._decode(self.tokens[self._prefix:self._read])
         after = self._decode(self.tokens[self._prefix:])
         if after.endswith(_PARTIAL) or len(after) <= len(before):
             return ""
         delta = after[len(before):]
-        self._prefix, self._read = self._read, len(self.tokens)
+        self._prefix, self._read, self._before = self._read, len(self.tokens), None
         return delta
 
     def flush(self) -> str:
@@ -73,7 +77,7 @@ class TextStream:
             return ""
         before = self._decode(self.tokens[self._prefix:self._read])
         delta = self._decode(self.tokens[self._prefix:])[len(before):]
-        self._prefix, self._read = self._read, len(self.tokens)
+        self._prefix, self._read, self._before = self._read, len(self.tokens), None
         return delta
 
 
@@ -111,20 +115,22 @@ class HeldText:
         """Everything seen, cut before a matched stop string."""
         return self.seen if self.cut is None else self.seen[:self.cut]
 
-    @property
+    @cached_property
     def hold(self) -> int:
         """Characters kept back: a stop string may be starting there (longest stop - 1)."""
         return max((len(s) for s in self.stops), default=1) - 1
 
     def push(self, delta: str | None) -> str:
         """Add a worker text delta; the text that can be shown now ("" when nothing new is safe)."""
+        hold = self.hold
         if delta:
-            start = max(0, len(self.seen) - self.hold)  # a match must end in the new text
+            start = max(0, len(self.seen) - hold)  # a match must end in the new text
             self.seen += delta
-            hits = [i for i in (self.seen.find(s, start) for s in self.stops) if i >= 0]
-            if hits and self.cut is None:
-                self.cut = min(hits)  # the token that completes a stop string also carries text
-        safe = len(self.seen) - self.hold if self.cut is None else self.cut
+            if self.stops and self.cut is None:
+                hits = [i for i in (self.seen.find(s, start) for s in self.stops) if i >= 0]
+                if hits:
+                    self.cut = min(hits)  # the token that completes a stop string also carries text
+        safe = len(self.seen) - hold if self.cut is None else self.cut
         if safe <= self.shown:
             return ""
         out = self.seen[self.shown:safe]
