@@ -37,7 +37,8 @@ from capsulert.errors import (
 )
 from capsulert.config.engine import RANDOM_PREFIX, EngineConfig
 from capsulert.engine.model import HybridModel, pad_rows
-from capsulert.engine.numerics import CPU_PIECES, check_split_invariant_gemm, configure_cuda
+from capsulert.engine.numerics import (
+    CPU_PIECE_ROWS_CHOICES, check_split_invariant_gemm, configure_cuda, cpu_piece_rows)
 from capsulert.engine.capsules import Replay
 from capsulert.chat.prompt import ChatRenderer
 from capsulert.engine.grammar import Grammars
@@ -60,12 +61,6 @@ LONG_PREFILL_CHUNKS = 4
 # canonical state is kept at every multiple of the gated delta rule's chunk: the finest grid at which the
 # chunked prefill can stop and resume bitwise
 GRID = GATED_DELTA_CHUNK
-# a CPU prefill piece runs on a whole number of these rows (the rest padding that writes no state): CPU GEMMs
-# take another path for a few rows (gemv at one row) and elementwise kernels finish a ragged tail in scalar
-# code, so a row's bits would depend on the piece's row count; on whole 8-row multiples they do not (every
-# exactness test; 16 gave the same bits at more padding). CUDA's GEMMs give a row the same bits at any row
-# count (numerics.py).
-CPU_PIECE_ROWS = 8
 
 
 def prefill_pieces(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
@@ -106,11 +101,17 @@ class Engine:
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.model_weights = weights
         cuda = self.device.type == "cuda"
+        # the whole rows a CPU prefill piece is padded to (numerics.py); CUDA's GEMMs give a row the same bits
+        # at any row count
+        self.cpu_piece_rows: int | None = None
         if cuda:
             configure_cuda()  # before the first CUDA GEMM (weights are loaded and generated without one)
             check_split_invariant_gemm(self.probe_weight(weights, model_cfg))
-        else:  # the pieces a CPU prefill runs (CPU_PIECE_ROWS)
-            check_split_invariant_gemm(self.probe_weight(weights, model_cfg), rows=256, pieces=CPU_PIECES)
+        else:
+            self.cpu_piece_rows = cpu_piece_rows(self.probe_weight(weights, model_cfg))
+            if self.cpu_piece_rows > CPU_PIECE_ROWS_CHOICES[0]:
+                log.info("CPU prefill pieces run on whole %d-row multiples: this machine's BLAS gives a row other "
+                         "bits in shorter pieces", self.cpu_piece_rows)
         self.model = HybridModel(model_cfg, weights, self._kernels(config),
                                  decode_rows=MAX_DECODE_BATCH if cuda else None, rowwise=not cuda)
         self.tokenizer = tokenizer
@@ -366,9 +367,10 @@ class Engine:
         return at is not None
 
     def _forward_piece(self, slots: torch.Tensor, ids: torch.Tensor, a: int, at: int | None) -> None:
-        """One prefill piece through the model (no graphs); on CPU padded to whole CPU_PIECE_ROWS."""
+        """One prefill piece through the model (no graphs); on CPU padded to whole cpu_piece_rows."""
         n = ids.shape[0]
-        rows = -(-n // CPU_PIECE_ROWS) * CPU_PIECE_ROWS if self.device.type == "cpu" else n
+        step = self.cpu_piece_rows
+        rows = -(-n // step) * step if step is not None else n
         if rows == n:
             self.model.forward(self.state, slots, ids[None], self._kv_len(a + n), grid_at=at)
         else:

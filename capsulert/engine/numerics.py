@@ -33,11 +33,38 @@ def configure_cuda() -> None:
     torch.backends.cuda.preferred_blas_library("cublaslt")
 
 
-# (offset, rows) of the pieces compared with one GEMM over all the rows: on CUDA whole tiles and the few-row and
-# ragged pieces of an append that crosses a grid point inside its piece; on CPU pieces of whole 8-row multiples
-# (engine.CPU_PIECE_ROWS: CPU prefill pieces are padded so), the only ones a CPU prefill runs
+# (offset, rows) of the pieces compared with one GEMM over all the rows on CUDA: whole tiles and the few-row and
+# ragged pieces of an append that crosses a grid point inside its piece
 CUDA_PIECES = ((0, 64), (64, 64), (64, 192), (512, 256), (64, 1), (64, 7), (128, 33), (64, 65), (448, 100))
-CPU_PIECES = ((0, 8), (8, 8), (64, 72), (128, 40), (200, 56))
+# A CPU prefill piece runs on a whole number of rows (the rest padding that writes no state): CPU GEMMs take
+# another path for a few rows (gemv at one row) and elementwise kernels finish a ragged tail in scalar code, so
+# a row's bits would depend on the piece's row count. The engine pads to the first of these counts at which
+# this machine's BLAS gives a row the same bits in every piece (cpu_piece_rows): 8 on the 2-core CI box; a
+# 16-thread Xeon's BLAS (torch 2.11) changes a row's bits between 8- and 256-row GEMMs.
+CPU_PIECE_ROWS_CHOICES = (8, 16, 32, 64)
+
+
+def cpu_pieces(rows: int) -> tuple[tuple[int, int], ...]:
+    """(offset, rows) of the pieces compared for a CPU whose prefill pieces are padded to whole `rows`: one and
+    several multiples of it, at grid-aligned and unaligned offsets."""
+    return ((0, rows), (rows, rows), (64, 64 + rows), (128, 5 * rows), (200 // rows * rows, 7 * rows))
+
+
+def cpu_piece_rows(weight: torch.Tensor) -> int:
+    """The first of CPU_PIECE_ROWS_CHOICES at which GEMM rows over `weight` keep their bits in every piece
+    (cpu_pieces); ConfigError when none does."""
+    for rows in CPU_PIECE_ROWS_CHOICES:
+        pieces = cpu_pieces(rows)
+        try:
+            check_split_invariant_gemm(weight, rows=-(-max(a + m for a, m in pieces) // 64) * 64, pieces=pieces)
+            return rows
+        except ConfigError:
+            continue
+    raise ConfigError(
+        f"GEMM rows on {weight.device} depend on the number of rows computed with them whatever whole number of "
+        f"{', '.join(map(str, CPU_PIECE_ROWS_CHOICES))} rows a piece is padded to ({weight.dtype}): this machine's "
+        "BLAS breaks split-invariant prefill, on which capsules' exactness rests (a restore + append would not "
+        "equal a cold prefill bitwise)")
 
 
 def check_split_invariant_gemm(weight: torch.Tensor, rows: int = 1024,

@@ -10,7 +10,7 @@ def count_pieces(eng, monkeypatch) -> list[int]:
                                                                               prefill(slot, tokens, **k))[1])
     else:
         forward = eng.model.forward
-        def counted(*a, **k):  # the real rows: a CPU piece is padded to whole rows (engine.CPU_PIECE_ROWS)
+        def counted(*a, **k):  # the real rows: a CPU piece is padded to whole rows (Engine.cpu_piece_rows)
             pieces.append(int(k["valid"][0]) if k.get("valid") is not None else a[2].shape[1])
             return forward(*a, **k)
         monkeypatch.setattr(eng.model, "forward", counted)

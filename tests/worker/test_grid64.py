@@ -192,8 +192,10 @@ def test_capsule_of_the_previous_layout_reads_its_grid_and_is_refused(make_engin
 
 def test_a_cpu_piece_runs_on_whole_8_row_multiples(make_engine, monkeypatch):
     """CPU kernels give a row other bits at a few rows (gemv) or a ragged tail (scalar code), so every CPU
-    prefill piece is padded to whole CPU_PIECE_ROWS, the padding writing no state (valid)."""
+    prefill piece is padded to whole cpu_piece_rows (8 where this machine's BLAS allows), the padding writing
+    no state (valid)."""
     eng = make_engine(device="cpu", prefill_chunk=128)
+    assert eng.cpu_piece_rows == 8
     shapes = []
     forward = eng.model.forward
     monkeypatch.setattr(eng.model, "forward", lambda *a, **k: (shapes.append(
@@ -204,22 +206,54 @@ def test_a_cpu_piece_runs_on_whole_8_row_multiples(make_engine, monkeypatch):
     assert int(eng.state.pos[s.slot]) == 449
 
 
-def test_a_cpu_whose_gemm_rows_depend_on_the_piece_is_refused_at_start(make_engine, monkeypatch):
-    """The engine checks at start that this machine's BLAS gives a row the same bits in every piece a CPU prefill
-    runs (whole CPU_PIECE_ROWS multiples): otherwise capsules could not be exact, and it says so."""
+def _gemm_rounding_otherwise(monkeypatch, odd) -> None:
+    """F.linear as a BLAS whose GEMMs of `odd(rows)` rows round otherwise."""
     import torch.nn.functional as F
 
-    from capsulert.engine.engine import CPU_PIECE_ROWS
-    from capsulert.engine.numerics import CPU_PIECES
-    from capsulert.errors import ConfigError
-
-    assert all(a % CPU_PIECE_ROWS == 0 and m % CPU_PIECE_ROWS == 0 for a, m in CPU_PIECES)
     real = F.linear
 
-    def ragged(x, w, *args):  # a BLAS whose 72-row GEMMs round otherwise
+    def linear(x, w, *args):
         out = real(x, w, *args)
-        return out * (1 + 2 ** -20) if x.shape[0] == 72 else out
+        return out * (1 + 2 ** -20) if odd(x.shape[0]) else out
+    monkeypatch.setattr(F, "linear", linear)
 
-    monkeypatch.setattr(F, "linear", ragged)
+
+def test_a_cpu_whose_8_row_pieces_change_a_rows_bits_pads_its_pieces_to_16(make_engine, monkeypatch, caplog):
+    """A BLAS that keeps a row's bits only in whole 16-row multiples (a 16-thread Xeon's kept them in none of
+    8 rows): the engine pads every CPU piece to 16 rows, says so, and a capsule still equals a cold prefill."""
+    from capsulert.engine.numerics import cpu_pieces
+
+    assert any(m % 16 for _, m in cpu_pieces(8)) and not any(m % 16 for _, m in cpu_pieces(16))
+    _gemm_rounding_otherwise(monkeypatch, lambda rows: rows % 16 != 0)
+    with caplog.at_level("INFO", logger="capsulert.engine.engine"):
+        eng = make_engine(device="cpu", prefill_chunk=128)
+    assert eng.cpu_piece_rows == 16 and "whole 16-row multiples" in caplog.text
+    rows = []
+    forward = eng.model.forward
+    monkeypatch.setattr(eng.model, "forward", lambda *a, **k: (rows.append(a[2].shape[1]), forward(*a, **k))[1])
+    prompt = toks(200, 11)
+    s = eng.open()
+    s.append(prompt[:150])
+    eng.snapshot(s, "c150")
+    s.close()
+    r = eng.restore("c150")
+    got = r.append(prompt[150:])
+    cold = eng.open()
+    want = cold.append(prompt)
+    assert torch.equal(got, want)
+    assert rows and all(n % 16 == 0 for n in rows), rows
+
+
+def test_a_cpu_whose_gemm_rows_depend_on_the_piece_is_refused_at_start(make_engine, monkeypatch):
+    """The engine checks at start that this machine's BLAS gives a row the same bits in every piece a CPU prefill
+    runs, at some whole number of rows it may pad pieces to: otherwise capsules could not be exact, and it says
+    so."""
+    from capsulert.engine.numerics import CPU_PIECE_ROWS_CHOICES, cpu_pieces
+    from capsulert.errors import ConfigError
+
+    for rows in CPU_PIECE_ROWS_CHOICES:
+        assert all(a % rows == 0 and m % rows == 0 for a, m in cpu_pieces(rows))
+    full = {-(-max(a + m for a, m in cpu_pieces(r)) // 64) * 64 for r in CPU_PIECE_ROWS_CHOICES}
+    _gemm_rounding_otherwise(monkeypatch, lambda rows: rows not in full)  # only the one-GEMM references agree
     with pytest.raises(ConfigError, match="breaks split-invariant prefill"):
         make_engine(device="cpu")
