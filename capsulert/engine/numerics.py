@@ -50,16 +50,17 @@ def cpu_pieces(rows: int) -> tuple[tuple[int, int], ...]:
     return ((0, rows), (rows, rows), (64, 64 + rows), (128, 5 * rows), (200 // rows * rows, 7 * rows))
 
 
+def cpu_check_rows(rows: int) -> int:
+    """The rows of the one GEMM cpu_pieces(rows) are compared with: all of them, in whole 64-row tiles."""
+    return -(-max(a + m for a, m in cpu_pieces(rows)) // 64) * 64
+
+
 def cpu_piece_rows(weight: torch.Tensor) -> int:
     """The first of CPU_PIECE_ROWS_CHOICES at which GEMM rows over `weight` keep their bits in every piece
     (cpu_pieces); ConfigError when none does."""
     for rows in CPU_PIECE_ROWS_CHOICES:
-        pieces = cpu_pieces(rows)
-        try:
-            check_split_invariant_gemm(weight, rows=-(-max(a + m for a, m in pieces) // 64) * 64, pieces=pieces)
+        if first_split_variant_piece(weight, cpu_check_rows(rows), cpu_pieces(rows)) is None:
             return rows
-        except ConfigError:
-            continue
     raise ConfigError(
         f"GEMM rows on {weight.device} depend on the number of rows computed with them whatever whole number of "
         f"{', '.join(map(str, CPU_PIECE_ROWS_CHOICES))} rows a piece is padded to ({weight.dtype}): this machine's "
@@ -67,24 +68,26 @@ def cpu_piece_rows(weight: torch.Tensor) -> int:
         "equal a cold prefill bitwise)")
 
 
-def check_split_invariant_gemm(weight: torch.Tensor, rows: int = 1024,
-                               pieces: tuple[tuple[int, int], ...] = CUDA_PIECES) -> None:
-    """Rows of a GEMM over each piece equal the same rows of one `rows`-row GEMM (the property split-invariant
-    prefill needs: pieces start on the grid, and the rows past the last grid point get the same bits whether
-    their piece started there or earlier), on `weight`'s device and dtype; ConfigError otherwise."""
+def first_split_variant_piece(weight: torch.Tensor, rows: int,
+                              pieces: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
+    """The first (offset, rows) piece whose GEMM rows over `weight` differ from the same rows of one `rows`-row
+    GEMM (on `weight`'s device and dtype), or None when every piece keeps its rows' bits: the property
+    split-invariant prefill needs (pieces start on the grid, and the rows past the last grid point get the same
+    bits whether their piece started there or earlier)."""
     g = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype, generator=g)
     full = F.linear(x, weight)
-    for a, m in pieces:
-        if not torch.equal(F.linear(x[a:a + m], weight), full[a:a + m]):
-            if weight.device.type != "cuda":
-                raise ConfigError(
-                    f"GEMM rows on {weight.device} depend on the number of rows computed with them ({m} rows at "
-                    f"{a} vs one {rows}-row GEMM, {weight.dtype}): this machine's BLAS breaks split-invariant "
-                    "prefill, on which capsules' exactness rests (a restore + append would not equal a cold "
-                    "prefill bitwise)")
-            raise ConfigError(
-                f"GEMM rows on {weight.device} depend on the number of rows computed with them ({m} rows at {a} "
-                f"vs one {rows}-row GEMM): split-invariant prefill needs cuBLASLt with a 1-byte workspace, read "
-                "when the process's first CUDA GEMM runs. Start the engine before any other CUDA work in the "
-                "process, or export CUBLASLT_WORKSPACE_SIZE=1 and TORCH_BLAS_PREFER_CUBLASLT=1 before it starts")
+    return next(((a, m) for a, m in pieces if not torch.equal(F.linear(x[a:a + m], weight), full[a:a + m])), None)
+
+
+def check_split_invariant_gemm(weight: torch.Tensor, rows: int = 1024) -> None:
+    """first_split_variant_piece over CUDA_PIECES on a CUDA device: ConfigError when a piece changes a row's
+    bits (the CUDA numerics were not set before the process's first GEMM)."""
+    bad = first_split_variant_piece(weight, rows, CUDA_PIECES)
+    if bad is not None:
+        a, m = bad
+        raise ConfigError(
+            f"GEMM rows on {weight.device} depend on the number of rows computed with them ({m} rows at {a} "
+            f"vs one {rows}-row GEMM): split-invariant prefill needs cuBLASLt with a 1-byte workspace, read "
+            "when the process's first CUDA GEMM runs. Start the engine before any other CUDA work in the "
+            "process, or export CUBLASLT_WORKSPACE_SIZE=1 and TORCH_BLAS_PREFER_CUBLASLT=1 before it starts")

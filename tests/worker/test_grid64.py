@@ -248,12 +248,12 @@ def test_a_cpu_whose_gemm_rows_depend_on_the_piece_is_refused_at_start(make_engi
     """The engine checks at start that this machine's BLAS gives a row the same bits in every piece a CPU prefill
     runs, at some whole number of rows it may pad pieces to: otherwise capsules could not be exact, and it says
     so."""
-    from capsulert.engine.numerics import CPU_PIECE_ROWS_CHOICES, cpu_pieces
+    from capsulert.engine.numerics import CPU_PIECE_ROWS_CHOICES, cpu_check_rows, cpu_pieces
     from capsulert.errors import ConfigError
 
     for rows in CPU_PIECE_ROWS_CHOICES:
         assert all(a % rows == 0 and m % rows == 0 for a, m in cpu_pieces(rows))
-    full = {-(-max(a + m for a, m in cpu_pieces(r)) // 64) * 64 for r in CPU_PIECE_ROWS_CHOICES}
+    full = {cpu_check_rows(r) for r in CPU_PIECE_ROWS_CHOICES}
     _gemm_rounding_otherwise(monkeypatch, lambda rows: rows not in full)  # only the one-GEMM references agree
     with pytest.raises(ConfigError, match="breaks split-invariant prefill"):
         make_engine(device="cpu")
