@@ -58,6 +58,7 @@ SMALL = Tiles(gate_up=dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=3),
 LARGE = Tiles(gate_up=dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
               down=dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4))
 LARGE_FROM_ROWS = 512
+LARGE_DTYPES = (torch.bfloat16, torch.float16)  # an fp32 LARGE tile does not fit in shared memory
 COMBINE_BH = 1024
 
 
@@ -189,7 +190,7 @@ def _combine_kernel(y_ptr, shared_ptr, gate_ptr, out_ptr, n, H, s_y, s_s, s_g, s
 def tiles_for(n: int, dtype: torch.dtype, large_from: int | None) -> Tiles:
     """LARGE from `large_from` rows on (None: never), in 16-bit types only: an fp32 LARGE tile does not fit
     in shared memory, and fp32 on CUDA is a parity setting, not a speed one."""
-    large = large_from is not None and n >= large_from and dtype in (torch.bfloat16, torch.float16)
+    large = large_from is not None and n >= large_from and dtype in LARGE_DTYPES
     return LARGE if large else SMALL
 
 
@@ -235,7 +236,10 @@ def tiles_agree(dtype: torch.dtype, device: torch.device | str, seed: int = 0) -
     """Whether SMALL and LARGE give every row the same bits on this device and dtype (the condition for choosing
     the set from the number of rows): one problem with many rows per expert (several tiles of each size) and
     experts of one or two rows, run under both sets. The shapes are runtime arguments of the kernels, so this
-    compiles nothing the engine would not compile anyway."""
+    compiles nothing the engine would not compile anyway. True without a run for a dtype LARGE never runs in
+    (tiles_for): there is nothing to agree on."""
+    if dtype not in LARGE_DTYPES:
+        return True
     g = torch.Generator(device=device).manual_seed(seed)
     E, H, I, k, n = 16, 512, 256, 4, 300
 

@@ -178,6 +178,12 @@ if CUDA:
         solo = tm.moe_experts(x[5:6], ids[5:6], w[5:6], wgu, wd, shared[5:6], sg[5:6])  # the small set
         assert torch.equal(solo[0], large[5])
 
+    def test_tiles_agree_runs_nothing_for_a_dtype_the_large_set_never_runs_in(monkeypatch):
+        """An fp32 MoE engine on CUDA (a parity setting) never runs LARGE, whose fp32 tile would not fit in
+        shared memory: the start-up check must not launch it either."""
+        monkeypatch.setattr(tm, "moe_experts", lambda *a, **k: pytest.fail("tiles_agree launched the experts"))
+        assert tm.tiles_agree(torch.float32, DEVICE)
+
     def test_engine_runs_small_tiles_only_where_the_sets_disagree(monkeypatch, tiny_moe_dir, caplog):
         from capsulert.engine.engine import Engine
 
