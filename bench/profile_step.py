@@ -56,13 +56,13 @@ def kernel_table(prof, steps: int) -> tuple[list[dict], list[dict]]:
     return kinds, top
 
 
-def profile_append(eng: Engine, suffix: list[int], steps: int) -> dict:
+def profile_append(eng: Engine, suffix: list[int], steps: int, name: str = "ctx") -> dict:
     """Restore of capsule "ctx" and an append of `suffix` to it: wall and host time of each half, and the
     kernels of the append (a graph replay: the same kernels, seen by the profiler)."""
     def halves():
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        r = eng.restore("ctx")
+        r = eng.restore(name)
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
@@ -77,7 +77,7 @@ def profile_append(eng: Engine, suffix: list[int], steps: int) -> dict:
         halves()
     runs = [halves() for _ in range(steps)]
     out = {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in runs[0]}
-    r = eng.restore("ctx")
+    r = eng.restore(name)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         r.append(suffix)
         torch.cuda.synchronize()
@@ -85,7 +85,7 @@ def profile_append(eng: Engine, suffix: list[int], steps: int) -> dict:
     kinds, top = kernel_table(prof, 1)
     out.update(kernels=sum(k["kernels_per_step"] for k in kinds), kernel_ms=sum(k["ms_per_step"] for k in kinds),
                kinds=kinds, top=top)
-    log(f"append {len(suffix)} to ctx: restore {out['restore_wall_ms']:.2f} ms (host {out['restore_host_ms']:.2f}), "
+    log(f"append {len(suffix)} to {name}: restore {out['restore_wall_ms']:.2f} ms (host {out['restore_host_ms']:.2f}), "
         f"append {out['append_wall_ms']:.2f} ms (host {out['append_host_ms']:.2f}); {out['kernels']:.0f} kernels, "
         f"{out['kernel_ms']:.2f} ms")
     print_table(kinds, ["kind", "kernels_per_step", "ms_per_step"])
@@ -102,9 +102,12 @@ def main() -> int:
     ap.add_argument("--model", default=f"random:{SHAPE}", help="random:<shape YAML> (default: the 9B shape) or a "
                     "checkpoint directory")
     ap.add_argument("--append", type=int, default=32, help="tokens of the profiled restore + append")
+    ap.add_argument("--append-at", type=int, nargs="+", default=None,
+                    help="profile only restore + append of capsules ending at these lengths (no decode, no moves)")
     args = ap.parse_args()
     c = args.prefill_chunk
-    max_seq = (max(args.context, args.capsule) + 2 * c) // c * c
+    longest = max(args.append_at) if args.append_at else max(args.context, args.capsule)
+    max_seq = (longest + 2 * c) // c * c
     t0 = time.perf_counter()
     eng = Engine.from_config(model=args.model, device="cuda", dtype="bfloat16", slots=66, max_seq=max_seq,
                              prefill_chunk=c)
@@ -114,7 +117,17 @@ def main() -> int:
         log(f"  warm-up {key.phase} b={key.batch} t={key.tokens}: {sec:.1f} s")
     vocab = eng.model_cfg.vocab_size
     g = torch.Generator().manual_seed(1)
-    base = torch.randint(0, vocab, (max(args.context, args.capsule) + 64,), generator=g).tolist()
+    base = torch.randint(0, vocab, (longest + 64,), generator=g).tolist()
+    if args.append_at:
+        result = dict(machine=machine_info("cuda"), engine_start_s=start_s, append_at={})
+        for P in args.append_at:
+            s = eng.open()
+            s.append(base[:P])
+            eng.snapshot(s, f"p{P}")
+            s.close()
+            result["append_at"][P] = profile_append(eng, base[P:P + args.append], args.steps, f"p{P}")
+        write_json(OUT_DIR / "profile_append.json", result)
+        return 0
     s = eng.open()
     s.append(base[:args.context])
     eng.snapshot(s, "ctx")

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from capsulert.config.model import FULL, ModelConfig
 from capsulert.kernels.conv import conv_history_at
-from capsulert.kernels.fused import gated_delta_gates, gated_delta_qk
 from capsulert.kernels.ops import KernelSet, reference_kernels
 from capsulert.engine.moe import moe_mlp
 from capsulert.engine.packing import PACKS, pack_layer, split_sizes
@@ -196,19 +195,12 @@ class HybridModel:
         if grid_at is not None:
             state.conv_grid[li].index_copy_(0, slots, conv_history_at(mixed, conv_buf[slots], grid_at))
         mixed = self.kernels.conv_prefill(mixed, conv_buf, slots, w["conv"], valid)
-        q, k, v = torch.split(mixed, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
-        q = q.reshape(R, T, Hk, Dk)
-        k = k.reshape(R, T, Hk, Dk)
-        v = v.reshape(R, T, Hv, Dv)
-        g, beta = gated_delta_gates(a, b, w["neg_A"], w["linear_attn.dt_bias"])
-        if valid is not None:  # padding tokens neither decay nor write the state
-            real = (torch.arange(T, device=x.device)[None, :] < valid[:, None]).float()[..., None]
-            beta = beta * real
-            g = g * real
-        q, k = gated_delta_qk(q, k, Hv)
+        # padding tokens (from valid[r] on) neither decay nor write the state
+        qkvgb = self.kernels.gated_delta_prefill_prep(mixed, a, b, w["neg_A"], w["linear_attn.dt_bias"], valid,
+                                                      Hk, Dk, Dv)
         if grid_at is not None:
-            self._grid_state(state.ssm_grid[li], ssm_buf, slots, (q, k, v.float(), g, beta), grid_at)
-        o = self.kernels.gated_delta_prefill(q, k, v.float(), g, beta, ssm_buf, slots)
+            self._grid_state(state.ssm_grid[li], ssm_buf, slots, qkvgb, grid_at)
+        o = self.kernels.gated_delta_prefill(*qkvgb, ssm_buf, slots)
         o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
         return F.linear(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
 

@@ -10,6 +10,8 @@ in fp32 with a single rounding at the end, and are tested against these within a
     head_norm_rope         per-head zero-centred RMSNorm + partial rotary embedding (q and k of attention)
     silu_mul               silu(gate) * up over a packed [gate | up] projection (the MLP)
     gated_delta_step_fused q/k L2 norms, decay g, write strength beta and the recurrent decode step
+    gated_delta_prefill_prep  the same norms and gates for a prefill piece, padding tokens masked: the
+                           inputs of the chunked rule
 """
 from __future__ import annotations
 
@@ -114,3 +116,24 @@ def gated_delta_step_inplace_ref(q, k, v, g, beta, ssm_buf, slots) -> torch.Tens
     o, new_state = gated_delta_step_ref(q, k, v, g, beta, ssm_buf[slots])
     ssm_buf.index_copy_(0, slots, new_state)
     return o
+
+
+def gated_delta_prefill_prep(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor,
+                             dt_bias: torch.Tensor, valid: torch.Tensor | None, num_k_heads: int, k_dim: int,
+                             v_dim: int, out_dtype: torch.dtype = torch.float32):
+    """The chunked rule's inputs from a prefill piece's conv output mixed [R, T, 2*Hk*Dk + Hv*Dv] = q | k | v
+    and gate projections a, b [R, T, Hv]: (q, k [R, T, Hv, Dk] normalised (gated_delta_qk), v [R, T, Hv, Dv],
+    in out_dtype; g, beta [R, T, Hv] fp32 (gated_delta_gates)), with g = beta = 0 on the padding tokens
+    t >= valid[r] (valid [R] or None: every token real)."""
+    R, T, _ = mixed.shape
+    Hk, Dk, Dv = num_k_heads, k_dim, v_dim
+    Hv = a.shape[-1]
+    q, k, v = torch.split(mixed, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    q, k, v = q.reshape(R, T, Hk, Dk), k.reshape(R, T, Hk, Dk), v.reshape(R, T, Hv, Dv)
+    g, beta = gated_delta_gates(a, b, neg_A, dt_bias)
+    if valid is not None:  # padding tokens neither decay nor write the state
+        real = (torch.arange(T, device=mixed.device)[None, :] < valid[:, None]).float()[..., None]
+        beta = beta * real
+        g = g * real
+    q, k = gated_delta_qk(q, k, Hv)
+    return q.to(out_dtype), k.to(out_dtype), v.to(out_dtype), g, beta

@@ -36,6 +36,7 @@ class KernelSet:
     head_norm_rope: Callable
     silu_mul: Callable
     gated_delta_step_fused: Callable
+    gated_delta_prefill_prep: Callable
     # the routed experts of an MoE MLP (kernels/moe.py): routing, then the experts and the combine
     moe_route: Callable
     moe_experts: Callable
@@ -82,6 +83,7 @@ def reference_kernels() -> KernelSet:
         head_norm_rope=fused.head_norm_rope,
         silu_mul=fused.silu_mul,
         gated_delta_step_fused=fused.gated_delta_step_fused,
+        gated_delta_prefill_prep=fused.gated_delta_prefill_prep,
         moe_route=moe.moe_route,
         moe_experts=moe.moe_experts,
     )
@@ -101,13 +103,14 @@ def _fla_prefill():
 
     def gated_delta_prefill_fla(q, k, v, g, beta, ssm_buf, slots) -> torch.Tensor:
         # q is already normalised and scaled, hence scale=1 and no in-kernel L2 norm; fla takes q/k/v in
-        # bf16 (as transformers passes them) and keeps its state and accumulators in fp32
+        # bf16 (as transformers passes them; the prefill prep already gives bf16) and keeps its state and
+        # accumulators in fp32. o stays bf16: gated_rms_norm rounds o to the model dtype first anyway.
         o, new_state = chunk_gated_delta_rule(
             q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, scale=1.0, initial_state=ssm_buf[slots],
             output_final_state=True,
         )
         ssm_buf.index_copy_(0, slots, new_state.float())
-        return o.float()
+        return o
 
     return gated_delta_prefill_fla
 
@@ -116,8 +119,9 @@ def cuda_kernels(use_fla: bool = True, large_moe_tiles: bool = True) -> KernelSe
     """Triton kernels of ours (+ fla's chunked prefill when installed and asked for). `large_moe_tiles`: the
     expert GEMMs of long pieces run 64-row tiles (only where triton_moe.tiles_agree holds)."""
     from capsulert.kernels.triton_attention import attention, prefill_attention
-    from capsulert.kernels.triton_conv import conv_step
+    from capsulert.kernels.triton_conv import conv_prefill, conv_step
     from capsulert.kernels import triton_fused, triton_moe
+    from capsulert.kernels.triton_gated_delta_prep import gated_delta_prefill_prep
 
     fla = _fla_prefill() if use_fla else None
     return KernelSet(
@@ -125,7 +129,7 @@ def cuda_kernels(use_fla: bool = True, large_moe_tiles: bool = True) -> KernelSe
         write_kv=write_kv_ref,
         attention=attention,
         prefill_attention=prefill_attention,
-        conv_prefill=conv_prefill_ref,
+        conv_prefill=conv_prefill,
         conv_step=conv_step,
         gated_delta_prefill=fla or gated_delta_prefill_ref,
         add_rms_norm=triton_fused.add_rms_norm,
@@ -133,6 +137,9 @@ def cuda_kernels(use_fla: bool = True, large_moe_tiles: bool = True) -> KernelSe
         head_norm_rope=triton_fused.head_norm_rope,
         silu_mul=triton_fused.silu_mul,
         gated_delta_step_fused=triton_fused.gated_delta_step_fused,
+        # fla reads q, k, v in bf16; the plain-torch chunked rule computes in fp32
+        gated_delta_prefill_prep=partial(gated_delta_prefill_prep,
+                                         out_dtype=torch.bfloat16 if fla else torch.float32),
         moe_route=triton_moe.moe_route,
         moe_experts=triton_moe.moe_experts if large_moe_tiles else partial(triton_moe.moe_experts, large_from=None),
         packed_projections=True,

@@ -68,13 +68,13 @@ def _conv_step_kernel(
 
 @triton.jit
 def _conv_prefill_kernel(
-    x_ptr, buf_ptr, slots_ptr, w_ptr, out_ptr,
+    x_ptr, buf_ptr, slots_ptr, w_ptr, out_ptr, valid_ptr,
     T, C,
     sx_b, sx_t, sx_c,
     sb_n, sb_c, sb_w,
     sw_c, sw_k,
     so_b, so_t, so_c,
-    KW: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    KW: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -103,9 +103,14 @@ def _conv_prefill_kernel(
         acc += hj * wj[None, :]
     out = acc * tl.sigmoid(acc)
 
-    # new state (t-block 0 only: the only program that reads the old state): new[c, i] = history[c, T + i]
+    # new state (t-block 0 only: the only program that reads the old state): new[c, i] = history[c, n + i],
+    # the history ending at the last real token n - 1 (n = valid[b] of a padded row, else T)
+    if HAS_VALID:
+        n = tl.load(valid_ptr + b).to(tl.int32)
+    else:
+        n = T
     offs_i = tl.arange(0, KP)
-    hidx = T + offs_i  # [KP]
+    hidx = n + offs_i  # [KP]
     n_in_buf = hidx < W
     mi = (offs_i < W) & ((offs_i * 0 + pid_t) == 0)  # [KP]; all false outside t-block 0
     nb = tl.load(buf_row[:, None] + hidx[None, :] * sb_w,
@@ -153,9 +158,10 @@ def conv_step(x, conv_buf, slots, weight) -> torch.Tensor:
     return out
 
 
-def conv_prefill(x, conv_buf, slots, weight) -> torch.Tensor:
-    """x [B, T, C]; conv_buf [num_slots, C, K-1] updated in place for `slots`; weight [C, K].
-    Returns silu(conv) [B, T, C] in x's dtype."""
+def conv_prefill(x, conv_buf, slots, weight, valid=None) -> torch.Tensor:
+    """x [B, T, C]; conv_buf [num_slots, C, K-1] updated in place for `slots`; weight [C, K]. With `valid` [B]
+    (device ints), only the first valid[b] tokens of a row are real: the new state is the history ending at
+    the last real one (as conv_prefill_ref). Returns silu(conv) [B, T, C] in x's dtype."""
     B, T, C = x.shape
     KW = _check(conv_buf, slots, weight, B, C)
     out = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
@@ -167,13 +173,15 @@ def conv_prefill(x, conv_buf, slots, weight) -> torch.Tensor:
     assert BT >= KW - 1  # only t-block 0 reads the old state
     num_warps = 4 if BT * BC >= 2048 else 2
     grid = (B, triton.cdiv(T, BT), triton.cdiv(C, BC))
+    if valid is not None:
+        assert valid.shape == (B,), f"valid must be [{B}], got {tuple(valid.shape)}"
     _conv_prefill_kernel[grid](
-        x, conv_buf, slots, weight, out,
+        x, conv_buf, slots, weight, out, slots if valid is None else valid,
         T, C,
         x.stride(0), x.stride(1), x.stride(2),
         conv_buf.stride(0), conv_buf.stride(1), conv_buf.stride(2),
         weight.stride(0), weight.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        KW=KW, KP=KP, BT=BT, BC=BC, num_warps=num_warps,
+        KW=KW, KP=KP, BT=BT, BC=BC, HAS_VALID=valid is not None, num_warps=num_warps,
     )
     return out

@@ -262,7 +262,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- Gated DeltaNet decode step
 
 @triton.jit
-def _softplus(x):
+def softplus(x):
     """torch's softplus (beta 1, threshold 20): x above 20, else log(1 + exp(x)) in the form
     max(x, 0) + log1p(exp(-|x|)), which cannot overflow."""
     e = tl.exp(-tl.abs(x))  # in (0, 1]
@@ -311,7 +311,7 @@ def _gated_delta_step_fused_kernel(
     # every program of a head recomputes its norms and gates: K values, cheaper than another launch
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    g = neg_a * _softplus(a + dt_bias)
+    g = neg_a * softplus(a + dt_bias)
     beta = tl.sigmoid(braw.to(tl.float32)).to(b_ptr.dtype.element_ty).to(tl.float32)
 
     S, o = delta_rule_update(S, q, k, v, g, beta)

@@ -190,19 +190,23 @@ def test_capsule_of_the_previous_layout_reads_its_grid_and_is_refused(make_engin
     assert eng.store.list() == []
 
 
-def test_a_cpu_piece_runs_on_whole_8_row_multiples(make_engine, monkeypatch):
+def test_a_cpu_piece_runs_on_whole_row_multiples(make_engine, monkeypatch):
     """CPU kernels give a row other bits at a few rows (gemv) or a ragged tail (scalar code), so every CPU
-    prefill piece is padded to whole cpu_piece_rows (8 where this machine's BLAS allows), the padding writing
-    no state (valid)."""
+    prefill piece is padded to whole cpu_piece_rows (the first of 8/16/32/64 at which this machine's BLAS keeps
+    a row's bits: 8 on most, 16 on a 16-thread Xeon), the padding writing no state (valid)."""
+    from capsulert.engine.numerics import cpu_piece_rows
+
     eng = make_engine(device="cpu", prefill_chunk=128)
-    assert eng.cpu_piece_rows == 8
+    p = eng.cpu_piece_rows
+    assert p == cpu_piece_rows(eng.probe_weight(eng.model_weights, eng.model_cfg))
     shapes = []
     forward = eng.model.forward
     monkeypatch.setattr(eng.model, "forward", lambda *a, **k: (shapes.append(
         (a[2].shape[1], None if k.get("valid") is None else int(k["valid"][0]))), forward(*a, **k))[1])
     s = eng.open()
     s.append(toks(449, 7))
-    assert shapes == [(128, None), (128, None), (128, None), (72, 65)], shapes  # [384, 449): 65 real rows
+    # [384, 449): 65 real rows in whole multiples of p
+    assert shapes == [(128, None), (128, None), (128, None), (-(-65 // p) * p, 65)], shapes
     assert int(eng.state.pos[s.slot]) == 449
 
 

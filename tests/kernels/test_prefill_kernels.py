@@ -1,0 +1,136 @@
+"""The prefill-piece kernels of the Gated DeltaNet layer against their plain-torch references, over labelled
+shapes: the preparation of the chunked rule's inputs (kernels/triton_gated_delta_prep.py against
+kernels/fused.gated_delta_prefill_prep) and the conv of a padded piece (kernels/triton_conv.conv_prefill with
+`valid`, against kernels/ops.conv_prefill_ref).
+
+Split-invariant prefill rests on these being row-wise: a token's outputs are bitwise the same whatever piece
+it is computed in (how many tokens share it, where it sits), and a piece split in two gives bitwise the
+outputs and the conv state of one piece. Those are compared bitwise; the values against the references within
+a tolerance (the kernels compute in fp32 and round once).
+
+Runs on a CUDA device, or on CPU under Triton's interpreter (TRITON_INTERPRET=1, the small shapes only).
+"""
+import pytest
+import torch
+
+import triton  # noqa: F401  (tests/conftest.py ignores this module where triton is not installed)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_or_interpreter")]
+
+from capsulert.kernels import fused as ref  # noqa: E402
+from capsulert.kernels.ops import conv_prefill_ref  # noqa: E402
+from capsulert.kernels.triton_conv import conv_prefill  # noqa: E402
+from capsulert.kernels.triton_gated_delta_prep import gated_delta_prefill_prep  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _randn(*shape, seed, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(DEVICE)
+
+
+# ---------------------------------------------------------------- prefill preparation
+
+PREP_SHAPES = {  # R, T, Hk, Hv, Dk, Dv
+    "hk2-hv2-d16": (1, 5, 2, 2, 16, 16),
+    "hk1-hv3-k24-v80-ragged": (2, 7, 1, 3, 24, 80),
+    "hk2-hv4-k16-v32-rows": (3, 4, 2, 4, 16, 32),
+    **({"9b-piece": (1, 96, 16, 32, 128, 128), "35b-a3b-piece": (1, 64, 16, 32, 128, 128)} if CUDA else {}),
+}
+
+
+def _prep_inputs(R, T, Hk, Hv, Dk, Dv, seed=0, dtype=torch.bfloat16):
+    """As the model gets them: column slices of one packed projection output [mixed | b | a | ...]."""
+    C = 2 * Hk * Dk + Hv * Dv
+    packed = _randn(R, T, C + 2 * Hv + 8, seed=seed, dtype=dtype)
+    mixed, b, a = packed[..., :C], packed[..., C:C + Hv], packed[..., C + Hv:C + 2 * Hv] * 3.0
+    a[0, 0, 0] = 24.0  # both softplus regimes
+    a[-1, -1, -1] = -40.0
+    neg_A = -_randn(Hv, seed=seed + 3).exp()
+    dt_bias = _randn(Hv, seed=seed + 4, dtype=dtype, scale=0.5)
+    return mixed, a, b, neg_A, dt_bias
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16-out", "fp32-out"])
+@pytest.mark.parametrize("padded", [False, True], ids=["all-real", "padded"])
+@pytest.mark.parametrize("shape", PREP_SHAPES.values(), ids=PREP_SHAPES.keys())
+def test_prefill_prep_matches_the_reference(shape, padded, out_dtype):
+    R, T, Hk, Hv, Dk, Dv = shape
+    mixed, a, b, neg_A, dt_bias = _prep_inputs(R, T, Hk, Hv, Dk, Dv)
+    valid = torch.tensor([max(1, T - 1 - r) for r in range(R)], device=DEVICE) if padded else None
+    want = ref.gated_delta_prefill_prep(mixed, a, b, neg_A, dt_bias, valid, Hk, Dk, Dv)
+    got = gated_delta_prefill_prep(mixed, a, b, neg_A, dt_bias, valid, Hk, Dk, Dv, out_dtype=out_dtype)
+    for name, g, w in zip("qkv", got[:3], want[:3]):
+        assert g.dtype == out_dtype and g.is_contiguous() and g.shape == w.shape, name
+        torch.testing.assert_close(g.float(), w, **TOL[out_dtype], msg=lambda m: f"{name}: {m}")
+    # beta is sigmoid(b) rounded to b's dtype (bf16): one rounding apart at most
+    for name, g, w, tol in zip(("g", "beta"), got[3:], want[3:], (TOL[torch.float32], TOL[b.dtype])):
+        assert g.dtype == torch.float32 and g.shape == w.shape, name
+        torch.testing.assert_close(g, w, **tol, msg=lambda m: f"{name}: {m}")
+    if padded:  # the padding tokens neither decay nor write the state: exactly zero
+        for r in range(R):
+            assert not got[3][r, int(valid[r]):].any() and not got[4][r, int(valid[r]):].any()
+
+
+def test_prefill_prep_gives_a_token_the_same_bits_in_any_piece():
+    """Token t of a piece alone (T = 1), and inside pieces of other lengths at other positions."""
+    Hk, Hv, Dk, Dv = (16, 32, 128, 128) if CUDA else (2, 4, 16, 32)
+    mixed, a, b, neg_A, dt_bias = _prep_inputs(1, 70, Hk, Hv, Dk, Dv, seed=5)
+    whole = gated_delta_prefill_prep(mixed, a, b, neg_A, dt_bias, None, Hk, Dk, Dv)
+    for lo, hi in ((0, 1), (3, 4), (5, 69), (64, 70), (1, 65)):
+        part = gated_delta_prefill_prep(mixed[:, lo:hi], a[:, lo:hi], b[:, lo:hi], neg_A, dt_bias, None, Hk, Dk, Dv)
+        for g, w in zip(part, whole):
+            assert torch.equal(g, w[:, lo:hi]), (lo, hi)
+
+
+# ---------------------------------------------------------------- conv of a padded piece
+
+CONV_SHAPES = {  # R, C, K (taps), num_slots, slot ids
+    "c16-k4": (1, 16, 4, 3, [2]),
+    "c200-k4-rows": (3, 200, 4, 5, [4, 0, 2]),
+    "c48-k3": (2, 48, 3, 4, [1, 3]),
+    **({"9b-conv": (1, 8192, 4, 4, [3])} if CUDA else {}),
+}
+
+
+def _conv_inputs(R, T, C, K, num_slots, seed=0):
+    x = _randn(R, T, C, seed=seed, dtype=torch.bfloat16)
+    buf = _randn(num_slots, C, K - 1, seed=seed + 1, dtype=torch.bfloat16)
+    w = _randn(C, K, seed=seed + 2, dtype=torch.bfloat16, scale=0.5)
+    return x, buf, w
+
+
+@pytest.mark.parametrize("T,valid", [(8, [8]), (8, [5]), (16, [2]), (33, [1])], ids=["full", "v5", "v2", "v1"])
+@pytest.mark.parametrize("shape", CONV_SHAPES.values(), ids=CONV_SHAPES.keys())
+def test_conv_prefill_of_a_padded_piece_matches_the_reference(shape, T, valid):
+    """The new conv state is the history ending at the last real token (also when fewer real tokens than
+    taps), the outputs of the real tokens those of the reference; other slots untouched."""
+    R, C, K, num_slots, ids = shape
+    x, buf, w = _conv_inputs(R, T, C, K, num_slots)
+    slots = torch.tensor(ids, device=DEVICE)
+    v = torch.tensor((valid * R)[:R], device=DEVICE)
+    buf_ref = buf.float()
+    want = conv_prefill_ref(x.float(), buf_ref, slots, w.float(), v)
+    got = conv_prefill(x, buf, slots, w, v)
+    for r in range(R):
+        n = int(v[r])
+        torch.testing.assert_close(got[r, :n].float(), want[r, :n], **TOL[torch.bfloat16])
+    assert torch.equal(buf.float(), buf_ref)  # a pure shift of inputs: exact
+
+
+def test_conv_prefill_split_anywhere_equals_one_piece():
+    """A piece cut at any token, the second half padded: the same outputs and the same conv state, bitwise."""
+    C, K = (8192, 4) if CUDA else (48, 4)
+    x, buf, w = _conv_inputs(1, 40, C, K, 2, seed=9)
+    slots = torch.tensor([1], device=DEVICE)
+    one = buf.clone()
+    whole = conv_prefill(x, one, slots, w)
+    for cut in (1, 3, 17, 39):
+        two = buf.clone()
+        first = conv_prefill(x[:, :cut], two, slots, w)
+        rest = torch.cat([x[:, cut:], torch.zeros_like(x[:, :5])], dim=1)  # padded like a graph's piece
+        second = conv_prefill(rest, two, slots, w, torch.tensor([40 - cut], device=DEVICE))
+        assert torch.equal(torch.cat([first, second[:, :40 - cut]], dim=1), whole), cut
+        assert torch.equal(two, one), cut
