@@ -76,8 +76,9 @@ def _prep_kernel(
 def prep_launch_config(Hv: int, K: int, V: int) -> tuple[int, int, int, int]:
     """(BH, BK, BV, num_warps): value heads per program such that a program holds at most ~8k values."""
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
-    BH = max(1, min(triton.next_power_of_2(Hv), 8192 // (2 * BK + BV)))
-    return BH, BK, BV, max(1, min(8, BH * (2 * BK + BV) // 1024))
+    fit = max(1, 8192 // (2 * BK + BV))
+    BH = min(triton.next_power_of_2(Hv), 1 << (fit.bit_length() - 1))  # powers of two: tl.arange's extent
+    return BH, BK, BV, max(1, min(8, triton.next_power_of_2(BH * (2 * BK + BV)) // 1024))
 
 
 def gated_delta_prefill_prep(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor,

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_or_interpreter")]
 from capsulert.kernels import fused as ref  # noqa: E402
 from capsulert.kernels.ops import conv_prefill_ref  # noqa: E402
 from capsulert.kernels.triton_conv import conv_prefill  # noqa: E402
-from capsulert.kernels.triton_gated_delta_prep import gated_delta_prefill_prep  # noqa: E402
+from capsulert.kernels.triton_gated_delta_prep import gated_delta_prefill_prep, prep_launch_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -72,6 +72,16 @@ def test_prefill_prep_matches_the_reference(shape, padded, out_dtype):
     if padded:  # the padding tokens neither decay nor write the state: exactly zero
         for r in range(R):
             assert not got[3][r, int(valid[r]):].any() and not got[4][r, int(valid[r]):].any()
+
+
+@pytest.mark.parametrize("heads", [(32, 128, 128), (64, 128, 128), (3, 24, 80), (1, 256, 256)],
+                         ids=["9b", "hv64", "ragged", "d256"])
+def test_prefill_prep_launch_config_is_made_of_powers_of_two(heads):
+    """Triton takes only powers of two for a block extent and for num_warps (the 9B's 32 heads of 384 values
+    once gave 21 heads a program)."""
+    BH, BK, BV, warps = prep_launch_config(*heads)
+    assert all(x > 0 and x & (x - 1) == 0 for x in (BH, BK, BV, warps)), (BH, BK, BV, warps)
+    assert BH * (2 * BK + BV) <= 8192 or BH == 1
 
 
 def test_prefill_prep_gives_a_token_the_same_bits_in_any_piece():
