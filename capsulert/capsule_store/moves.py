@@ -49,6 +49,12 @@ class StagedCapsule:
         self.capsule.discard()
 
 
+def distinct_events(events: Sequence[Any]) -> list:
+    """The CUDA events, each once and None left out: the blocks one copy filled share its event, and a
+    reader waits on it once, not once per block."""
+    return list({id(ev): ev for ev in events if ev is not None}.values())
+
+
 class Mover:
     def __init__(self, tiers: TierBook, writes: BackgroundWrites, *, device: torch.device, fingerprint: str,
                  layout_version: int):
@@ -99,15 +105,15 @@ class Mover:
         return {k: (pool.records[k].tensors, pool.records[k].event) for k in e.block_keys}  # type: ignore[misc]
 
     def source(self, e: Entry, have: frozenset = frozenset()) -> tuple[Parts, list]:
-        """e's bytes where they are, moving nothing: memory tensors (and the CUDA events they are complete
-        after), or its files read and verified (blocks in `have` are not read)."""
+        """e's bytes where they are, moving nothing: memory tensors (and the distinct CUDA events they are
+        complete after), or its files read and verified (blocks in `have` are not read)."""
         if e.tensors is None:
             _, parts = read_capsule_parts(e.path, self.fingerprint, self.layout_version,  # type: ignore[arg-type]
                                           e.meta.nbytes, have)
             return parts, []
         held = self._held_blocks(e)
         return (Parts.of(e.tensors, e.blocks, {k: held[k][0] for k in e.block_keys}),
-                [e.event] + [held[k][1] for k in e.block_keys])
+                distinct_events([e.event] + [held[k][1] for k in e.block_keys]))
 
     def _to_device(self, parts: Parts, waits: list) -> tuple[Parts, Any]:
         """A transient device copy of a capsule's parts (one grouped copy), and its CUDA event."""
@@ -263,9 +269,10 @@ class Mover:
             parts, ev = self._to_device(*self.source(e))
             events = [ev]
         if self._cuda:
+            stream = torch.cuda.current_stream(self.device)
             for ev in events:
                 if ev is not None:
-                    torch.cuda.current_stream(self.device).wait_event(ev)
+                    stream.wait_event(ev)
         return parts, found
 
     def try_promote(self, key: Key, tier: str) -> bool:

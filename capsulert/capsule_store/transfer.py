@@ -1,13 +1,17 @@
 """Copies of capsule tensors between the device and host memory.
 
 On CUDA a copy runs on the store's copy stream (or the current one) and records an event; readers make
-their stream wait on it, so decode on the default stream is not blocked by a tier move.
+their stream wait on it, so decode on the default stream is not blocked by a tier move. The copies within
+one device (a snapshot of a slot's strided rows into fresh blocks) go in one grouped launch
+(kernels/triton_copy.py), not one per block.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
 import torch
+
+from capsulert.kernels.triton_copy import copy_pairs
 
 Run = tuple[torch.Tensor, int, Sequence[str]]  # (src, dim, names): see copy_tensors
 
@@ -58,8 +62,8 @@ def _copy_into(dst: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]
                 for n in names:
                     del rest[n]
         pairs = [(dst[k], t) for k, t in rest.items()]
-        if pairs and all(d.device == s.device for d, s in pairs):  # fused when all are dense, of one dtype
-            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=non_blocking)
+        if pairs and all(d.device == s.device for d, s in pairs):  # one launch on CUDA (a slot's strided rows)
+            copy_pairs(pairs)
         else:
             for d, s in pairs:
                 d.copy_(s, non_blocking=non_blocking)

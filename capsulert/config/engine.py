@@ -46,6 +46,12 @@ class EngineConfig(BaseModel):
     replay_max_prefill: int = Field(4096, ge=0, description="a replay capsule re-runs from the deepest grid point "
                                     "whose state the store holds already, if that is at most this many tokens "
                                     "before its own grid point (else from its own): memory against restore time")
+    tail_replay: bool | None = Field(None, description="an append to a session (or capsule) whose prefilled tokens end "
+                                     "past a grid point re-runs those tokens through the linear-attention layers' conv "
+                                     "and chunk math only, from the rows kept for them (the exact-replay buffer), not "
+                                     "through the whole model; the same bits either way. None: on the CPU (20-25% off "
+                                     "such an append there), off on CUDA (where keeping and gathering the rows costs "
+                                     "more launches than the GEMM rows it saves: bench/RESULTS.md)")
     kernels: Literal["auto", "reference", "triton"] = Field(
         "auto", description="CUDA kernels: auto = Triton + fla chunked prefill when installed")
     slot_wait_s: float = Field(60.0, ge=0.0, le=3600.0,

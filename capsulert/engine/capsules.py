@@ -26,6 +26,7 @@ and agents on one prompt hold little more than their tokens.
 """
 from __future__ import annotations
 
+import functools
 import platform
 from pathlib import Path
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from capsulert.capsule_store.prefix_index import PrefixMatch
 from capsulert.capsule_store.store import CapsuleStore
 from capsulert.errors import CapsuleError, IncompatibleCapsuleError, StaleCapsuleError, UnknownCapsuleError, UnsupportedStateModeError
 from capsulert.engine.state import LAYOUT_VERSION
+from capsulert.kernels.triton_copy import Pair, copy_pairs
 
 if TYPE_CHECKING:
     from capsulert.engine.engine import Engine
@@ -87,18 +89,26 @@ class CapsuleVerbs:
             prefix_bytes=cfg.prefix_cache_bytes if cfg.prefix_cache else 0,
         )
         self.prefix = PrefixCache(self, cfg.prefix_cache)
+        self._expected = functools.lru_cache(maxsize=256)(self._expected_specs)
 
     def _views(self, slot: int, length: int, grid_pos: int) -> dict[str, torch.Tensor]:
         """The slot's bytes that make up a capsule of `length` tokens (views, no copies)."""
         st = self.engine.state
-        views = {
-            "kv_k": st.kv_k[:, slot, :length],
-            "kv_v": st.kv_v[:, slot, :length],
-            "ssm": st.ssm[:, slot],
-            "conv": st.conv[:, slot],
-            "last_hidden": st.last_hidden[slot],
-        }
-        if length != grid_pos:  # off the grid the live state and the grid checkpoint differ
+        return {"kv_k": st.kv_k[:, slot, :length], "kv_v": st.kv_v[:, slot, :length],
+                **self._state_views(slot, length != grid_pos)}
+
+    def _tail_views(self, slot: int, rows: int) -> dict[str, torch.Tensor]:
+        """The slot's exact-replay rows of the first `rows` tokens past its grid point (engine/tail_replay.py),
+        none for rows = 0."""
+        st = self.engine.state
+        return {"tail_in": st.tail_in[:, slot, :rows], "tail_gates": st.tail_gates[:, slot, :rows]} if rows else {}
+
+    def _state_views(self, slot: int, off_grid: bool) -> dict[str, torch.Tensor]:
+        """`_views` but the KV rows: the live state, the last hidden state and, off the grid (where the
+        live state and the grid checkpoint differ), the grid checkpoint."""
+        st = self.engine.state
+        views = {"ssm": st.ssm[:, slot], "conv": st.conv[:, slot], "last_hidden": st.last_hidden[slot]}
+        if off_grid:
             views["ssm_grid"] = st.ssm_grid[:, slot]
             views["conv_grid"] = st.conv_grid[:, slot]
         return views
@@ -121,7 +131,9 @@ class CapsuleVerbs:
                 "re-running its tokens would not rebuild it; snapshot it with mode='full'")
         match = self._shared_state(session, namespace, G) if mode == "replay" else PrefixMatch()
         if mode == "full" or (match.grid or G) == P:  # nothing to re-run (on the grid, no shared state below)
-            return self._put(session, name, namespace, tier, pin, canonical, self._views(session.slot, P, G), None)
+            views = self._views(session.slot, P, G)
+            views.update(self._tail_views(session.slot, eng.replayable_end(session) - G))
+            return self._put(session, name, namespace, tier, pin, canonical, views, None)
         if match.grid and match.grid < G:
             try:
                 with self.store.reading_prefix(match, count=False) as (meta, parts):
@@ -168,7 +180,11 @@ class CapsuleVerbs:
         """The slot's KV rows [0, grid_pos) and its state at its last grid point (views, no copies)."""
         st = self.engine.state
         return {"kv_k": st.kv_k[:, slot, :grid_pos], "kv_v": st.kv_v[:, slot, :grid_pos],
-                "ssm": st.ssm_grid[:, slot], "conv": st.conv_grid[:, slot]}
+                **self._grid_state_views(slot)}
+
+    def _grid_state_views(self, slot: int) -> dict[str, torch.Tensor]:
+        st = self.engine.state
+        return {"ssm": st.ssm_grid[:, slot], "conv": st.conv_grid[:, slot]}
 
     def check_exists(self, name: str, namespace: str) -> None:
         if not self.store.contains(name, namespace):
@@ -194,16 +210,33 @@ class CapsuleVerbs:
         if meta.boundary > eng.config.max_seq:
             raise IncompatibleCapsuleError(f"capsule {meta.name!r} holds {meta.boundary} tokens > max_seq {eng.config.max_seq}")
         replay = meta.replay_from is not None
-        expected = self._grid_views(0, meta.held) if replay else self._views(0, meta.boundary, meta.grid_pos)
-        for key, view in expected.items():
+        tail = specs.get("tail_in")
+        tail_rows = tail.shape[1] if tail is not None and len(tail.shape) == 3 else 0
+        if tail is not None and (replay or not 0 < tail_rows < meta.boundary - meta.grid_pos + 1):
+            raise IncompatibleCapsuleError(
+                f"capsule {meta.name!r} holds tail rows {tail.shape} for {meta.boundary - meta.grid_pos} tokens "
+                f"past its grid point{' (a replay capsule keeps none)' if replay else ''}")
+        expected = self._expected(meta.held if replay else meta.boundary, meta.grid_pos, replay, tail_rows)
+        for key, want in expected.items():
             spec = specs.get(key)
-            if spec is None or spec.shape != tuple(view.shape) or spec.dtype != view.dtype:
+            if spec is None or (spec.shape, spec.dtype) != want:
                 found = None if spec is None else (spec.shape, spec.dtype)
-                raise IncompatibleCapsuleError(
-                    f"capsule {meta.name!r} tensor {key!r} is {found}, expected {(tuple(view.shape), view.dtype)}"
-                )
+                raise IncompatibleCapsuleError(f"capsule {meta.name!r} tensor {key!r} is {found}, expected {want}")
         if set(specs) != set(expected):
             raise IncompatibleCapsuleError(f"capsule {meta.name!r} has tensors {sorted(specs)}, expected {sorted(expected)}")
+
+    def _expected_specs(self, length: int, grid_pos: int, replay: bool,
+                        tail_rows: int = 0) -> dict[str, tuple[tuple, torch.dtype]]:
+        """(shape, dtype) of each tensor a capsule of `length` tokens holds (a replay capsule: at its
+        replay point; `tail_rows`: the exact-replay rows it keeps), as this engine lays out a slot; cached per
+        instance (`_expected`): every restore checks them, and making the views to read them from was a tenth
+        of its host time."""
+        views = self._grid_views(0, length) if replay else self._views(0, length, grid_pos)
+        specs = {k: (tuple(v.shape), v.dtype) for k, v in views.items()}
+        # the tail rows, also where this engine keeps none (it restores the rest and re-runs the tail)
+        layout = self.engine.state.layout
+        specs.update({k: ((shape[0],) + shape[2:], dtype) for k, (shape, dtype) in layout.tail_shapes(1, tail_rows).items()})
+        return specs
 
     def restore_into(self, session: "Session", name: str, namespace: str) -> tuple[str, Replay | None]:
         """Overwrite the session's slot with the capsule; validates everything before the first byte moves.
@@ -218,21 +251,23 @@ class CapsuleVerbs:
                     f"capsule {name!r} is a replay capsule made under other numerics "
                     f"({parts.refs.origin if parts.refs else 'unknown'}); re-running its tokens here would not "
                     "rebuild its state: restore it where it was made")
-            slot, P, G = session.slot, meta.held, meta.held_grid
-            st = eng.state
-            pairs = self._block_pairs(slot, parts, 0)
-            dst = self._grid_views(slot, G) if replay else self._views(slot, P, G)
-            own = parts.own_view()
-            for k in BLOCK_TENSORS:  # the rows past its blocks
-                dst[k] = dst[k][:, len(parts.blocks) * eng.grid:]
+            slot, P, G = session.slot, meta.held, meta.held_grid  # a replay capsule: P == G, its replay point
+            st, own = eng.state, parts.own_view()
+            pairs = self._kv_pairs(slot, parts, 0, P)
+            dst = self._grid_state_views(slot) if replay else self._state_views(slot, P != G)
             pairs += [(dst[k], own[k]) for k in dst]
+            # an engine that keeps no tails restores the rest and re-runs the tail (the same bits)
+            tail = self._tail_views(slot, own["tail_in"].shape[1] if "tail_in" in own and eng.tail_replay else 0)
+            pairs += [(tail[k], own[k]) for k in tail]
             if P == G:  # at the grid point the live state is the grid checkpoint
                 live = (st.ssm, st.conv) if replay else (st.ssm_grid, st.conv_grid)
                 pairs += [(live[0][:, slot], own["ssm"]), (live[1][:, slot], own["conv"])]
-            torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
+            copy_pairs(pairs)
             st.pos[slot] = P
         session.tokens = list(meta.tokens[:P])
         session.decoded_from = P if P == G else meta.decoded_from
+        # the tail rows replay only under the numerics that computed them (else the tail is re-run in full)
+        session.tail_end = G + tail["tail_in"].shape[1] if tail and canonical else None
         session.stop_reason = None
         session.weights_version = eng.weights_version  # a capsule restores only under its own weights
         self.prefix.restored(session, namespace, canonical)
@@ -241,13 +276,17 @@ class CapsuleVerbs:
         A = meta.decoded_from
         return tier, Replay(meta.tokens[P:A], meta.tokens[A:])  # type: ignore[misc]
 
-    def _block_pairs(self, slot: int, parts: Parts, first: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(slot rows, block rows) of the KV of blocks first.. of a capsule's parts."""
-        st, C = self.engine.state, self.engine.grid
-        pairs = []
-        for i in range(first, len(parts.blocks)):
-            rows = slice(i * C, (i + 1) * C)
-            pairs += [(st.kv_k[:, slot, rows], parts.blocks[i]["kv_k"]), (st.kv_v[:, slot, rows], parts.blocks[i]["kv_v"])]
+    def _kv_pairs(self, slot: int, parts: Parts, first: int, end: int | None) -> list[Pair]:
+        """(slot rows, piece) of the KV tensors for blocks first.. of a capsule's parts and, when `end` is
+        given, its own rows past its blocks up to `end`. The slot's rows are cut by one split per tensor, not
+        one indexing per block (the views were most of a restore's host time)."""
+        st, C, n = self.engine.state, self.engine.grid, len(parts.blocks)
+        sizes = [C] * (n - first) + ([end - n * C] if end is not None else [])
+        pairs: list[Pair] = []
+        for k in BLOCK_TENSORS:
+            rows = st.buffers[k][:, slot].narrow(1, first * C, sum(sizes)).split_with_sizes(sizes, 1)
+            pieces = [b[k] for b in parts.blocks[first:]] + ([parts.own[k]] if end is not None else [])
+            pairs += zip(rows, pieces)
         return pairs
 
     # -- prefix reuse (prefix_cache.py decides when) ----------------------------------------------
@@ -263,17 +302,18 @@ class CapsuleVerbs:
                 st, own = eng.state, parts.own_view()
                 on_grid = meta.held == meta.held_grid
                 ssm, conv = self._state_of(meta, own)
-                pairs = self._block_pairs(slot, parts, start // eng.grid)
+                pairs = self._kv_pairs(slot, parts, start // eng.grid, None)
                 pairs += [(st.ssm[:, slot], ssm), (st.conv[:, slot], conv),
                           (st.ssm_grid[:, slot], ssm), (st.conv_grid[:, slot], conv)]
                 if on_grid and "last_hidden" in own:
                     pairs.append((st.last_hidden[slot], own["last_hidden"]))
-                torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
+                copy_pairs(pairs)
                 st.pos[slot] = match.grid
         except UnknownCapsuleError:
             return False
         session.tokens = list(tokens[:match.grid])
         session.decoded_from = match.grid
+        session.tail_end = None
         return True
 
     def keep_checkpoint(self, session: "Session", namespace: str, grid_hidden: bool = False) -> bool:

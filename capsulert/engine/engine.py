@@ -124,12 +124,15 @@ class Engine:
         self.codec = TokenCodec(tokenizer, model_cfg.vocab_size, config.max_seq,
                                 ChatRenderer(model_dir, tokenizer, _token_text(tokenizer, self.eos_token_ids)))
         self.grammars = Grammars(tokenizer, model_cfg.vocab_size, self.eos_token_ids)  # constrained decoding
+        # keep and replay the rows of prefilled tails (engine/tail_replay.py): on the CPU unless asked otherwise
+        self.tail_replay = config.tail_replay if config.tail_replay is not None else not cuda
         self.chunk = config.prefill_chunk  # the longest prefill piece
         self.grid = GRID  # where canonical state is kept (capsules, prefix blocks, re-runs)
         # one extra scratch slot absorbs the padding rows of captured graphs; KV keeps a chunk of slack
         # rows because a padded prefill chunk writes (ignored) KV past the last real token
         self.scratch_slot = config.slots
-        layout = StateLayout.for_model(model_cfg, config.slots + 1, config.max_seq + self.chunk, self.dtype, self.device)
+        layout = StateLayout.for_model(model_cfg, config.slots + 1, config.max_seq + self.chunk, self.dtype, self.device,
+                                       self.tail_replay)
         self.state = StateSet(layout)
         self._free = list(range(config.slots))
         self._sessions: dict[int, Session] = {}
@@ -144,7 +147,8 @@ class Engine:
             from capsulert.engine.graphs import GraphPlans, decode_buckets
 
             buckets = decode_buckets(config.decode_batches, min(config.slots, MAX_DECODE_BATCH))
-            self.graphs = GraphPlans(self.model, self.state, self.scratch_slot, config.max_seq, self.chunk, buckets, self.grid)
+            self.graphs = GraphPlans(self.model, self.state, self.scratch_slot, config.max_seq, self.chunk, buckets,
+                                     self.grid, self.tail_replay)
             self.graphs.capture(progress=config.progress)
 
     @staticmethod
@@ -162,6 +166,9 @@ class Engine:
 
         if self.device.type != "cuda" or config.kernels == "reference":
             return ops.reference_kernels()
+        from capsulert.kernels.triton_copy import check_copy_pairs
+
+        check_copy_pairs(self.device)  # restores move every capsule byte through it
         large_moe_tiles = True
         if self.model_cfg.is_moe:
             from capsulert.kernels import triton_moe
@@ -332,15 +339,18 @@ class Engine:
     def _kv_len(self, end: int) -> int:
         return min(self.config.max_seq, -(-end // self.chunk) * self.chunk)
 
-    def _run_prefill(self, slot: int, tokens: list[int], start: int) -> bool:
+    def _run_prefill(self, slot: int, tokens: list[int], start: int, replay: int = 0) -> bool:
         """Run tokens at positions [start, start+len) in prefill pieces (prefill_pieces); the slot's live state
-        must be at start. The state at the last grid point reached becomes the slot's grid checkpoint. True when
-        that grid point fell inside the last piece: state.grid_hidden then holds the hidden state before it."""
+        must be at start, or with `replay` at start - replay, whose tokens the linear-attention layers of the
+        first piece replay from the slot's tail buffers (engine/tail_replay.py). The state at the last grid
+        point reached becomes the slot's grid checkpoint, the tokens past it the slot's tail. True when that grid
+        point fell inside the last piece: state.grid_hidden then holds the hidden state before it."""
         if self.graphs is None:
             slots = torch.tensor([slot], device=self.device)
             ids = torch.tensor(tokens, device=self.device)
         end = start + len(tokens)
-        pieces = prefill_pieces(start, end, self.chunk)
+        pieces = prefill_pieces(start - replay, end, self.chunk)
+        pieces[0] = (start, pieces[0][1])
         # a bar only for long prefills: a short one ends before any bar would show
         bar = progress_bar(len(pieces), "capsulert: prefill", unit="chunk",
                            progress=self.config.progress if len(pieces) > LONG_PREFILL_CHUNKS else False)
@@ -348,13 +358,17 @@ class Engine:
         pace = not bar.disable and self.device.type == "cuda"
         t0 = time.perf_counter()
         with bar:
-            for a, b in pieces:
+            for i, (a, b) in enumerate(pieces):
                 # the state at end's last grid point is the slot's checkpoint, kept inside the last piece
                 at = grid_point_inside(a, b, self.grid) if b == end else None
+                r = replay if i == 0 else 0
+                # the rows past the piece's last grid point (in the linear layers' piece, which starts r earlier)
+                # are the slot's tail when the piece is the last
+                tail_from = b // self.grid * self.grid - (a - r) if self.tail_replay else None
                 if self.graphs is not None:
-                    self.graphs.prefill(slot, tokens[a - start:b - start], grid_at=at)
+                    self.graphs.prefill(slot, tokens[a - start:b - start], grid_at=at, replay=r, tail_from=tail_from)
                 else:
-                    self._forward_piece(slots, ids[a - start:b - start], a, at)
+                    self._forward_piece(slots, ids[a - start:b - start], a, at, r, tail_from if b == end else None)
                 if b % self.grid == 0:
                     self.state.save_grid(slot)
                 if pace:
@@ -366,17 +380,19 @@ class Engine:
         self.prefill_s_per_token = per_token if not self.prefill_s_per_token else 0.9 * self.prefill_s_per_token + 0.1 * per_token
         return at is not None
 
-    def _forward_piece(self, slots: torch.Tensor, ids: torch.Tensor, a: int, at: int | None) -> None:
+    def _forward_piece(self, slots: torch.Tensor, ids: torch.Tensor, a: int, at: int | None, replay: int,
+                       tail_from: int | None) -> None:
         """One prefill piece through the model (no graphs); on CPU padded to whole cpu_piece_rows."""
         n = ids.shape[0]
         step = self.cpu_piece_rows
         rows = -(-n // step) * step if step is not None else n
+        extra = dict(grid_at=at, replay=replay or None, tail_from=tail_from)
         if rows == n:
-            self.model.forward(self.state, slots, ids[None], self._kv_len(a + n), grid_at=at)
+            self.model.forward(self.state, slots, ids[None], self._kv_len(a + n), **extra)
         else:
             padded = torch.cat([ids, ids.new_zeros(rows - n)])[None]
             valid = torch.tensor([n], device=self.device)
-            self.model.forward(self.state, slots, padded, self._kv_len(a + rows), valid=valid, grid_at=at)
+            self.model.forward(self.state, slots, padded, self._kv_len(a + rows), valid=valid, **extra)
 
     def append(self, session: Session, tokens_or_text) -> torch.Tensor:
         with self._lock:
@@ -410,13 +426,29 @@ class Engine:
         """Append `new`; True when state.grid_hidden holds the hidden state before the new grid point."""
         P = len(session.tokens)
         G = P // self.grid * self.grid
-        if P != G:  # re-run [G, P) with the new tokens from the grid checkpoint, as a cold prefill does
+        E = G
+        if P != G:
+            # from the grid checkpoint, as a cold prefill does: the tail [G, E) the slot keeps rows for is
+            # replayed in the linear-attention layers, [E, P) (decoded, or nothing kept) re-run in full
+            E = self.replayable_end(session)
             self.state.load_grid(session.slot)
-            self.state.pos[session.slot] = G
-        grid_hidden = self._run_prefill(session.slot, session.tokens[G:] + new, G)
+            self.state.pos[session.slot] = E
+        grid_hidden = self._run_prefill(session.slot, session.tokens[E:] + new, E, replay=E - G)
         session.tokens.extend(new)
         session.decoded_from = len(session.tokens)
+        session.tail_end = len(session.tokens)
         return grid_hidden
+
+    def replayable_end(self, session: Session) -> int:
+        """How far past its grid point G the session's tail buffers hold its prefilled tokens, the tail an
+        append replays (G: none)."""
+        P = len(session.tokens)
+        G = P // self.grid * self.grid
+        t = session.tail_end
+        prefilled = session.decoded_from if session.decoded_from is not None else G
+        if self.tail_replay and t is not None and t // self.grid * self.grid == G and G < t <= min(P, prefilled):
+            return t
+        return G
 
     def logits(self, session: Session) -> torch.Tensor:
         self._own(session)
@@ -583,7 +615,7 @@ class Engine:
             self._own(session)
             tokens = list(session.tokens)
             self._reset_slot(session.slot)
-            session.tokens, session.decoded_from = [], 0
+            session.tokens, session.decoded_from, session.tail_end = [], 0, None
             session.weights_version = self.weights_version
             self.prefix.rederiving(session)
             return tokens

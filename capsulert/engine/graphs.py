@@ -26,9 +26,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, order=True)
 class ShapeKey:
-    phase: str  # "prefill", "prefill_grid" (keeps the state at a grid point inside the piece) or "decode"
+    # "prefill", "prefill_grid" (keeps the state at a grid point inside the piece), either with "_replay" (the
+    # linear-attention layers replay the slot's tail first, engine/tail_replay.py), or "decode"
+    phase: str
     batch: int
     tokens: int
+
+    @property
+    def replays(self) -> bool:
+        return self.phase.endswith("_replay")
+
+    @property
+    def keeps_grid(self) -> bool:
+        return self.phase.startswith("prefill_grid")
 
 
 def decode_buckets(wanted: tuple[int, ...], largest: int) -> tuple[int, ...]:
@@ -47,9 +57,10 @@ def prefill_buckets(prefill_chunk: int, smallest: int = 16) -> list[int]:
 
 class GraphPlans:
     def __init__(self, model: HybridModel, state: StateSet, scratch_slot: int, max_seq: int,
-                 prefill_chunk: int, decode_batches: tuple[int, ...], grid: int):
+                 prefill_chunk: int, decode_batches: tuple[int, ...], grid: int, tail_replay: bool = False):
         self.model, self.state, self.scratch = model, state, scratch_slot
         self.grid = grid
+        self.tail_replay = tail_replay  # prefill pieces keep their tails, and the replaying pieces have graphs
         self.max_seq = max_seq
         self.prefill_sizes = prefill_buckets(prefill_chunk)
         self.decode_batches = tuple(sorted(decode_batches))
@@ -59,6 +70,8 @@ class GraphPlans:
         self.slots = torch.full((bmax,), scratch_slot, dtype=torch.long, device=dev)
         self.valid = torch.ones(bmax, dtype=torch.long, device=dev)
         self.grid_at = torch.full((1,), grid, dtype=torch.long, device=dev)
+        self.replay = torch.zeros(1, dtype=torch.long, device=dev)
+        self.tail_from = torch.zeros(1, dtype=torch.long, device=dev)
         rows = model.decode_rows or bmax
         self.logits = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
@@ -67,25 +80,46 @@ class GraphPlans:
         self.warmup_s = 0.0  # part of capture_s: first runs of every shape (Triton compiles and autotuning)
         self.warmup_by_key: dict[ShapeKey, float] = {}
 
-    def _run(self, key: ShapeKey) -> None:
+    def run_shape(self, key: ShapeKey) -> None:
+        """Run one shape eagerly on the static inputs: what capturing its graph records."""
         B, T = key.batch, key.tokens
         # the scratch slot absorbs padding rows; keep its position in range whatever ran before
         self.state.pos[self.scratch:self.scratch + 1].zero_()
         decode = key.phase == "decode"
+        # a session's prefill piece keeps its tail (B > 1: decode's grid re-derivation, which leaves none)
+        keeps_tail = self.tail_replay and not decode and B == 1
         self.model.forward(self.state, self.slots[:B], self.tokens[:B, :T], self.max_seq,
                            None if decode else self.valid[:B], decode=decode,
-                           grid_at=self.grid_at if key.phase == "prefill_grid" else None)
+                           grid_at=self.grid_at if key.keeps_grid else None,
+                           replay=self.replay if key.replays else None, tail_from=self.tail_from if keeps_tail else None)
         if decode:
             logits = self.model.logits(self.state, self.slots[:B])
             self.logits[:logits.shape[0]].copy_(logits)
 
-    def capture(self, prefill: bool = True, progress: bool | None = None) -> None:
-        """Warm up every shape, then capture its graph; `progress`: a bar over both passes (None: on a
-        terminal)."""
+    def shape_keys(self, prefill: bool = True) -> list[ShapeKey]:
+        """Every shape captured: the decode batches and, with `prefill`, the prefill pieces."""
         keys = [ShapeKey("decode", b, 1) for b in self.decode_batches]
         keys += [ShapeKey("prefill", 1, t) for t in self.prefill_sizes] if prefill else []
         keys += [ShapeKey("prefill_grid", 1, t) for t in self.prefill_sizes if t > self.grid] if prefill else []
+        # a piece after a replayed tail starts off the grid: it may cross a grid point at any length
+        keys += [ShapeKey(p, 1, t) for p in ("prefill_replay", "prefill_grid_replay") for t in self.prefill_sizes
+                 ] if prefill and self.tail_replay else []
         keys += [ShapeKey("prefill", b, self.grid) for b in self.decode_batches if b > 1] if prefill else []
+        return keys
+
+    def warm_inputs(self) -> None:
+        """Static inputs every shape can run on: padding rows in the scratch slot, one real token, a grid
+        point and a replayed row one token in (a piece of any length holds them)."""
+        self.slots.fill_(self.scratch)
+        self.valid.fill_(1)
+        self.grid_at.fill_(1)
+        self.replay.fill_(1)
+        self.tail_from.zero_()
+
+    def capture(self, prefill: bool = True, progress: bool | None = None) -> None:
+        """Warm up every shape, then capture its graph; `progress`: a bar over both passes (None: on a
+        terminal)."""
+        keys = self.shape_keys(prefill)
         with progress_bar(2 * len(keys), "capsulert: CUDA graphs", progress=progress, unit="shape") as bar:
             self._capture(keys, bar)
         log.info("captured %d CUDA graphs in %.1f s (warm-up of every shape %.1f s)", len(keys), self.capture_s,
@@ -94,16 +128,14 @@ class GraphPlans:
     def _capture(self, keys: list[ShapeKey], bar: Bar) -> None:
         t0 = time.perf_counter()
         saved = {n: b.clone() for n, b in self.state.buffers.items() if n in ("pos",)}
-        self.slots.fill_(self.scratch)
-        self.valid.fill_(1)
-        self.grid_at.fill_(self.grid)
+        self.warm_inputs()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         bar.set_postfix_str("warm-up")
         with torch.cuda.stream(side):
             for key in keys:  # warm up every shape (allocator, Triton compiles and autotuning) before capture
                 t = time.perf_counter()
-                self._run(key)
+                self.run_shape(key)
                 torch.cuda.synchronize()
                 self.warmup_by_key[key] = time.perf_counter() - t
                 bar.update()
@@ -122,7 +154,7 @@ class GraphPlans:
             for i, key in enumerate(keys):
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
-                    self._run(key)
+                    self.run_shape(key)
                 self.pool = g.pool()
                 self.graphs[key] = g
                 log.debug("captured CUDA graph %d/%d (%s b=%d t=%d)", i + 1, len(keys), key.phase, key.batch, key.tokens)
@@ -135,9 +167,12 @@ class GraphPlans:
             self.state.buffers[n].copy_(b)
         self.capture_s = time.perf_counter() - t0
 
-    def prefill(self, slot: int, tokens: list[int], grid_at: int | None = None) -> None:
+    def prefill(self, slot: int, tokens: list[int], grid_at: int | None = None, replay: int = 0,
+                tail_from: int | None = None) -> None:
         """One piece of `tokens` for `slot`; `grid_at`: the piece's last grid point lies that many tokens in
-        (its state becomes the slot's grid checkpoint)."""
+        (its state becomes the slot's grid checkpoint); `replay`: the linear-attention layers replay that many
+        rows of the slot's tail first; `tail_from`: the row of their piece from which on its rows become the
+        slot's tail (HybridModel.forward)."""
         n = len(tokens)
         T = next((t for t in self.prefill_sizes if t >= n), None)
         if T is None:
@@ -147,11 +182,15 @@ class GraphPlans:
         self.tokens[0, :T].copy_(row, non_blocking=True)
         self.slots[0] = slot
         self.valid[0] = n
-        if grid_at is None:
-            self.graphs[ShapeKey("prefill", 1, T)].replay()
-        else:
+        if replay and not self.tail_replay:
+            raise ValueError("these graph plans keep no tails: a replaying piece has no graph")
+        self.replay[0] = replay
+        if tail_from is not None:
+            self.tail_from[0] = tail_from
+        if grid_at is not None:
             self.grid_at[0] = grid_at
-            self.graphs[ShapeKey("prefill_grid", 1, T)].replay()
+        phase = ("prefill" if grid_at is None else "prefill_grid") + ("_replay" if replay else "")
+        self.graphs[ShapeKey(phase, 1, T)].replay()
 
     def prefill_rows(self, slots: list[int], rows: list[list[int]]) -> None:
         """`grid` tokens for each slot at once (the grid points decode reached); padding rows run in the

@@ -33,6 +33,7 @@ from capsulert.kernels.ops import KernelSet, reference_kernels
 from capsulert.engine.moe import moe_mlp
 from capsulert.engine.packing import PACKS, pack_layer, split_sizes
 from capsulert.engine.state import StateSet
+from capsulert.engine.tail_replay import keep_tail, new_rows, with_tail
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -89,7 +90,8 @@ class HybridModel:
     @torch.inference_mode()
     def forward(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, kv_len: int,
                 valid: torch.Tensor | None = None, decode: bool = False,
-                grid_at: int | torch.Tensor | None = None) -> None:
+                grid_at: int | torch.Tensor | None = None, replay: int | torch.Tensor | None = None,
+                tail_from: int | torch.Tensor | None = None) -> None:
         """Run tokens [B, T] for slots [B] at positions state.pos[slots] + t; updates every state buffer
         of those slots in place, stores the last token's hidden state in last_hidden and advances pos.
 
@@ -100,7 +102,13 @@ class HybridModel:
         `grid_at` (prefill, an int or a [B] device tensor for a graph): the piece crosses a grid point that many
         tokens in; the recurrent and conv state there become the slots' grid checkpoints (ssm_grid, conv_grid)
         and the hidden state before it goes to grid_hidden, so a piece past its last grid point needs no cut
-        there (and no second pass of the weights)."""
+        there (and no second pass of the weights).
+
+        `replay` (prefill; an int, or [B] for a graph): the linear-attention layers run that many rows of the
+        slots' tail buffers before the new tokens, from the recurrent and conv state at the grid point those
+        rows start at (engine/tail_replay.py); `grid_at` still counts from the first new token.
+        `tail_from` (prefill): from that row of a linear-attention layer's piece (tail rows included) on, its
+        conv inputs and gate projections become the slots' tail buffers."""
         B = tokens.shape[0]
         if decode and self.rowwise and B > 1:
             for i in range(B):
@@ -128,7 +136,7 @@ class HybridModel:
             if layer.kind == FULL:
                 x = self._attention(layer, x, state, slots, start, kv_len, rope, decode)
             else:
-                x = self._gated_delta_net(layer, x, state, slots, decode, valid, grid_at)
+                x = self._gated_delta_net(layer, x, state, slots, decode, valid, grid_at, replay, tail_from)
             h, x = add_rms_norm(h, x, w["post_attention_layernorm.weight"], eps)
             delta = self._mlp(w, x, B)
         h = (h + delta)[:B]
@@ -176,7 +184,8 @@ class HybridModel:
         o = pad_rows(o, R).reshape(R, T, -1) * torch.sigmoid(gate)
         return F.linear(o, w["self_attn.o_proj.weight"])
 
-    def _gated_delta_net(self, layer, x, state, slots, decode: bool, valid, grid_at=None):
+    def _gated_delta_net(self, layer, x, state, slots, decode: bool, valid, grid_at=None, replay=None,
+                         tail_from=None):
         cfg, w = self.cfg, layer.w
         R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
         B = slots.shape[0]
@@ -192,6 +201,17 @@ class HybridModel:
             o = pad_rows(o, R)[:, None]
             o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
             return F.linear(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
+        if replay is not None or tail_from is not None:
+            gates = torch.cat([b, a], dim=-1)
+            if replay is not None:  # the tail's rows first: the piece this layer runs starts at the grid point
+                mixed = with_tail(state.tail_in[li][slots], mixed, replay)
+                gates = with_tail(state.tail_gates[li][slots], gates, replay)
+                valid = replay + (valid if valid is not None else torch.full_like(slots, T))
+                grid_at = None if grid_at is None else grid_at + replay
+            if tail_from is not None:
+                keep_tail(state.tail_in[li], slots, mixed, tail_from)
+                keep_tail(state.tail_gates[li], slots, gates, tail_from)
+            b, a = gates.split(Hv, dim=-1)
         if grid_at is not None:
             state.conv_grid[li].index_copy_(0, slots, conv_history_at(mixed, conv_buf[slots], grid_at))
         mixed = self.kernels.conv_prefill(mixed, conv_buf, slots, w["conv"], valid)
@@ -201,6 +221,8 @@ class HybridModel:
         if grid_at is not None:
             self._grid_state(state.ssm_grid[li], ssm_buf, slots, qkvgb, grid_at)
         o = self.kernels.gated_delta_prefill(*qkvgb, ssm_buf, slots)
+        if replay is not None:
+            o = new_rows(o, replay, T)
         o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
         return F.linear(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
 

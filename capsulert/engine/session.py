@@ -31,6 +31,9 @@ class Session:
         # tokens[:decoded_from] came through the prefill path, the rest through one-token decode steps: with
         # the tokens this says how the state was made (None: unknown, restored from a capsule without it)
         self.decoded_from: int | None = 0
+        # the slot's tail buffers (engine/tail_replay.py) hold the prefilled tokens from the grid point before
+        # tail_end up to it (None: nothing kept); those tokens an append replays instead of re-running them
+        self.tail_end: int | None = None
         self.closed = False
         self.stop_reason: str | None = None
         self.interrupt_requested = False  # set by interrupt() from any thread, read by the decode loop

@@ -7,6 +7,12 @@ the engine (tested), which is what lets captured CUDA graphs and capsules refer 
 `ssm_grid` / `conv_grid` hold the recurrent and conv state of each slot at its last grid point
 G = floor(len / 64) * 64 (engine.GRID). Appends re-run the tokens [G, len) from there, so a prefill
 split on the grid, a restore + append, and a cold prefill all run the same kernels on the same shapes.
+
+`tail_in` / `tail_gates` are the exact-replay buffer: per linear-attention layer, the conv inputs and the raw
+gate projections (b | a) of the prefilled tokens past the grid point, at most GRID - 1 of them. With them an
+append re-runs those tokens through the linear-attention layers' conv and chunk math only (their projections,
+MLPs and attention rows, KV included, are what they were: split-invariant prefill), instead of through the
+whole model. Decoded tokens have none (decode computes other bits), so they are re-run in full.
 """
 from __future__ import annotations
 
@@ -15,10 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from capsulert.config.model import ModelConfig
+from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK
 
 # 3: as 2 (the live state at P, KV [0, P), plus the grid checkpoint off the grid) on the 64-token grid; 2 kept
-# its grid checkpoint and prefix blocks every prefill_chunk tokens
+# its grid checkpoint and prefix blocks every prefill_chunk tokens. A v3 capsule off the grid may also hold
+# the exact-replay rows of its tail (tail_in, tail_gates); one without them re-runs its tail in full.
 LAYOUT_VERSION = 3
+# rows of the exact-replay buffer: a grid chunk (engine.GRID, the gated delta rule's chunk)
+TAIL_ROWS = GATED_DELTA_CHUNK
 
 
 @dataclass(frozen=True)
@@ -37,9 +47,11 @@ class StateLayout:
     hidden: int
     dtype: torch.dtype
     device: torch.device
+    tail_rows: int = 0  # rows of the exact-replay buffer (TAIL_ROWS), 0: no such buffer
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, slots: int, max_seq: int, dtype, device) -> "StateLayout":
+    def for_model(cls, cfg: ModelConfig, slots: int, max_seq: int, dtype, device,
+                  tail_replay: bool = False) -> "StateLayout":
         return cls(
             slots=slots,
             max_seq=max_seq,
@@ -55,6 +67,7 @@ class StateLayout:
             hidden=cfg.hidden_size,
             dtype=dtype,
             device=torch.device(device),
+            tail_rows=TAIL_ROWS if tail_replay else 0,
         )
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -74,7 +87,16 @@ class StateLayout:
             # the hidden state of the token before the grid point a prefill piece crossed (its logits), so
             # the checkpoint kept there needs no cut of the piece; meaningful only right after that piece
             "grid_hidden": ((self.slots, self.hidden), self.dtype),
+            **self.tail_shapes(self.slots, self.tail_rows),
         }
+
+    def tail_shapes(self, slots: int, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The exact-replay buffers (module doc) for `slots` slots of `rows` rows: conv inputs, and b | a;
+        none for rows = 0. A capsule holds them with one slot, squeezed, and the rows of its tail."""
+        if not rows:
+            return {}
+        tail = (self.linear_layers, slots, rows)
+        return {"tail_in": (tail + (self.conv_dim,), self.dtype), "tail_gates": (tail + (2 * self.v_heads,), self.dtype)}
 
 
 class StateSet:

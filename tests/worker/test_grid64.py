@@ -63,7 +63,7 @@ def test_a_piece_that_crosses_its_grid_point_keeps_the_checkpoint_in_one_pass(ma
     and one past it), and the grid checkpoint it keeps inside the piece is bitwise the state a prefill that
     stops at the grid point computes, as are the live state and the logits after it, and the hidden state
     before the grid point (the logits a checkpoint there gives)."""
-    eng = make_engine(prefill_chunk=256, slots=3)
+    eng = make_engine(prefill_chunk=256, slots=3, tail_replay=True)
     t = toks(P + n, 6)
     G = (P + n) // GRID * GRID
     cut = eng.open()
@@ -75,7 +75,8 @@ def test_a_piece_that_crosses_its_grid_point_keeps_the_checkpoint_in_one_pass(ma
     with monkeypatch.context() as m:
         passes = count_pieces(eng, m)
         got = s.append(t[P:]).clone()
-    assert passes == [P + n - P // GRID * GRID], passes  # the re-run and the new tokens, in one piece
+    # the new tokens in one piece, the tail [P // GRID * GRID, P) replayed in its linear-attention layers
+    assert passes == [n], passes
     mine = state_of(eng, s)
     for k in ("ssm", "conv"):
         assert torch.equal(mine[f"{k}_grid"], at_grid[k]), f"{k} checkpoint at {G}"
@@ -112,8 +113,11 @@ def test_prefill_in_any_pieces_gives_the_same_state_at_every_grid_point(make_eng
 
 
 @pytest.mark.parametrize("P", [130, 191, 192, 250, 383])
-def test_a_capsule_anywhere_reruns_fewer_than_64_tokens(make_engine, P, monkeypatch):
-    eng = make_engine(prefill_chunk=128)
+def test_a_capsule_anywhere_runs_only_the_new_tokens(make_engine, P, monkeypatch):
+    """A capsule of a prompt ending anywhere: restore + append runs the 32 new tokens through the model (the
+    fewer than 64 tokens past its grid point are replayed from the capsule's tail rows) and equals a cold
+    prefill bitwise."""
+    eng = make_engine(prefill_chunk=128, tail_replay=True)
     t = toks(P + 32, 2)
     s = eng.open()
     s.append(t[:P])
@@ -123,15 +127,12 @@ def test_a_capsule_anywhere_reruns_fewer_than_64_tokens(make_engine, P, monkeypa
     want = cold.append(t).clone()
     want_state = state_of(eng, cold)
     cold.close()
-    ran = []
-    prefill = eng._run_prefill
-    monkeypatch.setattr(eng, "_run_prefill", lambda slot, tokens, start: (ran.append(len(tokens)),
-                                                                         prefill(slot, tokens, start))[1])
     r = eng.restore("c")
+    ran = count_pieces(eng, monkeypatch)
     got = r.append(t[P:])
     assert torch.equal(got, want)
     assert_same(want_state, state_of(eng, r), f"restore at {P} + append")
-    assert sum(ran) == P % GRID + 32, f"re-ran {sum(ran) - 32} old tokens at P={P}"
+    assert sum(ran) == 32, f"ran {sum(ran) - 32} old tokens at P={P}"
 
 
 def test_sessions_crossing_a_grid_point_in_one_step_rederive_together_bitwise_as_alone(make_engine):
