@@ -31,6 +31,7 @@ from capsulert.engine.model import HybridModel  # noqa: E402
 from capsulert.engine.moe_weights import DOWN, GATE_UP  # noqa: E402
 from capsulert.protocol.sampling import SamplingParams  # noqa: E402
 
+TAIL_REPLAY = {"auto": None, "on": True, "off": False}
 SHAPE = REPO_ROOT / "capsulert" / "configs" / "models" / "qwen3_5-9b-shape.yaml"
 SUFFIX = 32
 DECODE_BATCHES = (1, 8, 32, 64)
@@ -73,6 +74,8 @@ OFF_GRID = (2048, 2049, 2560, 3000, 3071, 4096, 4500)
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--tail-replay", choices=("auto", "on", "off"), default="auto",
+                    help="EngineConfig.tail_replay (auto: the engine's default, off on CUDA)")
     ap.add_argument("--model", default=f"random:{SHAPE}", help="random:<shape YAML> (default: the 9B shape) or a "
                     "checkpoint directory")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
@@ -92,7 +95,8 @@ def main() -> int:
     max_seq = (max(args.lengths) + 2 * SUFFIX + 64 + c - 1) // c * c
     t0 = time.perf_counter()
     torch.cuda.reset_peak_memory_stats()
-    eng = Engine.from_config(model=args.model, device="cuda", dtype="bfloat16", slots=max(DECODE_BATCHES) + 2,
+    eng = Engine.from_config(model=args.model, device="cuda", dtype="bfloat16",
+                             tail_replay=TAIL_REPLAY[args.tail_replay], slots=max(DECODE_BATCHES) + 2,
                              max_seq=max_seq, prefill_chunk=c)
     start_s = time.perf_counter() - t0
     weights_gb = sum(t.numel() * t.element_size() for t in eng.model_weights.values()) / 1e9
@@ -254,7 +258,7 @@ def main() -> int:
     print_table(rows, cols)
     print("decode:", decode)
     print("fan-out best-of-8 from 8k, 64 tokens:", fan)
-    result = dict(machine=machine_info("cuda"), model=args.model, prefill_chunk=c, engine_start_s=start_s, kernels=eng.model.kernels.name,
+    result = dict(machine=machine_info("cuda"), model=args.model, prefill_chunk=c, tail_replay=eng.tail_replay, engine_start_s=start_s, kernels=eng.model.kernels.name,
                   graphs=len(eng.graphs.graphs), capture_s=eng.graphs.capture_s, weights_gb=weights_gb,
                   state_gb=state_gb, peak_gb=mem_gb, ttft=rows, decode=decode, fanout=fan)
     write_json(OUT_DIR / "gpu.json", result)

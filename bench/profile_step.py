@@ -25,6 +25,7 @@ from common import OUT_DIR, log, machine_info, print_table, write_json  # noqa: 
 from capsulert.engine.default_model import REPO_ROOT  # noqa: E402
 from capsulert.engine.engine import Engine  # noqa: E402
 
+TAIL_REPLAY = {"auto": None, "on": True, "off": False}
 SHAPE = REPO_ROOT / "capsulert" / "configs" / "models" / "qwen3_5-9b-shape.yaml"
 KINDS = [  # first match wins
     ("gemm", r"gemm|gemv|nvjet|cutlass|sm90_xmma|splitK|matmul"),
@@ -99,6 +100,8 @@ def main() -> int:
     ap.add_argument("--capsule", type=int, default=16384)
     ap.add_argument("--prefill-chunk", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--tail-replay", choices=("auto", "on", "off"), default="auto",
+                    help="EngineConfig.tail_replay (auto: the engine's default, off on CUDA)")
     ap.add_argument("--model", default=f"random:{SHAPE}", help="random:<shape YAML> (default: the 9B shape) or a "
                     "checkpoint directory")
     ap.add_argument("--append", type=int, default=32, help="tokens of the profiled restore + append")
@@ -109,7 +112,8 @@ def main() -> int:
     longest = max(args.append_at) if args.append_at else max(args.context, args.capsule)
     max_seq = (longest + 2 * c) // c * c
     t0 = time.perf_counter()
-    eng = Engine.from_config(model=args.model, device="cuda", dtype="bfloat16", slots=66, max_seq=max_seq,
+    eng = Engine.from_config(model=args.model, device="cuda", dtype="bfloat16",
+                             tail_replay=TAIL_REPLAY[args.tail_replay], slots=66, max_seq=max_seq,
                              prefill_chunk=c)
     start_s = time.perf_counter() - t0
     log(f"engine up in {start_s:.1f} s, capture {eng.graphs.capture_s:.1f} s (warm-up {eng.graphs.warmup_s:.1f} s), kernels {eng.model.kernels.name}")
@@ -119,7 +123,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(1)
     base = torch.randint(0, vocab, (longest + 64,), generator=g).tolist()
     if args.append_at:
-        result = dict(machine=machine_info("cuda"), engine_start_s=start_s, append_at={})
+        result = dict(machine=machine_info("cuda"), engine_start_s=start_s, tail_replay=eng.tail_replay, append_at={})
         for P in args.append_at:
             s = eng.open()
             s.append(base[:P])
