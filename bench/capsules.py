@@ -80,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: 1 on CPU, see bench/RESULTS.md; 0 = torch's default)")
     p.add_argument("--skip-hf", action="store_true", help="measure ours only")
+    p.add_argument("--tail-replay", choices=("auto", "on", "off"), default="auto",
+                   help="EngineConfig.tail_replay (auto: the engine's default, on for the CPU)")
     p.add_argument("--out", type=Path, default=OUT_DIR, help="output directory (capsules.json, capsules.png)")
     args = p.parse_args(argv)
     if args.lengths is None:
@@ -266,7 +268,8 @@ def main(argv=None) -> int:
     max_seq = -(-(max(lengths) + max(args.suffix, chunk)) // chunk) * chunk
     log(f"engine: model={args.model} device={args.device} slots=4 max_seq={max_seq} prefill_chunk={chunk} "
         f"threads={torch.get_num_threads()}")
-    engine = Engine.from_config(model=args.model, device=args.device, slots=4, max_seq=max_seq, prefill_chunk=chunk)
+    engine = Engine.from_config(model=args.model, device=args.device, slots=4, max_seq=max_seq, prefill_chunk=chunk,
+                                tail_replay={"auto": None, "on": True, "off": False}[args.tail_replay])
     ids = corpus_tokens(engine, max(lengths) + args.suffix)
     hf = None
     if not args.skip_hf:
@@ -291,6 +294,7 @@ def main(argv=None) -> int:
         "config": {"model": args.model, "device": args.device, "dtype": str(engine.dtype).replace("torch.", ""),
                    "slots": 4, "max_seq": max_seq, "prefill_chunk": chunk, "suffix": args.suffix,
                    "repeats": args.repeats, "warmup": 1, "threads": torch.get_num_threads(),
+                   "tail_replay": engine.tail_replay,
                    "statistic": "median", "fingerprint": engine.fingerprint,
                    "hf_logits_to_keep": 1},
         "results": rows,

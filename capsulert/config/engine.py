@@ -49,7 +49,7 @@ class EngineConfig(BaseModel):
     tail_replay: bool | None = Field(None, description="an append to a session (or capsule) whose prefilled tokens end "
                                      "past a grid point re-runs those tokens through the linear-attention layers' conv "
                                      "and chunk math only, from the rows kept for them (the exact-replay buffer), not "
-                                     "through the whole model; the same bits either way. None: on the CPU (20-25% off "
+                                     "through the whole model; the same bits either way. None: on the CPU (10-25% off "
                                      "such an append there), off on CUDA (where keeping and gathering the rows costs "
                                      "more launches than the GEMM rows it saves: bench/RESULTS.md)")
     kernels: Literal["auto", "reference", "triton"] = Field(

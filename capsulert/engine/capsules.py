@@ -212,7 +212,7 @@ class CapsuleVerbs:
         replay = meta.replay_from is not None
         tail = specs.get("tail_in")
         tail_rows = tail.shape[1] if tail is not None and len(tail.shape) == 3 else 0
-        if tail is not None and (replay or not 0 < tail_rows < meta.boundary - meta.grid_pos + 1):
+        if tail is not None and (replay or not 0 < tail_rows <= meta.boundary - meta.grid_pos):
             raise IncompatibleCapsuleError(
                 f"capsule {meta.name!r} holds tail rows {tail.shape} for {meta.boundary - meta.grid_pos} tokens "
                 f"past its grid point{' (a replay capsule keeps none)' if replay else ''}")

@@ -362,13 +362,13 @@ class Engine:
                 # the state at end's last grid point is the slot's checkpoint, kept inside the last piece
                 at = grid_point_inside(a, b, self.grid) if b == end else None
                 r = replay if i == 0 else 0
-                # the rows past the piece's last grid point (in the linear layers' piece, which starts r earlier)
-                # are the slot's tail when the piece is the last
-                tail_from = b // self.grid * self.grid - (a - r) if self.tail_replay else None
+                # the last piece's rows past its last grid point (in the linear layers' piece, which starts r
+                # earlier) are the slot's tail
+                tail_from = b // self.grid * self.grid - (a - r) if self.tail_replay and b == end else None
                 if self.graphs is not None:
                     self.graphs.prefill(slot, tokens[a - start:b - start], grid_at=at, replay=r, tail_from=tail_from)
                 else:
-                    self._forward_piece(slots, ids[a - start:b - start], a, at, r, tail_from if b == end else None)
+                    self._forward_piece(slots, ids[a - start:b - start], a, at, r, tail_from)
                 if b % self.grid == 0:
                     self.state.save_grid(slot)
                 if pace:

@@ -182,10 +182,11 @@ class GraphPlans:
         self.tokens[0, :T].copy_(row, non_blocking=True)
         self.slots[0] = slot
         self.valid[0] = n
-        if replay and not self.tail_replay:
-            raise ValueError("these graph plans keep no tails: a replaying piece has no graph")
-        self.replay[0] = replay
-        if tail_from is not None:
+        if replay:  # read only by the replaying graphs
+            if not self.tail_replay:
+                raise ValueError("these graph plans keep no tails: a replaying piece has no graph")
+            self.replay[0] = replay
+        if tail_from is not None:  # a piece before the last keeps a tail the last one overwrites
             self.tail_from[0] = tail_from
         if grid_at is not None:
             self.grid_at[0] = grid_at
