@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from capsulert.config.model import FULL, ModelConfig
-from capsulert.kernels.conv import conv_history_at
 from capsulert.kernels.ops import KernelSet, reference_kernels
 from capsulert.engine.moe import moe_mlp
 from capsulert.engine.packing import PACKS, pack_layer, split_sizes
@@ -130,13 +129,18 @@ class HybridModel:
         eps = self.cfg.rms_norm_eps
         add_rms_norm = self.kernels.add_rms_norm
         delta = None  # the previous block's output, added to the residual stream by the next norm
+        # the linear-attention layers' piece starts `replay` rows early, with the tail's rows
+        lin_valid, lin_grid_at = valid, grid_at
+        if replay is not None:
+            lin_valid = replay + (valid if valid is not None else torch.full_like(slots, tokens.shape[1]))
+            lin_grid_at = None if grid_at is None else grid_at + replay
         for layer in self.layers:
             w = layer.w
             h, x = add_rms_norm(h, delta, w["input_layernorm.weight"], eps)
             if layer.kind == FULL:
                 x = self._attention(layer, x, state, slots, start, kv_len, rope, decode)
             else:
-                x = self._gated_delta_net(layer, x, state, slots, decode, valid, grid_at, replay, tail_from)
+                x = self._gated_delta_net(layer, x, state, slots, decode, lin_valid, lin_grid_at, replay, tail_from)
             h, x = add_rms_norm(h, x, w["post_attention_layernorm.weight"], eps)
             delta = self._mlp(w, x, B)
         h = (h + delta)[:B]
@@ -186,6 +190,7 @@ class HybridModel:
 
     def _gated_delta_net(self, layer, x, state, slots, decode: bool, valid, grid_at=None, replay=None,
                          tail_from=None):
+        """`valid` and `grid_at` count in the layer's piece: from the first replayed tail row on."""
         cfg, w = self.cfg, layer.w
         R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
         B = slots.shape[0]
@@ -206,38 +211,23 @@ class HybridModel:
             if replay is not None:  # the tail's rows first: the piece this layer runs starts at the grid point
                 mixed = with_tail(state.tail_in[li][slots], mixed, replay)
                 gates = with_tail(state.tail_gates[li][slots], gates, replay)
-                valid = replay + (valid if valid is not None else torch.full_like(slots, T))
-                grid_at = None if grid_at is None else grid_at + replay
             if tail_from is not None:
                 keep_tail(state.tail_in[li], slots, mixed, tail_from)
                 keep_tail(state.tail_gates[li], slots, gates, tail_from)
             b, a = gates.split(Hv, dim=-1)
-        if grid_at is not None:
-            state.conv_grid[li].index_copy_(0, slots, conv_history_at(mixed, conv_buf[slots], grid_at))
-        mixed = self.kernels.conv_prefill(mixed, conv_buf, slots, w["conv"], valid)
+        # a grid point inside the piece: the conv and recurrent state there become the slot's grid checkpoint,
+        # kept by the same passes that run the piece
+        conv_grid = None if grid_at is None else (state.conv_grid[li], grid_at)
+        mixed = self.kernels.conv_prefill(mixed, conv_buf, slots, w["conv"], valid, conv_grid)
         # padding tokens (from valid[r] on) neither decay nor write the state
         qkvgb = self.kernels.gated_delta_prefill_prep(mixed, a, b, w["neg_A"], w["linear_attn.dt_bias"], valid,
                                                       Hk, Dk, Dv)
-        if grid_at is not None:
-            self._grid_state(state.ssm_grid[li], ssm_buf, slots, qkvgb, grid_at)
-        o = self.kernels.gated_delta_prefill(*qkvgb, ssm_buf, slots)
+        ssm_grid = None if grid_at is None else (state.ssm_grid[li], grid_at)
+        o = self.kernels.gated_delta_prefill(*qkvgb, ssm_buf, slots, ssm_grid)
         if replay is not None:
             o = new_rows(o, replay, T)
         o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
         return F.linear(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
-
-    def _grid_state(self, grid_buf, ssm_buf, slots, qkvgb, at) -> None:
-        """The recurrent state `at` tokens into the piece (a grid point) into grid_buf, from the state at the
-        piece's start: the chunk math of a piece that ended there, on the same rows (split-invariant prefill),
-        so the checkpoint is bitwise the one a cut at the grid point keeps."""
-        grid_buf.index_copy_(0, slots, ssm_buf[slots])
-        if isinstance(at, int):
-            q, k, v, g, beta = (t[:, :at] for t in qkvgb)
-        else:  # a graph's fixed shape: the tokens from `at` on neither decay nor write the state
-            q, k, v, g, beta = qkvgb
-            keep = (torch.arange(q.shape[1], device=q.device)[None, :] < at[:, None]).float()[..., None]
-            g, beta = g * keep, beta * keep
-        self.kernels.gated_delta_prefill(q, k, v, g, beta, grid_buf, slots)
 
     def _project(self, w: dict[str, torch.Tensor], pack: str, x: torch.Tensor) -> list[torch.Tensor]:
         """The projections of group `pack` of x: one GEMM over the packed weight when packed, else one each."""

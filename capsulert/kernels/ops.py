@@ -16,7 +16,7 @@ import torch
 from capsulert.kernels import fused, moe
 from capsulert.kernels.attention import attention_ref, tiled_attention_ref, write_kv_ref
 from capsulert.kernels.conv import causal_conv1d_ref, causal_conv1d_step_ref, conv_history_at
-from capsulert.kernels.gated_delta import chunk_gated_delta_rule_ref
+from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK, chunk_gated_delta_rule_ref
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,13 @@ class KernelSet:
     packed_projections: bool = False
 
 
-def conv_prefill_ref(x, conv_buf, slots, weight, valid=None) -> torch.Tensor:
+def conv_prefill_ref(x, conv_buf, slots, weight, valid=None, grid=None) -> torch.Tensor:
     """x [B, T, C]; conv_buf [slots, C, K-1] updated in place for `slots`. With `valid` [B], only the
-    first valid[b] tokens of a row are real: the new state is the history ending at the last real one."""
+    first valid[b] tokens of a row are real: the new state is the history ending at the last real one.
+    `grid` (grid_buf, at): grid_buf[slots] <- the history after the first `at` tokens (an int or [B])."""
     history = conv_buf[slots]
+    if grid is not None:
+        grid[0].index_copy_(0, slots, conv_history_at(x, history, grid[1]))
     out, new_state = causal_conv1d_ref(x, history, weight)
     if valid is not None:  # the history ending at the last real token
         new_state = conv_history_at(x, history, valid)
@@ -62,9 +65,22 @@ def conv_step_ref(x, conv_buf, slots, weight) -> torch.Tensor:
     return out
 
 
-def gated_delta_prefill_ref(q, k, v, g, beta, ssm_buf, slots) -> torch.Tensor:
-    """ssm_buf [slots, H, K, V] fp32, updated in place for `slots`; returns o [B, T, H, V] fp32."""
-    o, new_state = chunk_gated_delta_rule_ref(q, k, v, g, beta, ssm_buf[slots])
+def gated_delta_prefill_ref(q, k, v, g, beta, ssm_buf, slots, grid=None) -> torch.Tensor:
+    """ssm_buf [slots, H, K, V] fp32, updated in place for `slots`; returns o [B, T, H, V] fp32.
+    `grid` (grid_buf, at): grid_buf[slots] <- the state after the first `at` tokens, a whole number of
+    chunks (an int, or [B] device ints in a graph): the state a piece ending there leaves (split-invariant
+    prefill), so the checkpoint is bitwise the one a cut at the grid point keeps."""
+    state = ssm_buf[slots]
+    if grid is not None:
+        grid_buf, at = grid
+        if isinstance(at, int):
+            assert at % GATED_DELTA_CHUNK == 0, f"a grid point {at} tokens into a piece is off the chunk grid"
+            part = [t[:, :at] for t in (q, k, v, g, beta)]
+        else:  # a graph's fixed shape: the tokens from `at` on neither decay nor write the state
+            keep = (torch.arange(q.shape[1], device=q.device)[None, :] < at[:, None]).float()[..., None]
+            part = [q, k, v, g * keep, beta * keep]
+        grid_buf.index_copy_(0, slots, chunk_gated_delta_rule_ref(*part, state)[1])
+    o, new_state = chunk_gated_delta_rule_ref(q, k, v, g, beta, state)
     ssm_buf.index_copy_(0, slots, new_state)
     return o
 
@@ -96,20 +112,25 @@ def _fla_prefill():
     # the timings in Triton's on-disk cache, next to the compiled kernels, so only the first engine pays.
     # Read when fla's kernels are defined, hence before the import.
     triton.knobs.autotuning.cache = True
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
+    from capsulert.kernels.fla_gated_delta import chunk_gated_delta_rule_grid, fla_stages
+
+    stages = fla_stages()
+    if stages is None:
         return None
 
-    def gated_delta_prefill_fla(q, k, v, g, beta, ssm_buf, slots) -> torch.Tensor:
-        # q is already normalised and scaled, hence scale=1 and no in-kernel L2 norm; fla takes q/k/v in
-        # bf16 (as transformers passes them; the prefill prep already gives bf16) and keeps its state and
-        # accumulators in fp32. o stays bf16: gated_rms_norm rounds o to the model dtype first anyway.
-        o, new_state = chunk_gated_delta_rule(
-            q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, scale=1.0, initial_state=ssm_buf[slots],
-            output_final_state=True,
-        )
-        ssm_buf.index_copy_(0, slots, new_state.float())
+    def gated_delta_prefill_fla(q, k, v, g, beta, ssm_buf, slots, grid=None) -> torch.Tensor:
+        # q is already normalised and scaled (the prefill prep gives q, k, v in bf16, as transformers passes
+        # them); fla keeps its state and accumulators in fp32. o stays bf16: gated_rms_norm rounds o to the
+        # model dtype first anyway.
+        chunk = None
+        if grid is not None:
+            if isinstance(grid[1], int) and grid[1] % GATED_DELTA_CHUNK:
+                raise ValueError(f"a grid point {grid[1]} tokens into a piece is off the chunk grid")
+            chunk = grid[1] // GATED_DELTA_CHUNK
+        o, final, at_grid = chunk_gated_delta_rule_grid(stages, q, k, v, g, beta, ssm_buf[slots], chunk)
+        ssm_buf.index_copy_(0, slots, final)
+        if grid is not None:
+            grid[0].index_copy_(0, slots, at_grid)
         return o
 
     return gated_delta_prefill_fla

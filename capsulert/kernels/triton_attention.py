@@ -23,6 +23,9 @@ Design
   splits share the real work whatever the length. With NUM_SPLITS > 1 each program writes its normalised
   partial output and its log2-sum-exp, and a second kernel (grid B * T * Hq) merges them; splits with no
   visible key carry lse = -inf and are skipped without reading their partials.
+* Split-invariant prefill (prefill_attention): the splits are absolute key ranges of SPLIT_KEYS from position
+  0, and the merge adds the ranges that hold keys in order, so a row's bits do not depend on how many queries
+  share its piece or on kv_len. Long pieces run in waves of rows so the partials stay bounded.
 * Online softmax in base 2 (scores scaled by scale * log2(e)), fp32 accumulators; bf16 inputs use bf16
   tensor-core dots with fp32 accumulation (P is rounded to bf16 for P @ V, as in flash attention); fp32 inputs
   use IEEE fp32 dots (no TF32).
@@ -42,13 +45,13 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, o_ptr, lse_ptr, opart_ptr,
-    T, Hq, kv_len, n_tblocks, qk_scale,
+    T, t0, Tw, Hq, kv_len, n_tblocks, qk_scale,
     sq_b, sq_t, sq_h, sq_d,
     sk_n, sk_s, sk_h, sk_d,
     sv_n, sv_s, sv_h, sv_d,
     so_b, so_t, so_h, so_d,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
-    D: tl.constexpr, BN: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    D: tl.constexpr, BN: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     BM: tl.constexpr = BT * GP
@@ -61,19 +64,23 @@ def _attn_fwd_kernel(
 
     offs_m = tl.arange(0, BM)
     offs_d = tl.arange(0, D)
-    t = tb * BT + offs_m // GP
+    t = t0 + tb * BT + offs_m // GP  # rows [t0, t0 + Tw) of the piece: one wave of a split-invariant launch
     gq = offs_m % GP
-    row_valid = (t < T) & (gq < G)
+    row_valid = (t < T) & (t < t0 + Tw) & (gq < G)
     hq = hkv * G + gq
 
     slot = tl.load(slots_ptr + b).to(tl.int64)
     st = tl.load(start_ptr + b).to(tl.int32)
     pos = st + t  # [BM] absolute position of each query row
-    t_last = tl.minimum(tb * BT + BT, T) - 1
+    t_last = tl.minimum(t0 + tb * BT + BT, T) - 1
     kmax = tl.minimum(st + t_last + 1, kv_len)  # keys [0, kmax) cover every row of this block
-    chunk = tl.cdiv(tl.cdiv(kmax, NUM_SPLITS), BN) * BN
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, kmax)
+    if SPLIT_KEYS > 0:  # absolute key ranges: a row's partials do not depend on the piece
+        lo = split * SPLIT_KEYS
+        hi = tl.minimum(lo + SPLIT_KEYS, kmax)
+    else:
+        chunk = tl.cdiv(tl.cdiv(kmax, NUM_SPLITS), BN) * BN
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, kmax)
 
     q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + hq[:, None] * sq_h + offs_d[None, :] * sq_d,
                 mask=row_valid[:, None], other=0.0)
@@ -118,8 +125,8 @@ def _attn_fwd_kernel(
         tl.store(o_ptr + b * so_b + t[:, None] * so_t + hq[:, None] * so_h + offs_d[None, :] * so_d,
                  out.to(o_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
-        # partials laid out [B, T, Hq, NUM_SPLITS, (D)]
-        row = ((b * T + t) * Hq + hq) * NUM_SPLITS + split
+        # partials laid out [B, Tw, Hq, NUM_SPLITS, (D)], rows of the wave
+        row = ((b * Tw + (t - t0)) * Hq + hq) * NUM_SPLITS + split
         lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + row, lse, mask=row_valid)
         tl.store(opart_ptr + row.to(tl.int64)[:, None] * D + offs_d[None, :], out,
@@ -129,27 +136,39 @@ def _attn_fwd_kernel(
 @triton.jit
 def _attn_merge_kernel(
     lse_ptr, opart_ptr, o_ptr,
-    T, Hq,
+    Tn, t0, Tw, Hq,
     so_b, so_t, so_h, so_d,
-    D: tl.constexpr, NUM_SPLITS: tl.constexpr, SP: tl.constexpr,
+    D: tl.constexpr, NUM_SPLITS: tl.constexpr, SP: tl.constexpr, ORDERED: tl.constexpr,
 ):
-    pid = tl.program_id(0)  # over B * T * Hq, same order as the partials
+    pid = tl.program_id(0)  # over B * Tn * Hq (Tn rows of the wave), in the order of the partials
     hq = pid % Hq
     bt = pid // Hq
-    t = bt % T
-    b = bt // T
+    tw = bt % Tn
+    b = bt // Tn
+    t = t0 + tw
     offs_s = tl.arange(0, SP)
     offs_d = tl.arange(0, D)
-    base = pid.to(tl.int64) * NUM_SPLITS
+    base = ((b * Tw + tw) * Hq + hq).to(tl.int64) * NUM_SPLITS
     lse = tl.load(lse_ptr + base + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.sum(tl.exp2(lse - m), 0)
     acc = tl.zeros([D], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(lse_ptr + base + s) - m) + tl.zeros([D], dtype=tl.float32)  # [D], uniform
-        part = tl.load(opart_ptr + (base + s) * D + offs_d, mask=w > 0.0, other=0.0)  # splits w/o keys: no read
-        acc += w * part
+    if ORDERED:
+        # the splits with keys, summed in split order: the number of empty splits after them (which follows
+        # the piece's length) changes nothing, not even a zero's sign
+        denom = tl.zeros([D], dtype=tl.float32)
+        for s in range(NUM_SPLITS):
+            ls = tl.load(lse_ptr + base + s)
+            if ls > float("-inf"):
+                w = tl.exp2(ls - m) + tl.zeros([D], dtype=tl.float32)
+                denom += w
+                acc += w * tl.load(opart_ptr + (base + s) * D + offs_d)
+    else:
+        denom = tl.sum(tl.exp2(lse - m), 0)
+        for s in range(NUM_SPLITS):
+            w = tl.exp2(tl.load(lse_ptr + base + s) - m) + tl.zeros([D], dtype=tl.float32)  # [D], uniform
+            part = tl.load(opart_ptr + (base + s) * D + offs_d, mask=w > 0.0, other=0.0)  # splits w/o keys: no read
+            acc += w * part
     out = acc / tl.where(denom > 0.0, denom, 1.0)
     tl.store(o_ptr + b * so_b + t * so_t + hq * so_h + offs_d * so_d, out.to(o_ptr.dtype.element_ty))
 
@@ -166,6 +185,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 _PARTIAL_BYTES_CAP = 64 << 20
+# split-invariant prefill: every row folds its keys in ranges of this many from position 0, one program each
+# (a 32-token append over 2k keys runs 8 ranges x 4 kv heads instead of 4 programs over all 2k keys), and a
+# piece's partials take at most this many bytes: a longer piece runs in waves of rows
+SPLIT_KEYS = 256
+_INVARIANT_PARTIAL_BYTES_CAP = 256 << 20
 
 
 def _launch_config(B: int, T: int, Hq: int, Hkv: int, D: int, kv_len: int, device: torch.device,
@@ -175,10 +199,11 @@ def _launch_config(B: int, T: int, Hq: int, Hkv: int, D: int, kv_len: int, devic
     use BM = 128 rows, BN = 64, 8 warps, 2 stages, and about one program per SM (heavier tiles run one per SM:
     T=256 over 16k keys went 263 -> 391 TFLOP/s going from 9 splits to 4). fp32 inputs (IEEE dots, twice the
     bytes per tile) use half the rows and keys per tile so the tiles still fit in shared memory.
-
     split_invariant (prefill): a row's bits must not depend on the piece it is computed in, so the tile shape
-    is the one of the longest pieces whatever T is, and there is one split (a split's key range follows the
-    block's last query, which moves with the piece): every row folds its keys in BN tiles from 0 in order."""
+    is the one of the longest pieces whatever T is, and the splits are absolute key ranges of SPLIT_KEYS
+    (a proportional split's range follows the block's last query, which moves with the piece); the merge adds
+    the ranges with keys in order, so how many empty ones follow (kv_len) changes nothing. `wave`: the rows
+    one launch covers, so the partials fit _INVARIANT_PARTIAL_BYTES_CAP."""
     G = Hq // Hkv
     GP = triton.next_power_of_2(G)
     BT_max = max(1, (64 if fp32 else 128) // GP)
@@ -189,6 +214,13 @@ def _launch_config(B: int, T: int, Hq: int, Hkv: int, D: int, kv_len: int, devic
     heavy = BM * D >= 16384
     num_warps = 8 if heavy else 4
     num_stages = 2 if (D >= 256 or (fp32 and D >= 128)) else 3
+    if split_invariant:
+        assert SPLIT_KEYS % BN == 0
+        splits = triton.cdiv(kv_len, SPLIT_KEYS)
+        per_row = Hq * splits * (D + 1) * 4
+        wave = min(T, max(BT, _INVARIANT_PARTIAL_BYTES_CAP // (B * per_row) // BT * BT))
+        return dict(G=G, GP=GP, BT=BT, BN=BN, n_tblocks=triton.cdiv(wave, BT), splits=splits, wave=wave,
+                    split_keys=SPLIT_KEYS, num_warps=num_warps, num_stages=num_stages)
     n_tblocks = triton.cdiv(T, BT)
     # the split count (and so each row's reduction order) must not depend on the batch size B: a row's
     # attention output is then bitwise the same alone or among 63 others (batch-invariant decode). Sized for
@@ -198,10 +230,8 @@ def _launch_config(B: int, T: int, Hq: int, Hkv: int, D: int, kv_len: int, devic
     splits = max(1, min(target // base, triton.cdiv(kv_len, BN), 64))
     per_split_bytes = T * Hq * (D + 1) * 4  # per row
     splits = max(1, min(splits, _PARTIAL_BYTES_CAP // per_split_bytes))
-    if split_invariant:
-        splits = 1
-    return dict(G=G, GP=GP, BT=BT, BN=BN, n_tblocks=n_tblocks, splits=splits, num_warps=num_warps,
-                num_stages=num_stages)
+    return dict(G=G, GP=GP, BT=BT, BN=BN, n_tblocks=n_tblocks, splits=splits, wave=T, split_keys=0,
+                num_warps=num_warps, num_stages=num_stages)
 
 
 def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, split_invariant: bool = False) -> torch.Tensor:
@@ -220,32 +250,36 @@ def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, split_inva
     assert kv_len >= 1
     ieee = q.dtype == torch.float32 or kv_k.dtype == torch.float32
     cfg = _launch_config(B, T, Hq, Hkv, D, kv_len, q.device, fp32=ieee, split_invariant=split_invariant)
-    S = cfg["splits"]
-    if S > 1:
-        lse = torch.empty(B * T * Hq * S, dtype=torch.float32, device=q.device)
-        opart = torch.empty(B * T * Hq * S * D, dtype=torch.float32, device=q.device)
+    S, Tw = cfg["splits"], cfg["wave"]
+    # one split stores acc / l directly: bitwise what the ordered merge of one range gives (1 * part / 1)
+    merge = S > 1
+    if merge:
+        lse = torch.empty(B * Tw * Hq * S, dtype=torch.float32, device=q.device)
+        opart = torch.empty(B * Tw * Hq * S * D, dtype=torch.float32, device=q.device)
     else:
         lse = opart = o  # unused
-    grid = (B * Hkv * cfg["n_tblocks"], S)
-    _attn_fwd_kernel[grid](
-        q, kv_k, kv_v, slots, start, o, lse, opart,
-        T, Hq, kv_len, cfg["n_tblocks"], float(scale) * _LOG2E,
-        q.stride(0), q.stride(1), q.stride(2), q.stride(3),
-        kv_k.stride(0), kv_k.stride(1), kv_k.stride(2), kv_k.stride(3),
-        kv_v.stride(0), kv_v.stride(1), kv_v.stride(2), kv_v.stride(3),
-        o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        HKV=Hkv, G=cfg["G"], GP=cfg["GP"], BT=cfg["BT"], D=D, BN=cfg["BN"], NUM_SPLITS=S, IEEE=ieee,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    if S > 1:
-        _attn_merge_kernel[(B * T * Hq,)](
-            lse, opart, o,
-            T, Hq,
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    for t0 in range(0, T, Tw):
+        _attn_fwd_kernel[(B * Hkv * cfg["n_tblocks"], S)](
+            q, kv_k, kv_v, slots, start, o, lse, opart,
+            T, t0, Tw, Hq, kv_len, cfg["n_tblocks"], float(scale) * _LOG2E,
+            q.stride(0), q.stride(1), q.stride(2), q.stride(3),
+            kv_k.stride(0), kv_k.stride(1), kv_k.stride(2), kv_k.stride(3),
+            kv_v.stride(0), kv_v.stride(1), kv_v.stride(2), kv_v.stride(3),
             o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-            D=D, NUM_SPLITS=S, SP=triton.next_power_of_2(S),
-            num_warps=4 if D >= 128 else 2,
+            HKV=Hkv, G=cfg["G"], GP=cfg["GP"], BT=cfg["BT"], D=D, BN=cfg["BN"], NUM_SPLITS=S,
+            SPLIT_KEYS=cfg["split_keys"], IEEE=ieee, INTERPRET=interpret,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
+        if merge:
+            Tn = min(Tw, T - t0)
+            _attn_merge_kernel[(B * Tn * Hq,)](
+                lse, opart, o,
+                Tn, t0, Tw, Hq,
+                o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+                D=D, NUM_SPLITS=S, SP=triton.next_power_of_2(S), ORDERED=split_invariant,
+                num_warps=4 if D >= 128 else 2,
+            )
     return o
 
 

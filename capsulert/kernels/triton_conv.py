@@ -67,14 +67,28 @@ def _conv_step_kernel(
 
 
 @triton.jit
+def _history_at(buf_row, x_b, n, offs_i, mi, offs_c, mc, sb_w, sx_t, sx_c, W: tl.constexpr):
+    """[BC, KP]: the conv history after the first n tokens of the piece, history[c, n + i] (i < W), from the
+    old state where n + i < W, else from x."""
+    hidx = n + offs_i  # [KP]
+    n_in_buf = hidx < W
+    nb = tl.load(buf_row[:, None] + hidx[None, :] * sb_w,
+                 mask=mc[:, None] & (n_in_buf & mi)[None, :], other=0.0)
+    nx = tl.load(x_b + (hidx - W)[None, :] * sx_t + offs_c[:, None] * sx_c,
+                 mask=mc[:, None] & ((~n_in_buf) & mi)[None, :], other=0.0)
+    return tl.where(n_in_buf[None, :], nb, nx)
+
+
+@triton.jit
 def _conv_prefill_kernel(
-    x_ptr, buf_ptr, slots_ptr, w_ptr, out_ptr, valid_ptr,
+    x_ptr, buf_ptr, slots_ptr, w_ptr, out_ptr, valid_ptr, grid_buf_ptr, grid_at_ptr,
     T, C,
     sx_b, sx_t, sx_c,
     sb_n, sb_c, sb_w,
     sw_c, sw_k,
     so_b, so_t, so_c,
     KW: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_VALID: tl.constexpr,
+    HAS_GRID: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -110,14 +124,13 @@ def _conv_prefill_kernel(
     else:
         n = T
     offs_i = tl.arange(0, KP)
-    hidx = n + offs_i  # [KP]
-    n_in_buf = hidx < W
     mi = (offs_i < W) & ((offs_i * 0 + pid_t) == 0)  # [KP]; all false outside t-block 0
-    nb = tl.load(buf_row[:, None] + hidx[None, :] * sb_w,
-                 mask=mc[:, None] & (n_in_buf & mi)[None, :], other=0.0)
-    nx = tl.load(x_b + (hidx - W)[None, :] * sx_t + offs_c[:, None] * sx_c,
-                 mask=mc[:, None] & ((~n_in_buf) & mi)[None, :], other=0.0)
-    new = tl.where(n_in_buf[None, :], nb, nx)
+    new = _history_at(buf_row, x_b, n, offs_i, mi, offs_c, mc, sb_w, sx_t, sx_c, W)
+    if HAS_GRID:  # the history at the grid point grid_at[b] tokens in: the slot's conv checkpoint
+        at = tl.load(grid_at_ptr + b).to(tl.int32)
+        at_grid = _history_at(buf_row, x_b, at, offs_i, mi, offs_c, mc, sb_w, sx_t, sx_c, W)
+        tl.store(grid_buf_ptr + slot * sb_n + offs_c[:, None] * sb_c + offs_i[None, :] * sb_w, at_grid,
+                 mask=mc[:, None] & mi[None, :])
 
     tl.debug_barrier()
     tl.store(buf_row[:, None] + offs_i[None, :] * sb_w, new, mask=mc[:, None] & mi[None, :])
@@ -158,10 +171,11 @@ def conv_step(x, conv_buf, slots, weight) -> torch.Tensor:
     return out
 
 
-def conv_prefill(x, conv_buf, slots, weight, valid=None) -> torch.Tensor:
+def conv_prefill(x, conv_buf, slots, weight, valid=None, grid=None) -> torch.Tensor:
     """x [B, T, C]; conv_buf [num_slots, C, K-1] updated in place for `slots`; weight [C, K]. With `valid` [B]
     (device ints), only the first valid[b] tokens of a row are real: the new state is the history ending at
-    the last real one (as conv_prefill_ref). Returns silu(conv) [B, T, C] in x's dtype."""
+    the last real one (as conv_prefill_ref). `grid` (grid_buf, at): grid_buf[slots[b]] <- the history after
+    the first at[b] tokens (an int, or [B] device ints). Returns silu(conv) [B, T, C] in x's dtype."""
     B, T, C = x.shape
     KW = _check(conv_buf, slots, weight, B, C)
     out = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
@@ -172,16 +186,24 @@ def conv_prefill(x, conv_buf, slots, weight, valid=None) -> torch.Tensor:
     BT = max(min(triton.next_power_of_2(T), 16), triton.next_power_of_2(KW - 1))
     assert BT >= KW - 1  # only t-block 0 reads the old state
     num_warps = 4 if BT * BC >= 2048 else 2
-    grid = (B, triton.cdiv(T, BT), triton.cdiv(C, BC))
+    launch = (B, triton.cdiv(T, BT), triton.cdiv(C, BC))
     if valid is not None:
         assert valid.shape == (B,), f"valid must be [{B}], got {tuple(valid.shape)}"
-    _conv_prefill_kernel[grid](
-        x, conv_buf, slots, weight, out, slots if valid is None else valid,
+    grid_buf, grid_at = grid if grid is not None else (conv_buf, None)
+    if grid is not None:
+        assert grid_buf.shape == conv_buf.shape and grid_buf.stride() == conv_buf.stride()
+        if isinstance(grid_at, int):
+            grid_at = torch.full((B,), grid_at, dtype=torch.int32, device=x.device)
+        assert grid_at.shape == (B,), f"grid_at must be [{B}], got {tuple(grid_at.shape)}"
+    _conv_prefill_kernel[launch](
+        x, conv_buf, slots, weight, out, slots if valid is None else valid, grid_buf,
+        slots if grid_at is None else grid_at,
         T, C,
         x.stride(0), x.stride(1), x.stride(2),
         conv_buf.stride(0), conv_buf.stride(1), conv_buf.stride(2),
         weight.stride(0), weight.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        KW=KW, KP=KP, BT=BT, BC=BC, HAS_VALID=valid is not None, num_warps=num_warps,
+        KW=KW, KP=KP, BT=BT, BC=BC, HAS_VALID=valid is not None, HAS_GRID=grid is not None,
+        num_warps=num_warps,
     )
     return out

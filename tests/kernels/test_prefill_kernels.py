@@ -18,6 +18,8 @@ import triton  # noqa: F401  (tests/conftest.py ignores this module where triton
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_or_interpreter")]
 
 from capsulert.kernels import fused as ref  # noqa: E402
+from capsulert.kernels import triton_attention  # noqa: E402
+from capsulert.kernels.attention import attention_ref  # noqa: E402
 from capsulert.kernels.ops import conv_prefill_ref  # noqa: E402
 from capsulert.kernels.triton_conv import conv_prefill  # noqa: E402
 from capsulert.kernels.triton_gated_delta_prep import gated_delta_prefill_prep, prep_launch_config  # noqa: E402
@@ -144,3 +146,81 @@ def test_conv_prefill_split_anywhere_equals_one_piece():
         second = conv_prefill(rest, two, slots, w, torch.tensor([40 - cut], device=DEVICE))
         assert torch.equal(torch.cat([first, second[:, :40 - cut]], dim=1), whole), cut
         assert torch.equal(two, one), cut
+
+
+@pytest.mark.parametrize("at", [1, 2, 5, 32], ids=["at1", "at2", "at5", "at32"])
+@pytest.mark.parametrize("shape", CONV_SHAPES.values(), ids=CONV_SHAPES.keys())
+def test_conv_prefill_keeps_the_history_at_the_grid_point(shape, at):
+    """With `grid`, the slots' checkpoint buffer gets the history after the first `at` tokens, bitwise the
+    state a piece ending there leaves (also when `at` is under the taps, from the old state); the outputs
+    and the new state are those of the run without it; other slots' checkpoints untouched."""
+    R, C, K, num_slots, ids = shape
+    T = 40
+    x, buf, w = _conv_inputs(R, T, C, K, num_slots, seed=at)
+    slots = torch.tensor(ids, device=DEVICE)
+    v = torch.tensor([T - r for r in range(R)], device=DEVICE)
+    plain_buf = buf.clone()
+    plain = conv_prefill(x, plain_buf, slots, w, v)
+    for index in (at, torch.full((R,), at, device=DEVICE)):
+        ended, grid_buf, got_buf = buf.clone(), torch.zeros_like(buf), buf.clone()
+        conv_prefill(x[:, :at], ended, slots, w)
+        got = conv_prefill(x, got_buf, slots, w, v, (grid_buf, index))
+        assert torch.equal(got, plain) and torch.equal(got_buf, plain_buf)
+        assert torch.equal(grid_buf[slots], ended[slots])
+        others = [i for i in range(num_slots) if i not in ids]
+        assert not grid_buf[others].any()
+        ref_grid = torch.zeros_like(buf)
+        conv_prefill_ref(x, buf.clone(), slots, w, v, (ref_grid, index))
+        assert torch.equal(ref_grid, grid_buf)
+
+
+# ---------------------------------------------------------------- split-invariant prefill attention
+
+ATTN_PIECE_SHAPES = {  # Hq, Hkv, D, context before the piece, max_seq
+    "gqa4-d32": (8, 2, 32, 300, 640),
+    "mha-d16-short": (2, 2, 16, 40, 128),
+    **({"9b-heads-2k": (16, 4, 256, 2048, 4352), "9b-heads-3k": (16, 4, 256, 2944, 4352)} if CUDA else {}),
+}
+
+
+def _kv(Hq, Hkv, D, max_seq, seed=0, dtype=torch.bfloat16):
+    q_all = _randn(1, max_seq, Hq, D, seed=seed, dtype=dtype)
+    kv_k = _randn(2, max_seq, Hkv, D, seed=seed + 1, dtype=dtype)
+    kv_v = _randn(2, max_seq, Hkv, D, seed=seed + 2, dtype=dtype)
+    return q_all, kv_k, kv_v
+
+
+def _rows(q_all, kv_k, kv_v, a, b, kv_len):
+    """prefill_attention of positions [a, b) as one piece, in slot 1."""
+    slots, start = torch.tensor([1], device=DEVICE), torch.tensor([a], device=DEVICE)
+    return triton_attention.prefill_attention(q_all[:, a:b], kv_k, kv_v, slots, start, kv_len,
+                                              q_all.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("shape", ATTN_PIECE_SHAPES.values(), ids=ATTN_PIECE_SHAPES.keys())
+def test_prefill_attention_rows_do_not_depend_on_the_piece(shape, monkeypatch):
+    """Rows of an append (32 tokens after the context), computed in pieces of other lengths, starting at
+    other grid points, with other key bounds (kv_len) and with the piece run in waves of rows: bitwise the
+    same; and close to the reference."""
+    Hq, Hkv, D, P, max_seq = shape
+    q_all, kv_k, kv_v = _kv(Hq, Hkv, D, max_seq)
+    want = _rows(q_all, kv_k, kv_v, P, P + 32, P + 32)
+    slots, start = torch.tensor([1], device=DEVICE), torch.tensor([P], device=DEVICE)
+    ref = attention_ref(q_all[:, P:P + 32].float(), kv_k.float(), kv_v.float(), slots, start, P + 32, D ** -0.5)
+    torch.testing.assert_close(want.float(), ref, **TOL[torch.bfloat16])
+    G = P // 64 * 64
+    assert torch.equal(_rows(q_all, kv_k, kv_v, P, P + 32, max_seq), want)  # a graph's bound
+    assert torch.equal(_rows(q_all, kv_k, kv_v, P, P + 95, max_seq)[:, :32], want)
+    assert torch.equal(_rows(q_all, kv_k, kv_v, G, P + 32, P + 32)[:, P - G:], want)
+    assert torch.equal(_rows(q_all, kv_k, kv_v, P, P + 1, P + 1), want[:, :1])
+    monkeypatch.setattr(triton_attention, "_INVARIANT_PARTIAL_BYTES_CAP", 1)  # waves of one row block
+    assert torch.equal(_rows(q_all, kv_k, kv_v, G, P + 32, max_seq)[:, P - G:], want)
+
+
+def test_prefill_attention_runs_absolute_key_ranges():
+    """The launch covers the keys in ranges of SPLIT_KEYS whatever the piece, and bounds its partials."""
+    cfg = triton_attention._launch_config(1, 32, 16, 4, 256, 4352, torch.device(DEVICE), split_invariant=True)
+    assert cfg["split_keys"] == triton_attention.SPLIT_KEYS and cfg["splits"] == -(-4352 // triton_attention.SPLIT_KEYS)
+    big = triton_attention._launch_config(1, 1024, 16, 4, 256, 65536, torch.device(DEVICE), split_invariant=True)
+    assert big["wave"] < 1024 and big["wave"] % big["BT"] == 0
+    assert big["wave"] * 16 * big["splits"] * 257 * 4 <= triton_attention._INVARIANT_PARTIAL_BYTES_CAP
