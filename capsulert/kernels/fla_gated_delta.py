@@ -62,13 +62,16 @@ def chunk_gated_delta_rule_grid(stages: FlaStages, q, k, v, g, beta, initial_sta
     tensor, each below the piece's chunk count."""
     import triton
 
+    # fla's kernels assume contiguous inputs (its public call makes them so)
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     B, T, H, K = k.shape
     V = v.shape[-1]
     C = GATED_DELTA_CHUNK
     gc = stages.cumsum(g, chunk_size=C, scale=stages.log2_scale)
     w, u, _ = stages.intra(k=k, v=v, g=gc, beta=beta, chunk_size=C)
-    h = k.new_empty(B, triton.cdiv(T, C), H, K, V, dtype=torch.float32)
-    final = k.new_zeros(B, H, K, V, dtype=torch.float32)
+    # without a grid point the states stay in k's dtype, as fla keeps them: no conversion pass
+    h = k.new_empty(B, triton.cdiv(T, C), H, K, V, dtype=k.dtype if grid_chunk is None else torch.float32)
+    final = k.new_empty(B, H, K, V, dtype=torch.float32)  # the state pass writes all of it
     v_new = torch.empty_like(u)
 
     def launch(meta):
@@ -77,7 +80,7 @@ def chunk_gated_delta_rule_grid(stages: FlaStages, q, k, v, g, beta, initial_sta
         k=k, v=u, w=w, v_new=v_new, g=gc, gk=None, h=h, h0=initial_state.contiguous(), ht=final,
         cu_seqlens=None, chunk_offsets=None, T=T, H=H, HV=H, K=K, V=V, BT=C, STATE_V_FIRST=False,
     )
-    o = stages.output(q=q, k=k, v=v_new, h=h.to(k.dtype), g=gc, scale=1.0, chunk_size=C)
+    o = stages.output(q=q, k=k, v=v_new, h=h if grid_chunk is None else h.to(k.dtype), g=gc, scale=1.0, chunk_size=C)
     if grid_chunk is None:
         return o, final, None
     if isinstance(grid_chunk, int):
