@@ -9,8 +9,8 @@ stage, the state pass, the output stage) with h in fp32, gives the output stage 
 own h is (round-to-nearest-even of the same values), and reads the grid state out of h: the state pass runs
 once, where a second chunked rule over the piece before the grid point ran before.
 
-The stages are fla internals: `fla_stages()` imports them and names the fla release they were written
-against when one is missing, rather than running something else.
+The stages are fla internals: `fla_stages()` runs them only under the fla release they were written against
+(FLA_RELEASE, pinned in pyproject's `gpu` extra) and otherwise raises a ConfigError naming it.
 """
 from __future__ import annotations
 
@@ -34,12 +34,23 @@ class FlaStages:
     log2_scale: float
 
 
+def check_fla_release(version: str) -> None:
+    """ConfigError unless `version` is the fla release the stages were written against (its internals change
+    between releases; a mismatch must not run, or silently fall back)."""
+    if version.split("+")[0] != FLA_RELEASE:
+        raise ConfigError(f"flash-linear-attention {version} is installed; capsulert runs the internal stages of "
+                          f"release {FLA_RELEASE}: pip install flash-linear-attention=={FLA_RELEASE} (or uninstall it "
+                          f"to run the plain-torch chunked rule)")
+
+
 def fla_stages() -> FlaStages | None:
-    """fla's forward stages; None when fla is not installed, ConfigError when it lacks them."""
+    """fla's forward stages; None when fla is not installed, ConfigError when it is another release or lacks
+    them."""
     try:
-        import fla  # noqa: F401
+        import fla
     except ImportError:
         return None
+    check_fla_release(getattr(fla, "__version__", "unknown"))
     try:
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64
         from fla.ops.common.chunk_o import chunk_fwd_o
@@ -47,9 +58,8 @@ def fla_stages() -> FlaStages | None:
         from fla.ops.utils import chunk_local_cumsum
         from fla.ops.utils.constant import RCP_LN2
     except ImportError as e:
-        version = getattr(__import__("fla"), "__version__", "?")
-        raise ConfigError(f"flash-linear-attention {version} lacks the chunked gated-delta stages capsulert runs "
-                          f"({e}); install flash-linear-attention=={FLA_RELEASE}") from e
+        raise ConfigError(f"flash-linear-attention {fla.__version__} lacks the chunked gated-delta stages "
+                          f"capsulert runs ({e}); install flash-linear-attention=={FLA_RELEASE}") from e
     return FlaStages(chunk_local_cumsum, chunk_gated_delta_rule_fwd_intra,
                      chunk_gated_delta_rule_fwd_kernel_h_blockdim64, chunk_fwd_o, RCP_LN2)
 
