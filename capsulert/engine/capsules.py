@@ -40,6 +40,7 @@ from capsulert.capsule_store.prefix_index import PrefixMatch
 from capsulert.capsule_store.store import CapsuleStore
 from capsulert.errors import CapsuleError, IncompatibleCapsuleError, StaleCapsuleError, UnknownCapsuleError, UnsupportedStateModeError
 from capsulert.engine.state import LAYOUT_VERSION
+from capsulert.kernels.ops import CUDA_KERNEL_BITS
 from capsulert.kernels.triton_copy import Pair, copy_pairs
 
 if TYPE_CHECKING:
@@ -63,11 +64,14 @@ class Replay:
 
 def numerics_origin(engine: "Engine") -> str:
     """What decides the bytes a forward pass computes besides the tokens and the weights: the device kind,
-    the torch build and the kernels. Capsules of another origin are restored byte-exact but never shared
-    by block or served as prefixes here (their state is not what this engine computes)."""
+    the torch build and the kernels (on CUDA with the revision of their bits). Capsules of another origin are
+    restored byte-exact but never shared by block or served as prefixes here (their state is not what this
+    engine computes)."""
     dev = engine.device
-    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine()
-    return f"{dev.type}:{where}:torch-{torch.__version__}:{engine.config.kernels}"
+    if dev.type == "cuda":
+        return (f"cuda:{torch.cuda.get_device_name(dev)}:torch-{torch.__version__}:{engine.config.kernels}:"
+                f"bits-{CUDA_KERNEL_BITS}")
+    return f"{dev.type}:{platform.machine()}:torch-{torch.__version__}:{engine.config.kernels}"
 
 
 class CapsuleVerbs:

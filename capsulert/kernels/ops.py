@@ -19,6 +19,12 @@ from capsulert.kernels.conv import causal_conv1d_ref, causal_conv1d_step_ref, co
 from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK, chunk_gated_delta_rule_ref
 
 
+# Raised whenever a change to the CUDA kernels alters the bits a forward pass computes, so capsules made before
+# are of another numerics origin (engine/capsules.numerics_origin: restored byte-exact, never shared by block,
+# served as a prefix or replayed). 2: prefill attention over absolute 256-key ranges.
+CUDA_KERNEL_BITS = 2
+
+
 @dataclass(frozen=True)
 class KernelSet:
     name: str
