@@ -73,7 +73,7 @@ def chunk_gated_delta_rule_grid(stages: FlaStages, q, k, v, g, beta, initial_sta
     import triton
 
     # fla's kernels assume contiguous inputs (its public call makes them so)
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    q, k, v, g, beta, initial_state = (t.contiguous() for t in (q, k, v, g, beta, initial_state))
     B, T, H, K = k.shape
     V = v.shape[-1]
     C = GATED_DELTA_CHUNK
@@ -87,7 +87,7 @@ def chunk_gated_delta_rule_grid(stages: FlaStages, q, k, v, g, beta, initial_sta
     def launch(meta):
         return (triton.cdiv(V, meta["BV"]) * B * H,)
     stages.state_kernel[launch](
-        k=k, v=u, w=w, v_new=v_new, g=gc, gk=None, h=h, h0=initial_state.contiguous(), ht=final,
+        k=k, v=u, w=w, v_new=v_new, g=gc, gk=None, h=h, h0=initial_state, ht=final,
         cu_seqlens=None, chunk_offsets=None, T=T, H=H, HV=H, K=K, V=V, BT=C, STATE_V_FIRST=False,
     )
     o = stages.output(q=q, k=k, v=v_new, h=h if grid_chunk is None else h.to(k.dtype), g=gc, scale=1.0, chunk_size=C)

@@ -71,6 +71,14 @@ def conv_step_ref(x, conv_buf, slots, weight) -> torch.Tensor:
     return out
 
 
+def grid_chunks(at):
+    """The whole chunks before a grid point `at` tokens into a piece (an int, or [B] device ints in a graph,
+    which are on the grid by construction): ValueError for an int off the chunk grid."""
+    if isinstance(at, int) and at % GATED_DELTA_CHUNK:
+        raise ValueError(f"a grid point {at} tokens into a piece is off the chunk grid")
+    return at // GATED_DELTA_CHUNK
+
+
 def gated_delta_prefill_ref(q, k, v, g, beta, ssm_buf, slots, grid=None) -> torch.Tensor:
     """ssm_buf [slots, H, K, V] fp32, updated in place for `slots`; returns o [B, T, H, V] fp32.
     `grid` (grid_buf, at): grid_buf[slots] <- the state after the first `at` tokens, a whole number of
@@ -80,8 +88,7 @@ def gated_delta_prefill_ref(q, k, v, g, beta, ssm_buf, slots, grid=None) -> torc
     if grid is not None:
         grid_buf, at = grid
         if isinstance(at, int):
-            assert at % GATED_DELTA_CHUNK == 0, f"a grid point {at} tokens into a piece is off the chunk grid"
-            part = [t[:, :at] for t in (q, k, v, g, beta)]
+            part = [t[:, :grid_chunks(at) * GATED_DELTA_CHUNK] for t in (q, k, v, g, beta)]
         else:  # a graph's fixed shape: the tokens from `at` on neither decay nor write the state
             keep = (torch.arange(q.shape[1], device=q.device)[None, :] < at[:, None]).float()[..., None]
             part = [q, k, v, g * keep, beta * keep]
@@ -128,11 +135,7 @@ def _fla_prefill():
         # q is already normalised and scaled (the prefill prep gives q, k, v in bf16, as transformers passes
         # them); fla keeps its state and accumulators in fp32. o stays bf16: gated_rms_norm rounds o to the
         # model dtype first anyway.
-        chunk = None
-        if grid is not None:
-            if isinstance(grid[1], int) and grid[1] % GATED_DELTA_CHUNK:
-                raise ValueError(f"a grid point {grid[1]} tokens into a piece is off the chunk grid")
-            chunk = grid[1] // GATED_DELTA_CHUNK
+        chunk = None if grid is None else grid_chunks(grid[1])
         o, final, at_grid = chunk_gated_delta_rule_grid(stages, q, k, v, g, beta, ssm_buf[slots], chunk)
         ssm_buf.index_copy_(0, slots, final)
         if grid is not None:
