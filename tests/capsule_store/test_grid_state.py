@@ -102,8 +102,10 @@ def test_branches_share_one_grid_state_block_and_restore_bitwise(engine, ctx_len
     assert {(i.blocks, i.shared_nbytes) for i in infos} == {(BLOCKS, shared)}
     assert st["gpu"]["bytes"] == sum(i.nbytes for i in infos) + shared  # the unique bytes: each block once
     # every branch holds alone only what it computed past the grid point: its live state, last hidden
-    # state, KV rows [256, P) and, past the context's prefilled tail, that tail's exact-replay rows
-    own = {"kv_k", "kv_v", "ssm", "conv", "last_hidden"} | ({"tail_in", "tail_gates"} if ctx_len > 256 else set())
+    # state, KV rows [256, P) and, past the context's prefilled tail, that tail's exact-replay rows (kept
+    # where the engine replays tails: on the CPU by default, not on CUDA)
+    tails = {"tail_in", "tail_gates"} if ctx_len > 256 and eng.tail_replay else set()
+    own = {"kv_k", "kv_v", "ssm", "conv", "last_hidden"} | tails
     assert all(set(eng.store._tiers.entries["default", n].tensors) == own for n in want if n != "ctx" or ctx_len != 256)
     for name, w in want.items():
         assert_restores(eng, name, w)
