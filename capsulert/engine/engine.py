@@ -63,14 +63,34 @@ LONG_PREFILL_CHUNKS = 4
 GRID = GATED_DELTA_CHUNK
 
 
-def prefill_pieces(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
+# the prefill piece that keeps an MoE model's cold prefill near its compute: shorter pieces re-read the experts
+MOE_PREFILL_CHUNK = 4096
+# a rest padded to its graph's rows may waste this many rows before it is cut in two: below it the extra piece's
+# weight pass (a whole expert set on an MoE model) costs more than the padding rows' compute
+PAD_WASTE_ROWS = 512
+
+
+def prefill_pieces(start: int, end: int, chunk: int, sizes: Sequence[int] | None = None) -> list[tuple[int, int]]:
     """[start, end) in pieces of `chunk` tokens from start (the last one shorter): every piece starts on the grid
     when start does. The last piece may cross end's last grid point: the model keeps the state and the hidden
     state there as it runs (HybridModel.forward's grid_at), so an append of up to a chunk is one pass of the
     weights wherever it starts. That is exact because a row gets the same bits whatever piece it is computed
     in (split-invariant prefill): the tokens past the grid point get those a piece starting there gives them,
-    which is how a restore there re-runs them."""
-    bounds = [start, *range(start + chunk, end, chunk), end]
+    which is how a restore there re-runs them.
+
+    `sizes`: the rows a piece is padded to (the captured graphs' token buckets, ascending). A rest that its
+    smallest holding size would pad by more than a quarter of it and PAD_WASTE_ROWS is cut at the largest
+    grid-aligned size that fits it first (2080 tokens under 4096-token pieces: 2048 + 32, not one 4096-row
+    piece)."""
+    bounds = [start, *range(start + chunk, end, chunk)]
+    while sizes:
+        rest = end - bounds[-1]
+        padded = next((t for t in sizes if t >= rest), rest)
+        fit = max((t for t in sizes if t <= rest and t % GRID == 0), default=None)
+        if fit is None or padded - rest <= max(rest // 4, PAD_WASTE_ROWS) or fit == rest:
+            break
+        bounds.append(bounds[-1] + fit)
+    bounds.append(end)
     return list(zip(bounds, bounds[1:]))
 
 
@@ -107,6 +127,11 @@ class Engine:
         if cuda:
             configure_cuda()  # before the first CUDA GEMM (weights are loaded and generated without one)
             check_split_invariant_gemm(self.probe_weight(weights, model_cfg))
+            if model_cfg.is_moe and config.prefill_chunk < MOE_PREFILL_CHUNK:
+                log.info("prefill_chunk=%d on an MoE model: every prefill piece reads the weights of each expert its "
+                         "tokens chose (nearly all of them for a long piece); prefill_chunk=%d makes a long cold "
+                         "prefill up to ~1.5x faster on an H200 (bench/RESULTS.md)", config.prefill_chunk,
+                         MOE_PREFILL_CHUNK)
         else:
             self.cpu_piece_rows = cpu_piece_rows(self.probe_weight(weights, model_cfg))
             if self.cpu_piece_rows > CPU_PIECE_ROWS_CHOICES[0]:
@@ -349,7 +374,8 @@ class Engine:
             slots = torch.tensor([slot], device=self.device)
             ids = torch.tensor(tokens, device=self.device)
         end = start + len(tokens)
-        pieces = prefill_pieces(start - replay, end, self.chunk)
+        pieces = prefill_pieces(start - replay, end, self.chunk,
+                                None if self.graphs is None else self.graphs.prefill_sizes)
         pieces[0] = (start, pieces[0][1])
         # a bar only for long prefills: a short one ends before any bar would show
         bar = progress_bar(len(pieces), "capsulert: prefill", unit="chunk",

@@ -62,3 +62,43 @@ def test_reference_moe_kernels_refuse_graph_capture(make_engine):
         make_engine(device="cuda", slots=2, kernels="reference")
     eager = make_engine(device="cuda", slots=2, kernels="reference", cuda_graphs=False)
     assert len(eager.open(prompt="a prompt").generate(4, SamplingParams(ignore_eos=True))) == 4
+
+
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
+def test_a_prefill_graphs_would_pad_by_half_runs_in_two_pieces_with_the_same_bits(make_engine, monkeypatch):
+    """1056 tokens under 2048-token pieces: a 1024-row and a 32-row graph (engine.prefill_pieces), not one
+    2048-row graph, with the logits and state of one unpadded eager piece."""
+    from capsulert.engine import engine as engine_mod
+
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device: run with -m gpu --device cuda on the GPU machine")
+    ids = torch.randint(1, 4096, (1056,), generator=torch.Generator().manual_seed(3)).tolist()
+    eager = make_engine(device="cuda", slots=1, max_seq=4096, prefill_chunk=2048, cuda_graphs=False)
+    s = eager.open()
+    want = s.append(ids)
+    want_ssm = eager.state.ssm[:, s.slot].clone()
+    eager.close()
+    eng = make_engine(device="cuda", slots=1, max_seq=4096, prefill_chunk=2048)
+    seen = []
+    real = engine_mod.prefill_pieces
+    monkeypatch.setattr(engine_mod, "prefill_pieces", lambda *a: seen.append(real(*a)) or seen[-1])
+    s = eng.open()
+    got = s.append(ids)
+    assert seen == [[(0, 1024), (1024, 1056)]]
+    assert torch.equal(got, want) and torch.equal(eng.state.ssm[:, s.slot], want_ssm)
+
+
+@pytest.mark.parametrize("model_dir", ["moe"], indirect=True)
+def test_an_moe_engine_with_short_prefill_pieces_says_which_piece_keeps_prefill_fast(make_engine, caplog):
+    from capsulert.engine.engine import MOE_PREFILL_CHUNK
+
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device: run with -m gpu --device cuda on the GPU machine")
+    with caplog.at_level("INFO", logger="capsulert.engine.engine"):
+        make_engine(device="cuda", slots=1, cuda_graphs=False).close()
+    assert f"prefill_chunk={MOE_PREFILL_CHUNK}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="capsulert.engine.engine"):
+        make_engine(device="cuda", slots=1, max_seq=MOE_PREFILL_CHUNK, prefill_chunk=MOE_PREFILL_CHUNK,
+                    cuda_graphs=False).close()
+    assert "on an MoE model" not in caplog.text

@@ -51,6 +51,26 @@ def test_prefill_pieces_are_chunks_from_where_they_start(start, end, chunk, want
     assert prefill_pieces(start, end, chunk) == want
 
 
+SIZES_4096 = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]  # the graphs' token buckets under 4096-token pieces
+
+
+@pytest.mark.parametrize("start,end,chunk,sizes,want", [
+    (0, 2080, 4096, SIZES_4096, [(0, 2048), (2048, 2080)]),
+    (0, 3032, 4096, SIZES_4096, [(0, 2048), (2048, 3032)]),
+    (64, 2200, 4096, SIZES_4096, [(64, 2112), (2112, 2200)]),
+    (0, 8224, 4096, SIZES_4096, [(0, 4096), (4096, 8192), (8192, 8224)]),
+    (0, 2048, 4096, SIZES_4096, [(0, 2048)]),
+    (0, 600, 1024, SIZES_4096[:7], [(0, 600)]),
+    (0, 1100, 1536, [16, 32, 64, 128, 256, 512, 1024, 1536], [(0, 1100)]),
+    (0, 4100, 4096, SIZES_4096, [(0, 4096), (4096, 4100)]),
+], ids=["rest-cut", "rest-cut-then-pad", "from-grid", "chunks-then-rest", "whole-bucket", "small-waste-padded",
+        "chunk-not-a-power-of-2", "short-rest"])
+def test_a_rest_its_graph_would_pad_by_half_is_cut_at_the_largest_size_that_fits(start, end, chunk, sizes, want):
+    pieces = prefill_pieces(start, end, chunk, sizes)
+    assert pieces == want
+    assert all(a % GRID == 0 for a, _ in pieces)  # on the grid: split-invariant prefill keeps their bits
+
+
 @pytest.mark.parametrize("a,b,want", [(0, 200, 192), (2944, 3032, 64), (192, 200, None), (0, 256, None),
                                       (64, 1100, 1024), (3008, 3071, None)])
 def test_the_last_grid_point_inside_a_piece(a, b, want):
