@@ -25,7 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT_DIR, hf_causal_lm, log, machine_info, median, plot_lines, print_table, write_json  # noqa: E402
 
 from capsulert.engine.default_model import REPO_ROOT  # noqa: E402
-from capsulert.engine.engine import GRID, Engine  # noqa: E402
+from capsulert.config.engine import RANDOM_PREFIX  # noqa: E402
+from capsulert.config.model import ModelConfig  # noqa: E402
+from capsulert.engine.engine import GRID, MOE_PREFILL_CHUNK, Engine  # noqa: E402
 from capsulert.engine.graphs import GraphPlans  # noqa: E402
 from capsulert.engine.model import HybridModel  # noqa: E402
 from capsulert.engine.moe_weights import DOWN, GATE_UP  # noqa: E402
@@ -40,6 +42,15 @@ HBM_TBPS = 4.3  # H200 HBM3e: GB read per ms
 
 def sync():
     torch.cuda.synchronize()
+
+
+def default_prefill_chunk(model: str) -> int:
+    """1024, or the engine's MOE_PREFILL_CHUNK for an MoE model (random:<yaml> or a checkpoint directory; the
+    embedded default model is dense)."""
+    if model == "default":
+        return 1024
+    spec = model[len(RANDOM_PREFIX):] if model.startswith(RANDOM_PREFIX) else str(Path(model) / "config.json")
+    return MOE_PREFILL_CHUNK if ModelConfig.from_file(spec).is_moe else 1024
 
 
 def timed(fn, iters=3, warmup=1):
@@ -82,7 +93,9 @@ def main() -> int:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--prefill-chunk", type=int, default=1024, help="the longest prefill piece (multiple of 64)")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help=f"the longest prefill piece (multiple of 64; default 1024, {MOE_PREFILL_CHUNK} for an MoE "
+                         "model, as the engine recommends)")
     ap.add_argument("--off-grid", action="store_true",
                     help=f"capsule TTFT where turns end anywhere: lengths {OFF_GRID} (ratios to the first)")
     args = ap.parse_args()
@@ -91,7 +104,7 @@ def main() -> int:
     if args.off_grid:
         args.lengths = list(OFF_GRID)
     torch.manual_seed(0)
-    c = args.prefill_chunk
+    c = args.prefill_chunk or default_prefill_chunk(args.model)
     max_seq = (max(args.lengths) + 2 * SUFFIX + 64 + c - 1) // c * c
     t0 = time.perf_counter()
     torch.cuda.reset_peak_memory_stats()
