@@ -25,12 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import OUT_DIR, hf_causal_lm, log, machine_info, median, plot_lines, print_table, write_json  # noqa: E402
 
 from capsulert.engine.default_model import REPO_ROOT  # noqa: E402
-from capsulert.config.engine import RANDOM_PREFIX  # noqa: E402
-from capsulert.config.model import ModelConfig  # noqa: E402
+from capsulert.config.engine import EngineConfig  # noqa: E402
 from capsulert.engine.engine import GRID, MOE_PREFILL_CHUNK, Engine  # noqa: E402
 from capsulert.engine.graphs import GraphPlans  # noqa: E402
 from capsulert.engine.model import HybridModel  # noqa: E402
 from capsulert.engine.moe_weights import DOWN, GATE_UP  # noqa: E402
+from capsulert.serve.model_files import model_config  # noqa: E402
 from capsulert.protocol.sampling import SamplingParams  # noqa: E402
 
 TAIL_REPLAY = {"auto": None, "on": True, "off": False}
@@ -45,12 +45,8 @@ def sync():
 
 
 def default_prefill_chunk(model: str) -> int:
-    """1024, or the engine's MOE_PREFILL_CHUNK for an MoE model (random:<yaml> or a checkpoint directory; the
-    embedded default model is dense)."""
-    if model == "default":
-        return 1024
-    spec = model[len(RANDOM_PREFIX):] if model.startswith(RANDOM_PREFIX) else str(Path(model) / "config.json")
-    return MOE_PREFILL_CHUNK if ModelConfig.from_file(spec).is_moe else 1024
+    """1024, or the engine's MOE_PREFILL_CHUNK for an MoE model."""
+    return MOE_PREFILL_CHUNK if model_config(EngineConfig(model=model)).is_moe else 1024
 
 
 def timed(fn, iters=3, warmup=1):

@@ -87,7 +87,7 @@ def prefill_pieces(start: int, end: int, chunk: int, sizes: Sequence[int] | None
         rest = end - bounds[-1]
         padded = next((t for t in sizes if t >= rest), rest)
         fit = max((t for t in sizes if t <= rest and t % GRID == 0), default=None)
-        if fit is None or padded - rest <= max(rest // 4, PAD_WASTE_ROWS) or fit == rest:
+        if fit is None or padded - rest <= max(rest // 4, PAD_WASTE_ROWS):
             break
         bounds.append(bounds[-1] + fit)
     bounds.append(end)

@@ -20,7 +20,12 @@ def model_dir(engine: EngineConfig) -> Path | None:
     return Path(engine.model)
 
 
-def vocab_size(engine: EngineConfig) -> int:
+def model_config(engine: EngineConfig) -> ModelConfig:
+    """The served model's architecture: its config.json, or the YAML of random weights."""
     if engine.model.startswith(RANDOM_PREFIX):
-        return ModelConfig.from_file(engine.model[len(RANDOM_PREFIX):]).vocab_size
-    return ModelConfig.from_file(model_dir(engine) / "config.json").vocab_size
+        return ModelConfig.from_file(engine.model[len(RANDOM_PREFIX):])
+    return ModelConfig.from_file(model_dir(engine) / "config.json")
+
+
+def vocab_size(engine: EngineConfig) -> int:
+    return model_config(engine).vocab_size

@@ -65,7 +65,7 @@ def test_reference_moe_kernels_refuse_graph_capture(make_engine):
 
 
 @pytest.mark.parametrize("model_dir", MODELS, indirect=True)
-def test_a_prefill_graphs_would_pad_by_half_runs_in_two_pieces_with_the_same_bits(make_engine, monkeypatch):
+def test_a_prefill_its_graph_would_pad_by_over_a_quarter_runs_in_two_pieces_with_the_same_bits(make_engine, monkeypatch):
     """1056 tokens under 2048-token pieces: a 1024-row and a 32-row graph (engine.prefill_pieces), not one
     2048-row graph, with the logits and state of one unpadded eager piece."""
     from capsulert.engine import engine as engine_mod

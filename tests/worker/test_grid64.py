@@ -65,7 +65,7 @@ SIZES_4096 = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]  # the graphs' token 
     (0, 4100, 4096, SIZES_4096, [(0, 4096), (4096, 4100)]),
 ], ids=["rest-cut", "rest-cut-then-pad", "from-grid", "chunks-then-rest", "whole-bucket", "small-waste-padded",
         "chunk-not-a-power-of-2", "short-rest"])
-def test_a_rest_its_graph_would_pad_by_half_is_cut_at_the_largest_size_that_fits(start, end, chunk, sizes, want):
+def test_a_rest_its_graph_would_pad_by_over_a_quarter_is_cut_at_the_largest_size_that_fits(start, end, chunk, sizes, want):
     pieces = prefill_pieces(start, end, chunk, sizes)
     assert pieces == want
     assert all(a % GRID == 0 for a, _ in pieces)  # on the grid: split-invariant prefill keeps their bits
