@@ -7,9 +7,13 @@ writes bench/out/gpu.json and gpu_ttft.png.
     python bench/gpu.py [--lengths 2048 4096 8192 16384] [--no-hf] [--quick]
     python bench/gpu.py --model random:capsulert/configs/models/qwen3_5-35b-a3b-shape.yaml   # the MoE
 
-Decode floors: the bytes a step must read at HBM_TBPS. Dense: every weight. MoE: every weight but the routed
-experts, plus the experts a batch of B tokens is expected to touch with uniform routing, E * (1 - (1 - k/E)^B)
-of E (B = 1: its k experts, the ~3B active parameters of the 35B-A3B; B = 64: ~87% of them).
+Decode floors: the bytes a step must read at HBM_TBPS. Dense: every weight but the embedding table (a step
+gathers B rows of it; the LM head is read whole). MoE: the same, but of the routed experts only those a batch of
+B tokens is expected to touch with uniform routing, E * (1 - (1 - k/E)^B) of E (B = 1: its k experts, the ~3B
+active parameters of the 35B-A3B; B = 64: ~87% of them). The floor with state adds the session state the step
+moves: recurrent and conv state read and written, keys and values read at the decode context. Capsule floor:
+the weights the 32-token append reads (those of a decode batch of 32 rows) plus the capsule's bytes read and
+written by the restore.
 """
 from __future__ import annotations
 
@@ -67,12 +71,24 @@ def decode_floor_gb(engine, batch: int) -> float:
     routed = dense = 0
     for name, t in engine.model_weights.items():
         n = t.numel() * t.element_size()
+        if name == "model.embed_tokens.weight" and not cfg.tie_word_embeddings:
+            continue  # a step gathers B rows of it; an untied LM head is a weight of its own
         if name.endswith((GATE_UP, DOWN)):
             routed += n
         else:
             dense += n
     touched = 1.0 if not cfg.is_moe else 1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch
     return (dense + touched * routed) / 1e9
+
+
+def decode_state_gb(engine, batch: int, context: int) -> float:
+    """GB of session state a decode step of `batch` sessions at `context` tokens must move besides the weights:
+    each linear-attention layer's recurrent and conv state read and written, each attention layer's keys and
+    values read."""
+    st = engine.state
+    per_slot = lambda t: t[:, 0].numel() * t.element_size()  # noqa: E731 (all layers, one slot)
+    kv_row = st.kv_k[:, 0, 0].numel() * st.kv_k.element_size()  # all attention layers, one position
+    return batch * (2 * (per_slot(st.ssm) + per_slot(st.conv)) + 2 * kv_row * context) / 1e9
 
 
 # capsule ends on and off the 64-token grid and the old 1024 one (restore + 32-token append at each)
@@ -149,8 +165,12 @@ def main() -> int:
         cap_ms, cap_logits = timed(capsule, args.iters)
         assert torch.equal(cap_logits, cold_logits), "capsule logits differ from cold logits"
         mb = ref.nbytes / 1e6
+        # the weights the append must read (an MoE suffix of 32 random-routed tokens touches ~64% of the experts)
+        # plus the capsule's bytes copied in at restore: its floor
+        floor_ms = decode_floor_gb(eng, SUFFIX) / HBM_TBPS + 2 * ref.nbytes / 1e9 / HBM_TBPS
         row = dict(prefix=P, cold_ms=cold_ms, capsule_ms=cap_ms, speedup=cold_ms / cap_ms, snapshot_ms=snap_ms,
-                   restore_ms=restore_ms, capsule_mb=mb, restore_gbps=2 * ref.nbytes / restore_ms / 1e6)
+                   restore_ms=restore_ms, capsule_mb=mb, restore_gbps=2 * ref.nbytes / restore_ms / 1e6,
+                   capsule_floor_ms=floor_ms, capsule_over_floor=cap_ms / floor_ms)
         if hf is not None:
             ids = torch.tensor([prefix + suffix], device="cuda")
             log(f"P={P}: HF cold / prefix-kept")
@@ -205,6 +225,9 @@ def main() -> int:
         decode[f"step_b{B}_invariance_overhead"] = inv_ms / fast_ms - 1
         decode[f"floor_b{B}_ms"] = decode_floor_gb(eng, B) / HBM_TBPS
         decode[f"step_b{B}_over_floor"] = decode[f"step_b{B}_invariant_ms"] / decode[f"floor_b{B}_ms"]
+        # the floor with the session state a step moves (not in the weight floor the targets are set against)
+        decode[f"floor_with_state_b{B}_ms"] = decode[f"floor_b{B}_ms"] + decode_state_gb(eng, B, ctx) / HBM_TBPS
+        decode[f"step_b{B}_over_floor_with_state"] = decode[f"step_b{B}_invariant_ms"] / decode[f"floor_with_state_b{B}_ms"]
         for x in sess:
             x.close()
     del fast
@@ -261,10 +284,18 @@ def main() -> int:
                                                      min_new_tokens=64, num_return_sequences=8), 1, 0)[0]
     log(f"fan-out: {fan}")
 
-    cols = ["prefix", "cold_ms", "capsule_ms", "speedup", "snapshot_ms", "restore_ms", "capsule_mb", "restore_gbps", "capsule_vs_first"]
+    cols = ["prefix", "cold_ms", "capsule_ms", "speedup", "snapshot_ms", "restore_ms", "capsule_mb", "restore_gbps",
+            "capsule_vs_first", "capsule_floor_ms", "capsule_over_floor"]
     if hf is not None:
         cols += ["hf_cold_ms", "hf_kept_ms", "hf_cold_over_ours", "hf_kept_over_capsule", "top1_agree"]
     print_table(rows, cols)
+    print_table([{"batch": B, "step_ms": decode[f"step_b{B}_invariant_ms"], "floor_ms": decode[f"floor_b{B}_ms"],
+                  "over_floor": decode[f"step_b{B}_over_floor"],
+                  "floor_with_state_ms": decode[f"floor_with_state_b{B}_ms"],
+                  "over_floor_with_state": decode[f"step_b{B}_over_floor_with_state"],
+                  "generate_ms_per_token": decode[f"ours_b{B}_ms_per_token"]} for B in DECODE_BATCHES],
+                ["batch", "step_ms", "floor_ms", "over_floor", "floor_with_state_ms", "over_floor_with_state",
+                 "generate_ms_per_token"])
     print("decode:", decode)
     print("fan-out best-of-8 from 8k, 64 tokens:", fan)
     result = dict(machine=machine_info("cuda"), model=args.model, prefill_chunk=c, tail_replay=eng.tail_replay, engine_start_s=start_s, kernels=eng.model.kernels.name,

@@ -38,7 +38,7 @@ from capsulert.errors import (
 from capsulert.config.engine import RANDOM_PREFIX, EngineConfig
 from capsulert.engine.model import HybridModel, pad_rows
 from capsulert.engine.numerics import (
-    CPU_PIECE_ROWS_CHOICES, check_split_invariant_gemm, configure_cuda, cpu_piece_rows)
+    CPU_PIECE_ROWS_CHOICES, check_split_invariant_gemm, configure_cuda, cpu_piece_rows, first_row_variant_gemm)
 from capsulert.engine.capsules import Replay
 from capsulert.chat.prompt import ChatRenderer
 from capsulert.engine.grammar import Grammars
@@ -139,6 +139,8 @@ class Engine:
                          "bits in shorter pieces", self.cpu_piece_rows)
         self.model = HybridModel(model_cfg, weights, self._kernels(config),
                                  decode_rows=MAX_DECODE_BATCH if cuda else None, rowwise=not cuda)
+        if cuda:
+            self._choose_decode_rows()
         self.tokenizer = tokenizer
         self.fingerprint = fingerprint
         self.weights_version = 0  # bumped by update_weights; the fingerprint carries it
@@ -175,6 +177,19 @@ class Engine:
             self.graphs = GraphPlans(self.model, self.state, self.scratch_slot, config.max_seq, self.chunk, buckets,
                                      self.grid, self.tail_replay)
             self.graphs.capture(progress=config.progress)
+
+    def _choose_decode_rows(self) -> None:
+        """Run decode steps on the batch's own rows where every GEMM of this model keeps a row's bits at every
+        row count up to MAX_DECODE_BATCH (model.py: batch invariance); else keep them padded to it, and say so."""
+        variant = first_row_variant_gemm(self.model.gemm_weights(), MAX_DECODE_BATCH)
+        if variant is None:
+            self.model.decode_rows = None
+            return
+        shape, rows = variant
+        log.warning("decode steps run padded to %d rows on %s (%s): a %s GEMM gives a row other bits at %d rows "
+                    "than in a %d-row GEMM, so a step of few sessions pays for %d rows to stay batch-invariant",
+                    MAX_DECODE_BATCH, self.device, self.dtype, "x".join(map(str, shape)), rows, MAX_DECODE_BATCH,
+                    MAX_DECODE_BATCH)
 
     @staticmethod
     def probe_weight(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
@@ -550,7 +565,7 @@ class Engine:
     def pad_logits(self, rows: list[torch.Tensor]) -> torch.Tensor:
         """Stack logits rows into the fixed-shape block the sampler runs on (batch invariance)."""
         block = torch.stack(rows)
-        return pad_rows(block, self.model.decode_rows) if self.model.decode_rows is not None else block
+        return pad_rows(block, MAX_DECODE_BATCH) if self.device.type == "cuda" else block
 
     def decode(self, sessions: list[Session], tokens: list[int]) -> torch.Tensor:
         """Feed one token to each session (one batched step); returns their next-token logits, row r for

@@ -8,17 +8,22 @@ gated delta rule) or decode (T = 1, recurrent step). Positions are read from `st
 Batch invariance of decode: a session's logits must not depend on the batch it runs in. GEMM kernels and
 reductions pick their algorithm (tiling, split-K, split reductions) from the number of rows, so a row's bits
 change with the batch size (measured on the H200: 4096x4096 projections from 25 rows on, the down projection
-from 9, RMSNorm's reduction at 2-8 rows vs 1 or 64). Two ways out, by device:
-- `decode_rows=R` (CUDA): every dense op of a decode step (norms, projections, gates, the LM head) runs on
-  exactly R rows, the batch padded with zero rows; only the ops that touch per-slot state (conv, recurrent
-  step, KV write, attention) run on the real rows, and those are per-row kernels. One shape for every batch
-  costs ~2% of the GEMM time (bench/probes/row_stability.py).
+from 9, RMSNorm's reduction at 2-8 rows vs 1 or 64). Three ways out:
+- `decode_rows=None` (CUDA, when the engine's start-up check passes): every op runs on the step's own rows.
+  Our kernels are per-row; the GEMMs keep a row's bits at any row count under the engine's cuBLASLt settings
+  on the H200, for every weight shape of the 9B and 35B-A3B models, and Engine checks that for this model's
+  shapes at 1..64 rows before it relies on it (numerics.first_row_variant_gemm).
+- `decode_rows=R` (CUDA, where that check fails): every dense op of a decode step (norms, projections, gates,
+  the LM head) runs on exactly R rows, the batch padded with zero rows; only the ops that touch per-slot state
+  (conv, recurrent step, KV write, attention) run on the real rows, and those are per-row kernels. A batch-1
+  step then pays for 64 rows: ~0.4 ms on the H200 (bench/RESULTS.md).
 - `rowwise=True` (CPU): a decode step (and the logits) runs each row through the model alone, so a row's
   result equals its solo result by construction. CPU kernels are batch-variant in many places: GEMMs at
   M = 1 use gemv; vectorised transcendental ops (softplus, exp, sigmoid) compute an element in the vector
   body or in the scalar tail depending on the tensor's size, with different bits; reductions over a
   non-innermost dim change order with the other rows' contents.
-Neither (decode_rows=None, rowwise=False) is the plain batch-dependent path benchmarks compare against.
+decode_rows=None with rowwise=False on a device whose GEMMs do not pass that check is the plain batch-dependent
+path; the engine never runs it.
 """
 from __future__ import annotations
 
@@ -77,6 +82,15 @@ class HybridModel:
             self.layers.append(Layer(i, kind, state_index, w))
         rot = cfg.rotary_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=self.device) / rot))
+
+    def gemm_weights(self) -> list[torch.Tensor]:
+        """Every weight a forward multiplies by through F.linear: the LM head and each layer's projections (the
+        packed ones, not the named views into them; the routed experts run in the MoE kernels)."""
+        out = [self.lm_head]
+        for layer in self.layers:
+            views = {n for pack, names in PACKS.items() if pack in layer.w for n in names}
+            out += [t for n, t in layer.w.items() if t.dim() == 2 and n not in views and n != "conv"]
+        return out
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -232,7 +246,8 @@ class HybridModel:
     def _project(self, w: dict[str, torch.Tensor], pack: str, x: torch.Tensor) -> list[torch.Tensor]:
         """The projections of group `pack` of x: one GEMM over the packed weight when packed, else one each."""
         if pack in w:
-            return list(F.linear(x, w[pack]).split(split_sizes(w, pack), dim=-1))
+            sizes = split_sizes(w, pack)
+            return list(F.linear(x, w[pack])[..., :sum(sizes)].split(sizes, dim=-1))
         return [F.linear(x, w[n]) for n in PACKS[pack]]
 
     def _mlp(self, w: dict[str, torch.Tensor], x: torch.Tensor, real_rows: int) -> torch.Tensor:

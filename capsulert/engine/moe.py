@@ -6,8 +6,8 @@ computes it:
              + sigmoid(shared_gate @ x) * shared_expert(x)         (kernels.moe_experts)
 
 Batch invariance follows the dense model's scheme (engine/model.py): the projections every row goes through
-(router, shared expert, shared-expert gate) are dense GEMMs over all R rows of the step, exactly like the
-dense MLP's, so a decode step on CUDA runs them on its fixed R = decode_rows rows. Only the routed experts
+(router, shared expert, shared-expert gate: one packed GEMM, then the shared expert's down projection) are dense
+GEMMs over all R rows of the step, exactly like the dense MLP's. Only the routed experts
 depend on the other rows (how many tokens chose an expert); their kernels compute each row alone (reference)
 or with fixed tiles and no split-K (Triton), so a row's bits do not depend on the rest of the batch. Padding
 rows of a decode step are not routed: no expert work, and nothing they hold reaches a real row.
@@ -30,15 +30,16 @@ def moe_mlp(cfg: ModelConfig, kernels: KernelSet, w: dict[str, torch.Tensor], x:
     R, T, H = x.shape
     rows = x.reshape(R * T, H)
     n = real_rows * T
-    if "moe_in" in w:  # packed (engine/packing.py): shared expert gate | up, then the router
-        shared_gate_up, logits = F.linear(rows, w["moe_in"]).split(
-            [2 * cfg.shared_expert_intermediate_size, cfg.num_experts], dim=-1)
-        shared_act = kernels.silu_mul(shared_gate_up)
+    if "moe_in" in w:  # packed (engine/packing.py): shared expert gate | up, the router, the shared expert's gate
+        s2, e = 2 * cfg.shared_expert_intermediate_size, cfg.num_experts
+        packed = F.linear(rows, w["moe_in"])
+        shared_act = kernels.silu_mul(packed[:, :s2])
+        logits, shared_gate = packed[:, s2:s2 + e], packed[:, s2 + e:s2 + e + 1]
     else:
         shared_act = F.silu(F.linear(rows, w[SHARED_GATE_PROJ])) * F.linear(rows, w[SHARED_UP_PROJ])
         logits = F.linear(rows, w[ROUTER])
+        shared_gate = F.linear(rows, w[SHARED_GATE])
     shared = F.linear(shared_act, w[SHARED_DOWN_PROJ])
-    shared_gate = F.linear(rows, w[SHARED_GATE])
     ids, weights = kernels.moe_route(logits[:n], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     out = kernels.moe_experts(rows[:n], ids, weights, w[GATE_UP], w[DOWN], shared, shared_gate)
     return out.view(R, T, H)

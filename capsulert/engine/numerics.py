@@ -80,6 +80,23 @@ def first_split_variant_piece(weight: torch.Tensor, rows: int,
     return next(((a, m) for a, m in pieces if not torch.equal(F.linear(x[a:a + m], weight), full[a:a + m])), None)
 
 
+def first_row_variant_gemm(weights: list[torch.Tensor], rows: int) -> tuple[tuple[int, ...], int] | None:
+    """The first weight shape, and the row count m < `rows`, at which a GEMM of m rows gives other bits than the
+    same rows of one `rows`-row GEMM; None when every shape keeps its rows' bits at every count. The condition
+    for running a decode step's dense ops on the batch's own rows instead of padding them to `rows` (a batch of
+    b sessions then computes each row as the same session alone does). Shapes are checked once each."""
+    seen: set[tuple] = set()
+    for w in weights:
+        key = (tuple(w.shape), w.dtype, w.stride())
+        if key in seen:
+            continue
+        seen.add(key)
+        bad = first_split_variant_piece(w, rows, tuple((0, m) for m in range(1, rows)))
+        if bad is not None:
+            return tuple(w.shape), bad[1]
+    return None
+
+
 def check_split_invariant_gemm(weight: torch.Tensor, rows: int = 1024) -> None:
     """first_split_variant_piece over CUDA_PIECES on a CUDA device: ConfigError when a piece changes a row's
     bits (the CUDA numerics were not set before the process's first GEMM)."""

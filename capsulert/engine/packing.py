@@ -13,7 +13,7 @@ from typing import MutableMapping
 
 import torch
 
-from capsulert.engine.moe_weights import ROUTER, SHARED_GATE_PROJ, SHARED_UP_PROJ
+from capsulert.engine.moe_weights import ROUTER, SHARED_GATE, SHARED_GATE_PROJ, SHARED_UP_PROJ
 
 # packed name -> the weights it concatenates (output rows, in this order)
 PACKS: dict[str, tuple[str, ...]] = {
@@ -21,10 +21,12 @@ PACKS: dict[str, tuple[str, ...]] = {
     "gdn_in": ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
                "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"),
     "mlp_in": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    # the shared-expert gate (one output row) stays apart: an odd packed width makes GEMM output rows that are
-    # not 16-byte aligned, which costs cuBLAS its fast kernels
-    "moe_in": (SHARED_GATE_PROJ, SHARED_UP_PROJ, ROUTER),
+    "moe_in": (SHARED_GATE_PROJ, SHARED_UP_PROJ, ROUTER, SHARED_GATE),
 }
+# A packed weight's rows are rounded up to a whole ALIGN_ROWS with zero rows that no caller reads: the shared-expert
+# gate's one output row would otherwise leave moe_in's GEMM output rows short of 16-byte alignment, which costs
+# cuBLAS its fast kernels (and a launch of its own per layer, kept apart, cost more: bench/RESULTS.md).
+ALIGN_ROWS = 8
 
 
 @torch.no_grad()  # not inference_mode: the named views must stay updatable in place outside it
@@ -34,7 +36,9 @@ def pack_layer(weights: MutableMapping[str, torch.Tensor], prefix: str, layer_w:
     for pack, names in PACKS.items():
         if not all(n in layer_w for n in names):
             continue
-        packed = torch.cat([layer_w[n] for n in names])
+        parts = [layer_w[n] for n in names]
+        pad = -sum(p.shape[0] for p in parts) % ALIGN_ROWS
+        packed = torch.cat(parts + [parts[0].new_zeros((pad,) + tuple(parts[0].shape[1:]))] if pad else parts)
         row = 0
         for n in names:
             rows = layer_w[n].shape[0]
@@ -46,4 +50,5 @@ def pack_layer(weights: MutableMapping[str, torch.Tensor], prefix: str, layer_w:
 
 
 def split_sizes(layer_w: dict[str, torch.Tensor], pack: str) -> list[int]:
+    """The output widths of the pack's named weights, in order (the alignment rows after them not included)."""
     return [layer_w[n].shape[0] for n in PACKS[pack]]

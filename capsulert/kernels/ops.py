@@ -21,8 +21,9 @@ from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK, chunk_gated_delta_r
 
 # Raised whenever a change to the CUDA kernels alters the bits a forward pass computes, so capsules made before
 # are of another numerics origin (engine/capsules.numerics_origin: restored byte-exact, never shared by block,
-# served as a prefix or replayed). 2: prefill attention over absolute 256-key ranges.
-CUDA_KERNEL_BITS = 2
+# served as a prefix or replayed). 2: prefill attention over absolute 256-key ranges. 3: an MoE layer's
+# shared-expert gate computed in its packed projection (engine/packing.py).
+CUDA_KERNEL_BITS = 3
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ import torch
 from capsulert.kernels.ops import reference_kernels
 from capsulert.engine.loader import load_checkpoint
 from capsulert.engine.model import HybridModel
-from capsulert.engine.packing import PACKS
+from capsulert.engine.packing import ALIGN_ROWS, PACKS
 from capsulert.engine.state import StateLayout, StateSet
+from tests.models import MODELS
 
 PACKED = dataclasses.replace(reference_kernels(), packed_projections=True)
 
@@ -33,10 +34,11 @@ def run(model, state, tokens, steps=4):
 
 
 @pytest.fixture
-def checkpoint(default_model_dir):
-    return load_checkpoint(default_model_dir)
+def checkpoint(model_dir):
+    return load_checkpoint(model_dir)
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_packed_model_matches_the_unpacked_one(checkpoint, text):
     cfg, weights = checkpoint
     tokens = list(text.encode())[:40]
@@ -46,6 +48,7 @@ def test_packed_model_matches_the_unpacked_one(checkpoint, text):
     assert torch.equal(packed.argmax(-1), plain.argmax(-1))
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_named_weights_are_views_of_the_packed_buffers(checkpoint):
     cfg, weights = checkpoint
     weights = {k: v.clone() for k, v in weights.items()}
@@ -63,10 +66,12 @@ def test_named_weights_are_views_of_the_packed_buffers(checkpoint):
                 assert view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
                 assert torch.equal(buf[rows:rows + view.shape[0]], view)
                 rows += view.shape[0]
-            assert rows == buf.shape[0]
+            assert buf.shape[0] == rows + (-rows % ALIGN_ROWS)  # whole ALIGN_ROWS, the alignment rows zero
+            assert not buf[rows:].any()
     assert packed_groups == 2 * cfg.num_hidden_layers  # a mixer group and the MLP group in every layer
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_in_place_update_of_a_named_weight_reaches_the_packed_gemm(checkpoint, text):
     cfg, weights = checkpoint
     tokens = list(text.encode())[:40]
@@ -74,7 +79,8 @@ def test_in_place_update_of_a_named_weight_reaches_the_packed_gemm(checkpoint, t
     model, state = build(cfg, live, PACKED)
     before = run(model, state, tokens)
     g = torch.Generator().manual_seed(0)
-    for name in [n for n in live if n.endswith(("in_proj_z.weight", "k_proj.weight", "up_proj.weight"))]:
+    for name in [n for n in live if n.endswith(("in_proj_z.weight", "k_proj.weight", "up_proj.weight",
+                                                         "shared_expert_gate.weight"))]:
         live[name].add_(0.05 * torch.randn(live[name].shape, generator=g))
     after = run(model, StateSet(state.layout), tokens)
     fresh = run(*build(cfg, {k: v.clone() for k, v in live.items()}, PACKED), tokens)
