@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from capsulert.kernels.ops import KernelSet
 from capsulert.config.model import ModelConfig
+from capsulert.engine.packing import split_sizes
 from capsulert.engine.moe_weights import (
     DOWN, GATE_UP, ROUTER, SHARED_DOWN_PROJ, SHARED_GATE, SHARED_GATE_PROJ, SHARED_UP_PROJ)
 
@@ -31,10 +32,10 @@ def moe_mlp(cfg: ModelConfig, kernels: KernelSet, w: dict[str, torch.Tensor], x:
     rows = x.reshape(R * T, H)
     n = real_rows * T
     if "moe_in" in w:  # packed (engine/packing.py): shared expert gate | up, the router, the shared expert's gate
-        s2, e = 2 * cfg.shared_expert_intermediate_size, cfg.num_experts
+        gate, up, e, one = split_sizes(w, "moe_in")
         packed = F.linear(rows, w["moe_in"])
-        shared_act = kernels.silu_mul(packed[:, :s2])
-        logits, shared_gate = packed[:, s2:s2 + e], packed[:, s2 + e:s2 + e + 1]
+        shared_act = kernels.silu_mul(packed[:, :gate + up])  # [gate | up], as silu_mul reads them
+        logits, shared_gate = packed[:, gate + up:gate + up + e], packed[:, gate + up + e:gate + up + e + one]
     else:
         shared_act = F.silu(F.linear(rows, w[SHARED_GATE_PROJ])) * F.linear(rows, w[SHARED_UP_PROJ])
         logits = F.linear(rows, w[ROUTER])
