@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from capsulert.config.model import FULL, ModelConfig
 from capsulert.kernels.ops import KernelSet, reference_kernels
 from capsulert.engine.moe import moe_mlp
+from capsulert.engine.moe_weights import MOE_KERNEL_WEIGHTS
 from capsulert.engine.packing import PACKS, pack_layer, split_sizes
 from capsulert.engine.state import StateSet
 from capsulert.engine.tail_replay import keep_tail, new_rows, with_tail
@@ -85,11 +86,11 @@ class HybridModel:
 
     def gemm_weights(self) -> list[torch.Tensor]:
         """Every weight a forward multiplies by through F.linear: the LM head and each layer's projections (the
-        packed ones, not the named views into them; the routed experts run in the MoE kernels)."""
+        packed ones, not the named views into them; an MoE MLP's router and experts run in the MoE kernels)."""
         out = [self.lm_head]
         for layer in self.layers:
-            views = {n for pack, names in PACKS.items() if pack in layer.w for n in names}
-            out += [t for n, t in layer.w.items() if t.dim() == 2 and n not in views and n != "conv"]
+            skip = {n for pack, names in PACKS.items() if pack in layer.w for n in names} | set(MOE_KERNEL_WEIGHTS)
+            out += [t for n, t in layer.w.items() if t.dim() == 2 and n not in skip and n != "conv"]
         return out
 
     # ------------------------------------------------------------------ forward

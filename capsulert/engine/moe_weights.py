@@ -26,6 +26,9 @@ SHARED_GATE_PROJ = "mlp.shared_expert.gate_proj.weight"
 SHARED_UP_PROJ = "mlp.shared_expert.up_proj.weight"
 SHARED_DOWN_PROJ = "mlp.shared_expert.down_proj.weight"
 SHARED_GATE = "mlp.shared_expert_gate.weight"  # [1, H]: the sigmoid gate of the shared expert's output
+# the 2-D weights the MoE kernels read themselves (kernels.moe_route, kernels.moe_experts), not through a GEMM of
+# the model's
+MOE_KERNEL_WEIGHTS = (ROUTER, SHARED_GATE, SHARED_GATE_PROJ, SHARED_UP_PROJ, SHARED_DOWN_PROJ)
 
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MAX_NAMES = 8

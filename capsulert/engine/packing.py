@@ -1,6 +1,6 @@
 """Projections that read the same input, packed into one weight so a decode step reads each activation once
 and launches one GEMM instead of several (q/k/v of attention; qkv/z/b/a of Gated DeltaNet; gate/up of the
-MLP; the shared expert's gate/up and the router of an MoE MLP).
+MLP; an MoE MLP has none: its router and experts run in the MoE kernels, kernels/triton_moe*.py).
 
 Packing is in place on the model's weight mapping: the packed buffer is allocated once, and every original
 name becomes a view into it. So the HF names stay the model's public weights (checkpoint checks, RL weight
@@ -13,19 +13,15 @@ from typing import MutableMapping
 
 import torch
 
-from capsulert.engine.moe_weights import ROUTER, SHARED_GATE, SHARED_GATE_PROJ, SHARED_UP_PROJ
-
 # packed name -> the weights it concatenates (output rows, in this order)
 PACKS: dict[str, tuple[str, ...]] = {
     "attn_in": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "gdn_in": ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
                "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"),
     "mlp_in": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "moe_in": (SHARED_GATE_PROJ, SHARED_UP_PROJ, ROUTER, SHARED_GATE),
 }
-# A packed weight's rows are rounded up to a whole ALIGN_ROWS with zero rows that no caller reads: the shared-expert
-# gate's one output row would otherwise leave moe_in's GEMM output rows short of 16-byte alignment, which costs
-# cuBLAS its fast kernels (and a launch of its own per layer, kept apart, cost more: bench/RESULTS.md).
+# A packed weight's rows are rounded up to a whole ALIGN_ROWS with zero rows that no caller reads: GEMM output rows
+# short of 16-byte alignment cost cuBLAS its fast kernels (a pack of odd width once did: bench/RESULTS.md).
 ALIGN_ROWS = 8
 
 

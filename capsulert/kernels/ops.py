@@ -22,8 +22,9 @@ from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK, chunk_gated_delta_r
 # Raised whenever a change to the CUDA kernels alters the bits a forward pass computes, so capsules made before
 # are of another numerics origin (engine/capsules.numerics_origin: restored byte-exact, never shared by block,
 # served as a prefix or replayed). 2: prefill attention over absolute 256-key ranges. 3: an MoE layer's
-# shared-expert gate computed in its packed projection (engine/packing.py).
-CUDA_KERNEL_BITS = 3
+# shared-expert gate computed in its packed projection (engine/packing.py). 4: the shared expert computed in the
+# expert kernels, the router's logits in fp32 from fixed K slices (kernels/triton_moe*.py).
+CUDA_KERNEL_BITS = 4
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ def cuda_kernels(use_fla: bool = True, large_moe_tiles: bool = True) -> KernelSe
     expert GEMMs of long pieces run 64-row tiles (only where triton_moe.tiles_agree holds)."""
     from capsulert.kernels.triton_attention import attention, prefill_attention
     from capsulert.kernels.triton_conv import conv_prefill, conv_step
-    from capsulert.kernels import triton_fused, triton_moe
+    from capsulert.kernels import triton_fused, triton_moe, triton_moe_route
     from capsulert.kernels.triton_gated_delta_prep import gated_delta_prefill_prep
 
     fla = _fla_prefill() if use_fla else None
@@ -171,7 +172,7 @@ def cuda_kernels(use_fla: bool = True, large_moe_tiles: bool = True) -> KernelSe
         # fla reads q, k, v in bf16; the plain-torch chunked rule computes in fp32
         gated_delta_prefill_prep=partial(gated_delta_prefill_prep,
                                          out_dtype=torch.bfloat16 if fla else torch.float32),
-        moe_route=triton_moe.moe_route,
+        moe_route=triton_moe_route.moe_route,
         moe_experts=triton_moe.moe_experts if large_moe_tiles else partial(triton_moe.moe_experts, large_from=None),
         packed_projections=True,
     )

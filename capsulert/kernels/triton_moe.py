@@ -1,16 +1,19 @@
-"""Triton versions of the mixture-of-experts stages; same signatures and semantics as capsulert/kernels/moe.py.
+"""The expert stage of an MoE layer in Triton; same signature and semantics as moe_experts in capsulert/kernels/moe.py.
 
-    moe_route(logits, top_k, normalize)  one program per row: softmax in fp32, the top-k by repeated argmax
-                                         (the lowest id among equal probabilities), renormalised
-    moe_experts(x, ids, weights, w_gate_up, w_down, shared, shared_gate)
+    (moe_route: kernels/triton_moe_route.py)
+    moe_experts(x, ids, weights, experts, shared_logit)
         1. the (token, rank) pairs sorted by expert (kernels/triton_moe_plan.py): each expert's rows,
            contiguous, and for a step of few pairs the list of the chosen experts only
         2. gate/up GEMM: one program per (chosen expert, block of I columns), looping over that expert's rows in
            blocks of BM and over H in blocks of BK; silu(gate) * up in the epilogue -> act [pairs, I]
         3. down GEMM: one program per (expert, block of H columns) over the same rows; the routing weight in
            the epilogue -> y [pairs, H] fp32
-        4. combine: one program per (row, block of H): the k weighted outputs summed in rank order, plus
-           sigmoid(shared_gate) * shared, rounded once to the model's dtype
+        4. combine: one program per (row, block of H): the k weighted outputs summed in rank order, plus the
+           gated shared expert, rounded once to the model's dtype
+    The shared expert is one more expert of steps 2 and 3 that every row chose, its weight sigmoid(shared_logit):
+    its first programs (Tiles.shared_rows rows each) run beside the routed ones in the same launches, so a decode step
+    launches no GEMM of its own for it (two small cuBLAS launches a layer, ~6 us each at one row, were half the
+    dense GEMMs' excess time over their reads on the 35B-A3B shape: bench/RESULTS.md).
 
 Row-wise batch invariance: there is no split-K: every output element is one fp32 accumulator that runs over K
 in 16-element MMA steps in the same order, whatever else is in its tile, and the padding rows of a tile are
@@ -37,89 +40,87 @@ import torch
 import triton
 import triton.language as tl
 
+from capsulert.kernels.moe import ExpertWeights
 from capsulert.kernels.triton_moe_plan import expert_plan
 
 
 
 @dataclass(frozen=True)
 class Tiles:
-    """The launch constants of the two expert GEMMs."""
+    """The launch constants of the two expert GEMMs, and the shared expert's rows per program."""
     gate_up: dict
     down: dict
+    shared_rows: int
 
 
 # BM = 16 is the smallest tl.dot tile: a decode step gives an expert a few rows. BN is small so that a batch-1
 # step, which touches k experts only, still spreads its weight reads over ~100+ programs (one per SM).
 SMALL = Tiles(gate_up=dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=3),
-              down=dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3))
+              down=dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3), shared_rows=16)
 # 64-row tiles reuse each weight tile over 4x the rows; measured on the H200 at the 35B-A3B layer shape (graph
 # replays of one layer's experts): 1.79 -> 0.81 ms at 2048 rows, 6.80 -> 2.55 ms at 8192, but 0.42 -> 0.46 ms at
 # 256 rows and 42 -> 54 us at one row, hence the threshold
 LARGE = Tiles(gate_up=dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
-              down=dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4))
+              down=dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4), shared_rows=128)
 LARGE_FROM_ROWS = 512
 LARGE_DTYPES = (torch.bfloat16, torch.float16)  # an fp32 LARGE tile does not fit in shared memory
 COMBINE_BH = 1024
+# shared_rows: the shared expert's rows per program. One tile in a decode step: its programs then take as long as a
+# routed expert's, where 4 tiles of 64 rows in one program made the b = 64 step's last wave wait for them (0.5 ms a
+# step on the 35B-A3B shape). 128 in a long piece: about a routed expert's rows (n * k / E = 128 at 4096 tokens).
 
 
 @triton.jit
-def _route_kernel(logits_ptr, ids_ptr, w_ptr, E, s_l,
-                  TOP_K: tl.constexpr, KP: tl.constexpr, NORMALIZE: tl.constexpr, BE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BE)
-    valid = offs < E
-    x = tl.load(logits_ptr + row * s_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    p = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
-    p = tl.where(valid, p / tl.sum(p, axis=0), -2.0)  # lanes past E: below every probability, never chosen
-    ranks = tl.arange(0, KP)
-    top = tl.zeros([KP], dtype=tl.float32)
-    ids = tl.zeros([KP], dtype=tl.int32)
-    total = 0.0
-    for r in tl.static_range(TOP_K):
-        best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, offs, BE), axis=0)  # the lowest id among equal probabilities
-        top = tl.where(ranks == r, best, top)
-        ids = tl.where(ranks == r, idx, ids)
-        total += best
-        p = tl.where(offs == idx, -1.0, p)  # below every probability: not chosen again
-    if NORMALIZE:
-        top = top / total
-    tl.store(ids_ptr + row * TOP_K + ranks, ids, mask=ranks < TOP_K)
-    tl.store(w_ptr + row * TOP_K + ranks, top, mask=ranks < TOP_K)
-
-
-def moe_route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [n, E] (last dim contiguous) -> (ids [n, top_k] int32, weights [n, top_k] fp32)."""
-    n, E = logits.shape
-    assert logits.stride(-1) == 1, "the router logits' last dim must be contiguous"
-    ids = torch.empty(n, top_k, dtype=torch.int32, device=logits.device)
-    weights = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
-    if n:
-        BE = triton.next_power_of_2(E)
-        _route_kernel[(n,)](logits, ids, weights, E, logits.stride(0), TOP_K=top_k,
-                            KP=triton.next_power_of_2(top_k), NORMALIZE=normalize, BE=BE,
-                            num_warps=max(1, min(8, BE // 256)))
-    return ids, weights
+def _program_rows(j, NS, order_ptr, experts_ptr, bounds_ptr, R, SHARED_ROWS: tl.constexpr, COMPACT: tl.constexpr):
+    """The rows of program j of an expert kernel: programs 0..NS-1 are the shared expert over rows
+    [j * SHARED_ROWS, ...) of the step, the rest the plan's routed experts (triton_moe_plan.py). Returns
+    (routed, e, start, end): the routed expert e computes order[start:end], the shared expert rows start..end-1."""
+    routed = j >= NS
+    if routed:
+        g = j - NS
+        e = tl.load(experts_ptr + g) if COMPACT else g
+        start = tl.load(bounds_ptr + g)
+        end = tl.load(bounds_ptr + g + 1)
+    else:
+        e = j * 0
+        start = j * SHARED_ROWS
+        end = tl.minimum(start + SHARED_ROWS, R)
+    return routed, e, start, end
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, experts_ptr, bounds_ptr, H, I,
-                    s_x, s_we, s_wn, s_a,
-                    TOP_K: tl.constexpr, IEEE: tl.constexpr, COMPACT: tl.constexpr,
+def _tile_rows(routed, at, row_ok, order_ptr, P, TOP_K: tl.constexpr):
+    """A row tile's (x row, act/y row, routed pair) indices: a routed expert's rows are (token, rank) pairs of
+    the plan's order; the shared expert's are the step's rows themselves, whose act/y rows follow the P pairs."""
+    pair = tl.load(order_ptr + at, mask=tl.where(routed, row_ok, False), other=0)
+    token = tl.where(routed, pair // TOP_K, at)
+    out_row = tl.where(routed, pair, P + at)
+    return token.to(tl.int64), out_row.to(tl.int64), pair.to(tl.int64)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, order_ptr, experts_ptr, bounds_ptr, NS, P, R, H, I, S,
+                    s_x, s_we, s_wn, s_sn, s_a,
+                    TOP_K: tl.constexpr, IEEE: tl.constexpr, COMPACT: tl.constexpr, SHARED_ROWS: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    j = tl.program_id(0)
-    e = tl.load(experts_ptr + j) if COMPACT else j  # the plan's expert of this program (triton_moe_plan.py)
+    routed, e, start, end = _program_rows(tl.program_id(0), NS, order_ptr, experts_ptr, bounds_ptr, R,
+                                          SHARED_ROWS, COMPACT)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    col_ok = cols < I
-    start = tl.load(bounds_ptr + j)
-    end = tl.load(bounds_ptr + j + 1)
-    w_gate = w_ptr + e.to(tl.int64) * s_we + cols[None, :] * s_wn  # [1, BN] row pointers of the gate rows
-    w_up = w_gate + I * s_wn  # the up rows follow the gate rows
+    if routed:
+        width = I
+        w_gate = w_ptr + e.to(tl.int64) * s_we + cols[None, :] * s_wn  # [1, BN] row pointers of the gate rows
+        w_up = w_gate + I * s_wn  # the up rows follow the gate rows
+    else:
+        width = S
+        w_gate = sg_ptr + cols[None, :] * s_sn
+        w_up = su_ptr + cols[None, :] * s_sn
+    col_ok = cols < width
+    end = tl.where(tl.program_id(1) * BN < width, end, start)  # a column block past this expert's width: no rows
     for m0 in range(start, end, BM):
         at = m0 + tl.arange(0, BM)
         row_ok = at < end
-        pair = tl.load(order_ptr + at, mask=row_ok, other=0)
-        x_rows = x_ptr + (pair // TOP_K).to(tl.int64)[:, None] * s_x
+        token, out_row, _ = _tile_rows(routed, at, row_ok, order_ptr, P, TOP_K)
+        x_rows = x_ptr + token[:, None] * s_x
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, H, BK):
@@ -136,49 +137,54 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, experts_ptr, bounds_ptr, H
                 acc_g = tl.dot(a, g, acc_g)
                 acc_u = tl.dot(a, u, acc_u)
         act = acc_g * tl.sigmoid(acc_g) * acc_u
-        tl.store(act_ptr + pair.to(tl.int64)[:, None] * s_a + cols[None, :], act.to(act_ptr.dtype.element_ty),
+        tl.store(act_ptr + out_row[:, None] * s_a + cols[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, y_ptr, rw_ptr, order_ptr, experts_ptr, bounds_ptr, H, I,
-                 s_a, s_we, s_wn, s_y,
-                 IEEE: tl.constexpr, COMPACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr):
-    j = tl.program_id(0)
-    e = tl.load(experts_ptr + j) if COMPACT else j
+def _down_kernel(act_ptr, w_ptr, sd_ptr, y_ptr, rw_ptr, logit_ptr, order_ptr, experts_ptr, bounds_ptr, NS, P, R,
+                 H, I, S, s_a, s_we, s_wn, s_sn, s_l, s_y,
+                 TOP_K: tl.constexpr, IEEE: tl.constexpr, COMPACT: tl.constexpr, SHARED_ROWS: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    routed, e, start, end = _program_rows(tl.program_id(0), NS, order_ptr, experts_ptr, bounds_ptr, R,
+                                          SHARED_ROWS, COMPACT)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     col_ok = cols < H
-    start = tl.load(bounds_ptr + j)
-    end = tl.load(bounds_ptr + j + 1)
-    w_rows = w_ptr + e.to(tl.int64) * s_we + cols[None, :] * s_wn
+    if routed:
+        width = I
+        w_rows = w_ptr + e.to(tl.int64) * s_we + cols[None, :] * s_wn
+    else:
+        width = S
+        w_rows = sd_ptr + cols[None, :] * s_sn
     for m0 in range(start, end, BM):
         at = m0 + tl.arange(0, BM)
         row_ok = at < end
-        pair = tl.load(order_ptr + at, mask=row_ok, other=0).to(tl.int64)
+        _, out_row, pair = _tile_rows(routed, at, row_ok, order_ptr, P, TOP_K)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, I, BK):
+        for k0 in range(0, width, BK):
             ks = k0 + tl.arange(0, BK)
-            k_ok = ks < I
-            a = tl.load(act_ptr + pair[:, None] * s_a + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            k_ok = ks < width
+            a = tl.load(act_ptr + out_row[:, None] * s_a + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
             w = tl.load(w_rows + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, w, acc)
-        rw = tl.load(rw_ptr + pair, mask=row_ok, other=0.0)
-        tl.store(y_ptr + pair[:, None] * s_y + cols[None, :], rw[:, None] * acc,
+        # the routing weight of a pair, or the sigmoid gate of a row of the shared expert
+        rw = tl.load(rw_ptr + pair, mask=tl.where(routed, row_ok, False), other=0.0)
+        logit = tl.load(logit_ptr + at.to(tl.int64) * s_l, mask=tl.where(routed, False, row_ok), other=0.0)
+        rw = tl.where(routed, rw, tl.sigmoid(logit.to(tl.float32)))
+        tl.store(y_ptr + out_row[:, None] * s_y + cols[None, :], rw[:, None] * acc,
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _combine_kernel(y_ptr, shared_ptr, gate_ptr, out_ptr, n, H, s_y, s_s, s_g, s_o,
-                    TOP_K: tl.constexpr, BH: tl.constexpr):
+def _combine_kernel(y_ptr, out_ptr, n, P, H, s_y, s_o, TOP_K: tl.constexpr, BH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     ok = cols < H
-    g = tl.load(gate_ptr + row * s_g).to(tl.float32)
-    acc = tl.sigmoid(g) * tl.load(shared_ptr + row * s_s + cols, mask=ok, other=0.0).to(tl.float32)
+    acc = tl.load(y_ptr + (P + row) * s_y + cols, mask=ok, other=0.0)  # the gated shared expert
     if row < n:
         routed = tl.load(y_ptr + (row * TOP_K) * s_y + cols, mask=ok, other=0.0)
         for r in tl.static_range(1, TOP_K):  # rank order
@@ -194,41 +200,53 @@ def tiles_for(n: int, dtype: torch.dtype, large_from: int | None) -> Tiles:
     return LARGE if large else SMALL
 
 
-def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor, shared: torch.Tensor, shared_gate: torch.Tensor, *,
-                large_from: int | None = LARGE_FROM_ROWS, tiles: Tiles | None = None) -> torch.Tensor:
-    """x [n, H]; ids, weights [n, k]; w_gate_up [E, 2I, H]; w_down [E, H, I]; shared [R, H]; shared_gate [R, 1]
-    (R >= n; rows n.. get the gated shared expert alone). Returns [R, H] in shared's dtype. The tiles are
-    `tiles_for(n, ...)` unless given (tiles_agree and the tests compare the two sets)."""
-    n, H = x.shape
-    R, k = shared.shape[0], ids.shape[1]
-    E, I = w_down.shape[0], w_down.shape[2]
-    for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down), ("shared", shared)):
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
+                shared_logit: torch.Tensor, *, large_from: int | None = LARGE_FROM_ROWS,
+                tiles: Tiles | None = None) -> torch.Tensor:
+    """x [R, H]; ids, weights [n, k] (n <= R: rows n.. are padding, the gated shared expert alone);
+    experts: the layer's weights; shared_logit [R, 1]. Returns [R, H] in x's dtype. The tiles are
+    `tiles_for(R, ...)` unless given (tiles_agree and the tests compare the two sets)."""
+    R, H = x.shape
+    n, k = ids.shape
+    E, I = experts.down.shape[0], experts.down.shape[2]
+    S = experts.shared_down_proj.shape[1]
+    for name, t in (("x", x), *zip(experts._fields, experts)):
         assert t.stride(-1) == 1, f"{name}: the last dim must be contiguous"
-    dev = x.device
-    out = torch.empty(R, H, dtype=shared.dtype, device=dev)
-    y = torch.empty(n * k, H, dtype=torch.float32, device=dev)
+    assert experts.shared_gate_proj.stride(0) == experts.shared_up_proj.stride(0), "shared gate/up: one row stride"
+    out = torch.empty(R, H, dtype=x.dtype, device=x.device)
+    if not R:
+        return out
+    P = n * k
     if n:
-        plan = expert_plan(ids, E)  # each program's expert and (token, rank) pairs
+        plan = expert_plan(ids, E)  # each routed program's expert and (token, rank) pairs
+        order, bounds, programs = plan.order, plan.bounds, plan.programs
         compact = plan.experts is not None
-        experts = plan.experts if compact else plan.bounds  # not read when not compact
-        act = torch.empty(n * k, I, dtype=x.dtype, device=dev)
-        ieee = x.dtype == torch.float32  # fp32 inputs: full-precision dot products, not TF32
-        chosen = tiles or tiles_for(n, x.dtype, large_from)
-        t = chosen.gate_up
-        _gate_up_kernel[(plan.programs, triton.cdiv(I, t["BN"]))](
-            x, w_gate_up, act, plan.order, experts, plan.bounds, H, I, x.stride(0), w_gate_up.stride(0),
-            w_gate_up.stride(1), act.stride(0), TOP_K=k, IEEE=ieee, COMPACT=compact, BM=t["BM"], BN=t["BN"],
-            BK=t["BK"], num_warps=t["num_warps"], num_stages=t["num_stages"])
-        t = chosen.down
-        _down_kernel[(plan.programs, triton.cdiv(H, t["BN"]))](
-            act, w_down, y, weights.reshape(-1).contiguous(), plan.order, experts, plan.bounds, H, I,
-            act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), IEEE=ieee, COMPACT=compact,
-            BM=t["BM"], BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"], num_stages=t["num_stages"])
-    if R:
-        _combine_kernel[(R, triton.cdiv(H, COMBINE_BH))](
-            y, shared, shared_gate, out, n, H, y.stride(0), shared.stride(0), shared_gate.stride(0), out.stride(0),
-            TOP_K=k, BH=COMBINE_BH, num_warps=4)
+        chosen_experts = plan.experts if compact else plan.bounds  # not read when not compact
+    else:
+        order = bounds = chosen_experts = torch.zeros(1, dtype=torch.int32, device=x.device)  # never read
+        programs, compact = 0, False
+    chosen = tiles or tiles_for(R, x.dtype, large_from)
+    shared_programs = triton.cdiv(R, chosen.shared_rows)
+    grid_rows = shared_programs + programs
+    act = torch.empty(P + R, max(I, S), dtype=x.dtype, device=x.device)
+    y = torch.empty(P + R, H, dtype=torch.float32, device=x.device)
+    ieee = x.dtype == torch.float32  # fp32 inputs: full-precision dot products, not TF32
+    t = chosen.gate_up
+    _gate_up_kernel[(grid_rows, triton.cdiv(max(I, S), t["BN"]))](
+        x, experts.gate_up, experts.shared_gate_proj, experts.shared_up_proj, act, order, chosen_experts, bounds,
+        shared_programs, P, R, H, I, S, x.stride(0), experts.gate_up.stride(0), experts.gate_up.stride(1),
+        experts.shared_gate_proj.stride(0), act.stride(0), TOP_K=k, IEEE=ieee, COMPACT=compact,
+        SHARED_ROWS=chosen.shared_rows, BM=t["BM"], BN=t["BN"], BK=t["BK"], num_warps=t["num_warps"],
+        num_stages=t["num_stages"])
+    t = chosen.down
+    _down_kernel[(grid_rows, triton.cdiv(H, t["BN"]))](
+        act, experts.down, experts.shared_down_proj, y, weights.reshape(-1).contiguous(), shared_logit, order,
+        chosen_experts, bounds, shared_programs, P, R, H, I, S, act.stride(0), experts.down.stride(0),
+        experts.down.stride(1), experts.shared_down_proj.stride(0), shared_logit.stride(0), y.stride(0), TOP_K=k,
+        IEEE=ieee, COMPACT=compact, SHARED_ROWS=chosen.shared_rows, BM=t["BM"], BN=t["BN"], BK=t["BK"],
+        num_warps=t["num_warps"], num_stages=t["num_stages"])
+    _combine_kernel[(R, triton.cdiv(H, COMBINE_BH))](y, out, n, P, H, y.stride(0), out.stride(0), TOP_K=k,
+                                                     BH=COMBINE_BH, num_warps=4)
     return out
 
 
@@ -245,11 +263,13 @@ def tiles_agree(dtype: torch.dtype, device: torch.device | str, seed: int = 0) -
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
-    x, shared, gate = randn(n, H), randn(n, H), randn(n, 1)
-    w_gate_up, w_down = randn(E, 2 * I, H, scale=H ** -0.5), randn(E, H, I, scale=I ** -0.5)
+    x, logit = randn(n, H), randn(n, 1)
+    experts = ExpertWeights(randn(E, 2 * I, H, scale=H ** -0.5), randn(E, H, I, scale=I ** -0.5),
+                            randn(I, H, scale=H ** -0.5), randn(I, H, scale=H ** -0.5), randn(H, I, scale=I ** -0.5))
     logits = torch.randn(n, E, generator=g, device=device)
     logits[: n // 2, :k] += 8.0  # half the rows on experts 0..k-1: several 64-row tiles each
     logits[-2:, -1] += 30.0  # the last expert: two rows only
-    ids, weights = moe_route(logits, k, True)
-    outs = [moe_experts(x, ids, weights, w_gate_up, w_down, shared, gate, tiles=t) for t in (SMALL, LARGE)]
+    weights, ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    outs = [moe_experts(x, ids, weights, experts, logit, tiles=t) for t in (SMALL, LARGE)]
     return bool(torch.equal(outs[0], outs[1]))

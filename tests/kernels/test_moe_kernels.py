@@ -1,4 +1,4 @@
-"""The Triton mixture-of-experts kernels (capsulert/kernels/triton_moe.py) against their plain-torch references
+"""The Triton mixture-of-experts kernels (capsulert/kernels/triton_moe*.py) against their plain-torch references
 (capsulert/kernels/moe.py), over small labelled shapes, plus the Qwen3.5-35B-A3B shapes on a CUDA device.
 
 Runs on a CUDA device, or on CPU under Triton's interpreter (TRITON_INTERPRET=1, slow: the small shapes only).
@@ -17,11 +17,12 @@ import triton  # noqa: F401  (tests/conftest.py ignores this module where triton
 
 from capsulert.kernels import moe as ref
 from capsulert.kernels import triton_moe as tm
+from capsulert.kernels import triton_moe_route as tr
+from tests.kernels.routing import route_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_or_interpreter")]
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 # the expert GEMMs in bf16 on a CUDA device only: Triton's interpreter runs a bf16 tl.dot as a matmul of the
 # raw 16-bit patterns (triton 3.9), which is no test of the kernel
 DOT_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if CUDA else [torch.float32],
@@ -48,14 +49,14 @@ ROUTE_SHAPES = _shapes(
 
 @pytest.mark.parametrize("shape", ROUTE_SHAPES.values(), ids=ROUTE_SHAPES.keys())
 @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "raw"])
-@DTYPES
+@DOT_DTYPES
 def test_route_matches_reference(shape, normalize, dtype):
     n, E, k = shape
     # distinct logits a clear step apart: no near-ties whose order rounding could flip
     logits = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(i)) for i in range(n)])
     logits = (logits.float() * 0.05).to(dtype).to(DEVICE)
-    ids, w = tm.moe_route(logits, k, normalize)
-    want_ids, want_w = ref.moe_route(logits, k, normalize)
+    ids, w = route_logits(tr.moe_route, logits, k, normalize)
+    want_ids, want_w = route_logits(ref.moe_route, logits, k, normalize)
     assert torch.equal(ids.long(), want_ids)
     torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
 
@@ -63,54 +64,87 @@ def test_route_matches_reference(shape, normalize, dtype):
 def test_route_ties_go_to_the_lowest_expert_id():
     logits = torch.zeros(3, 8, device=DEVICE)
     logits[1, 5] = logits[1, 6] = 1.0  # a tie at the top
-    ids, w = tm.moe_route(logits, 3, True)
+    ids, w = route_logits(tr.moe_route, logits, 3, True)
     assert ids.tolist() == [[0, 1, 2], [5, 6, 0], [0, 1, 2]]
-    assert torch.equal(ids.long(), ref.moe_route(logits, 3, True)[0])
+    assert torch.equal(ids.long(), route_logits(ref.moe_route, logits, 3, True)[0])
 
 
-def test_route_row_invariant():
-    g = torch.Generator().manual_seed(3)
-    row = torch.randn(1, 64, generator=g).to(DEVICE)
-    solo = tm.moe_route(row, 8, True)
-    for n, pos in [(2, 1), (17, 0), (33, 20)]:
-        batch = torch.randn(n, 64, generator=g).to(DEVICE)
+# the router's input width over several KS slices (ragged), its experts over several column blocks
+GATE_SHAPES = _shapes({"h300-e40": (300, 40)}, {"35b-h2048-e256": (2048, 256)})
+
+
+@pytest.mark.parametrize("shape", GATE_SHAPES.values(), ids=GATE_SHAPES.keys())
+def test_router_logits_and_the_shared_logit_match_reference(shape):
+    """Random weights (fp32, so the reference's GEMM rounds nothing the kernel keeps), the first 5 of 7 rows
+    routed: the same experts, and every row's shared-expert logit."""
+    H, E = shape
+    x, router, gate = _randn(7, H, seed=20), _randn(E, H, seed=21, scale=H ** -0.5), _randn(1, H, seed=22)
+    ids, w, logit = tr.moe_route(x, router, gate, 5, 8, True)
+    want_ids, want_w, want_logit = ref.moe_route(x, router, gate, 5, 8, True)
+    assert ids.shape == (5, 8) and logit.shape == (7, 1) and logit.dtype == torch.float32
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logit, want_logit, rtol=1e-4, atol=1e-4)
+
+
+@DOT_DTYPES
+def test_route_row_invariant(dtype):
+    """A row's experts, weights and shared logit alone and among other rows (several 16-row tiles of the
+    router's GEMM), routed or padding."""
+    H, E = (2048, 256) if CUDA else (300, 40)
+    router, gate = _randn(E, H, seed=30, dtype=dtype, scale=H ** -0.5), _randn(1, H, seed=31, dtype=dtype)
+    row = _randn(1, H, seed=32, dtype=dtype)
+    solo = tr.moe_route(row, router, gate, 1, 8, True)
+    for R, n, pos in [(2, 2, 1), (17, 17, 0), (33, 33, 20), (40, 3, 2), (40, 3, 35)]:
+        batch = _randn(R, H, seed=33 + R, dtype=dtype)
         batch[pos] = row[0]
-        got = tm.moe_route(batch, 8, True)
-        assert torch.equal(got[0][pos], solo[0][0]) and torch.equal(got[1][pos], solo[1][0])
+        ids, w, logit = tr.moe_route(batch, router, gate, n, 8, True)
+        assert torch.equal(logit[pos], solo[2][0])
+        if pos < n:
+            assert torch.equal(ids[pos], solo[0][0]) and torch.equal(w[pos], solo[1][0])
 
 
 # ---------------------------------------------------------------- experts + combine
 
-EXPERT_SHAPES = _shapes(  # n routed rows, R rows in all, H, I, E, k
-    {"h64-i32-e8-k2": (6, 6, 64, 32, 8, 2), "h48-i40-e6-k3-ragged": (5, 7, 48, 40, 6, 3),
-     "h160-i96-e4-k2-tiles": (20, 20, 160, 96, 4, 2), "padded-r8": (3, 8, 64, 32, 8, 2)},
-    {"35b-b1": (1, 64, 2048, 512, 256, 8), "35b-b64": (64, 64, 2048, 512, 256, 8),
-     "35b-chunk": (1024, 1024, 2048, 512, 256, 8)},
+EXPERT_SHAPES = _shapes(  # n routed rows, R rows in all, H, I, E, k, S (the shared expert's width)
+    {"h64-i32-e8-k2": (6, 6, 64, 32, 8, 2, 32), "h48-i40-e6-k3-ragged": (5, 7, 48, 40, 6, 3, 40),
+     "h160-i96-e4-k2-tiles": (20, 20, 160, 96, 4, 2, 96), "padded-r8": (3, 8, 64, 32, 8, 2, 32),
+     "shared-wider-s48": (6, 6, 64, 32, 8, 2, 48), "shared-narrower-s24": (5, 9, 64, 40, 8, 2, 24),
+     "shared-several-programs-r300": (280, 300, 64, 32, 8, 2, 32)},
+    {"35b-b1": (1, 64, 2048, 512, 256, 8, 512), "35b-b64": (64, 64, 2048, 512, 256, 8, 512),
+     "35b-chunk": (1024, 1024, 2048, 512, 256, 8, 512)},
 )
 
 
-def _expert_inputs(n, R, H, I, E, k, dtype, seed=0, same_experts=False, weights=None):
-    """x [n, H], ids, routing weights, w_gate_up, w_down (`weights`: reuse these two), shared, shared_gate."""
+def _expert_inputs(n, R, H, I, E, k, dtype, seed=0, same_experts=False, experts=None, S=None):
+    """x [R, H], ids, routing weights (n rows), the layer's ExpertWeights (`experts`: reuse these), shared_logit.
+    S: the shared expert's width (I unless given)."""
+    S = S or I
     x = _randn(R, H, seed=seed, dtype=dtype)
-    w_gate_up, w_down = weights or (_randn(E, 2 * I, H, seed=seed + 1, dtype=dtype, scale=H ** -0.5),
-                                    _randn(E, H, I, seed=seed + 2, dtype=dtype, scale=I ** -0.5))
-    shared = _randn(R, H, seed=seed + 3, dtype=dtype)
-    shared_gate = _randn(R, 1, seed=seed + 4, dtype=dtype)
+    experts = experts or ref.ExpertWeights(
+        _randn(E, 2 * I, H, seed=seed + 1, dtype=dtype, scale=H ** -0.5),
+        _randn(E, H, I, seed=seed + 2, dtype=dtype, scale=I ** -0.5),
+        _randn(S, H, seed=seed + 3, dtype=dtype, scale=H ** -0.5),
+        _randn(S, H, seed=seed + 6, dtype=dtype, scale=H ** -0.5),
+        _randn(H, S, seed=seed + 7, dtype=dtype, scale=S ** -0.5))
+    shared_logit = _randn(R, 1, seed=seed + 4, dtype=dtype)
     logits = _randn(n, E, seed=seed + 5)
     if same_experts:
         logits = logits[:1].expand(n, E).contiguous()
-    ids, w = ref.moe_route(logits, k, True)
-    return x[:n], ids.to(DEVICE), w.to(DEVICE), w_gate_up, w_down, shared, shared_gate
+    ids, w = route_logits(ref.moe_route, logits, k, True)
+    return x, ids.to(DEVICE), w.to(DEVICE), experts, shared_logit
 
 
 def _fp32(*ts):
-    return [t.float() if t.is_floating_point() else t for t in ts]
+    return [ref.ExpertWeights(*_fp32(*t)) if isinstance(t, ref.ExpertWeights) else
+            t.float() if t.is_floating_point() else t for t in ts]
 
 
 @pytest.mark.parametrize("shape", EXPERT_SHAPES.values(), ids=EXPERT_SHAPES.keys())
 @DOT_DTYPES
 def test_experts_match_reference(shape, dtype):
-    args = _expert_inputs(*shape, dtype=dtype)
+    *dims, S = shape
+    args = _expert_inputs(*dims, dtype=dtype, S=S)
     got = tm.moe_experts(*args)
     assert got.dtype == dtype and got.shape == (shape[1], shape[2])
     want = ref.moe_experts(*_fp32(*args)) if dtype != torch.float32 else ref.moe_experts(*args)
@@ -131,13 +165,14 @@ def test_experts_row_invariant(dtype):
     H, I, E, k = (2048, 512, 256, 8) if CUDA else (64, 32, 8, 2)
     solo_args = _expert_inputs(1, 1, H, I, E, k, dtype, seed=50)
     solo = tm.moe_experts(*solo_args)[0]
-    for n, pos, same in [(2, 1, False), (9, 4, False), (40, 39, True), (40, 0, False)]:
-        x, ids, w, _, _, shared, sg = _expert_inputs(n, n, H, I, E, k, dtype, seed=60 + n, weights=solo_args[3:5])
+    experts = solo_args[3]
+    # the last case puts the row in a later program of the shared expert (Tiles.shared_rows rows each)
+    for n, pos, same in [(2, 1, False), (9, 4, False), (40, 39, True), (40, 0, False), (200, 150, False)]:
+        x, ids, w, _, logit = _expert_inputs(n, n, H, I, E, k, dtype, seed=60 + n, experts=experts)
         if same:
             ids[:], w[:] = solo_args[1][0], solo_args[2][0]
-        x[pos], ids[pos], w[pos], shared[pos], sg[pos] = (solo_args[0][0], solo_args[1][0], solo_args[2][0],
-                                                         solo_args[5][0], solo_args[6][0])
-        got = tm.moe_experts(x, ids, w, solo_args[3], solo_args[4], shared, sg)
+        x[pos], ids[pos], w[pos], logit[pos] = solo_args[0][0], solo_args[1][0], solo_args[2][0], solo_args[4][0]
+        got = tm.moe_experts(x, ids, w, experts, logit)
         assert torch.equal(got[pos], solo), f"row at {pos} of {n} differs from the row alone"
 
 
@@ -170,12 +205,12 @@ if CUDA:
         one row and experts of several 64-row tiles."""
         assert tm.tiles_agree(torch.bfloat16, DEVICE)
         H, I, E, k, n = 2048, 512, 256, 8, 1100
-        x, ids, w, wgu, wd, shared, sg = _expert_inputs(n, n, H, I, E, k, torch.bfloat16, seed=70)
+        x, ids, w, experts, logit = _expert_inputs(n, n, H, I, E, k, torch.bfloat16, seed=70)
         ids[: n // 2] = torch.arange(k, device=DEVICE, dtype=ids.dtype)  # 550 rows on experts 0..7
-        small = tm.moe_experts(x, ids, w, wgu, wd, shared, sg, tiles=tm.SMALL)
-        large = tm.moe_experts(x, ids, w, wgu, wd, shared, sg)  # n >= LARGE_FROM_ROWS: the large set
+        small = tm.moe_experts(x, ids, w, experts, logit, tiles=tm.SMALL)
+        large = tm.moe_experts(x, ids, w, experts, logit)  # n >= LARGE_FROM_ROWS: the large set
         assert n >= tm.LARGE_FROM_ROWS and torch.equal(small, large)
-        solo = tm.moe_experts(x[5:6], ids[5:6], w[5:6], wgu, wd, shared[5:6], sg[5:6])  # the small set
+        solo = tm.moe_experts(x[5:6], ids[5:6], w[5:6], experts, logit[5:6])  # the small set
         assert torch.equal(solo[0], large[5])
 
     def test_tiles_agree_runs_nothing_for_a_dtype_the_large_set_never_runs_in(monkeypatch):
@@ -198,25 +233,40 @@ if CUDA:
 
 def test_padding_rows_get_the_shared_expert_only_and_unchosen_experts_do_no_work():
     n, R, H, I, E, k = 3, 8, 64, 32, 8, 2
-    x, ids, w, wgu, wd, shared, sg = _expert_inputs(n, R, H, I, E, k, torch.float32)
+    x, ids, w, experts, logit = _expert_inputs(n, R, H, I, E, k, torch.float32)
     unchosen = sorted(set(range(E)) - set(ids.flatten().tolist()))
     assert unchosen
-    wgu, wd = wgu.clone(), wd.clone()
-    wgu[unchosen], wd[unchosen] = float("nan"), float("nan")  # read by no program
-    got = tm.moe_experts(x, ids, w, wgu, wd, shared, sg)
+    gate_up, down = experts.gate_up.clone(), experts.down.clone()
+    gate_up[unchosen], down[unchosen] = float("nan"), float("nan")  # read by no program
+    got = tm.moe_experts(x, ids, w, experts._replace(gate_up=gate_up, down=down), logit)
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got[n:], (torch.sigmoid(sg[n:]) * shared[n:]), rtol=1e-6, atol=1e-6)
+    shared_only = ref.moe_experts(x[n:], ids[:0], w[:0], experts, logit[n:])
+    torch.testing.assert_close(got[n:], shared_only, **TOL[torch.float32])
+
+
+def test_the_shared_expert_is_computed_for_every_row():
+    """Its weights reach every row, routed or padding, and the sigmoid gate scales it: a zero shared down
+    projection leaves the routed sum alone; a logit of -inf switches it off."""
+    n, R, H, I, E, k = 4, 6, 64, 32, 8, 2
+    x, ids, w, experts, logit = _expert_inputs(n, R, H, I, E, k, torch.float32, seed=3)
+    full = tm.moe_experts(x, ids, w, experts, logit)
+    off = torch.full_like(logit, float("-inf"))
+    no_down = experts._replace(shared_down_proj=torch.zeros_like(experts.shared_down_proj))
+    routed = tm.moe_experts(x, ids, w, no_down, logit)
+    assert torch.equal(tm.moe_experts(x, ids, w, experts, off), routed)
+    assert not torch.equal(full[:n], routed[:n]) and not routed[n:].any() and full[n:].abs().min() > 0
+    torch.testing.assert_close(full, ref.moe_experts(x, ids, w, experts, logit), **TOL[torch.float32])
 
 
 if CUDA:
     def test_cuda_graph_capture_replay_matches_eager():
         n, R, H, I, E, k = 64, 64, 2048, 512, 256, 8
-        x, ids, w, wgu, wd, shared, sg = _expert_inputs(n, R, H, I, E, k, torch.bfloat16)
-        logits = _randn(n, E, seed=9, dtype=torch.bfloat16)
+        x, _, _, experts, _ = _expert_inputs(n, R, H, I, E, k, torch.bfloat16)
+        router, gate = _randn(E, H, seed=9, dtype=torch.bfloat16), _randn(1, H, seed=8, dtype=torch.bfloat16)
 
         def step():
-            i, rw = tm.moe_route(logits, k, True)
-            return tm.moe_experts(x, i, rw, wgu, wd, shared, sg)
+            i, rw, logit = tr.moe_route(x, router, gate, n, k, True)
+            return tm.moe_experts(x, i, rw, experts, logit)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -225,7 +275,6 @@ if CUDA:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = step()
-        logits.copy_(_randn(n, E, seed=10, dtype=torch.bfloat16))
         x.copy_(_randn(n, H, seed=11, dtype=torch.bfloat16))
         graph.replay()
         assert torch.equal(out, step())

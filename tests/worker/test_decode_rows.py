@@ -12,6 +12,7 @@ from capsulert.engine import numerics
 from capsulert.engine.engine import MAX_DECODE_BATCH
 from capsulert.engine.loader import load_checkpoint
 from capsulert.engine.model import HybridModel
+from capsulert.engine.moe_weights import MOE_KERNEL_WEIGHTS
 from capsulert.kernels.ops import reference_kernels
 from capsulert.engine.packing import PACKS
 from capsulert.engine.numerics import first_row_variant_gemm
@@ -47,24 +48,26 @@ def test_gemm_weights_are_the_packed_projections_and_the_lm_head(model_dir):
     assert gemm[0] is model.lm_head
     for layer in model.layers:
         packs = [p for p in PACKS if p in layer.w]
-        assert len(packs) == 2  # the mixer's input projections, and the MLP's (dense) or shared expert's (MoE)
+        assert len(packs) == (1 if cfg.is_moe else 2)  # the mixer's input projections, and a dense MLP's
         for p in packs:
             assert any(t is layer.w[p] for t in gemm)
             for name in PACKS[p]:  # the named views are not multiplied on their own
                 assert not any(t is layer.w[name] for t in gemm)
         assert not any(t is layer.w["conv"] for t in gemm if "conv" in layer.w)
     assert all(t.dim() == 2 for t in gemm)  # the routed experts' 3-D weights run in the MoE kernels
-    # per layer: its two packs and two unpacked projections (the mixer's output and the MLP's down projection)
-    assert len(gemm) == 1 + 4 * cfg.num_hidden_layers
+    for layer in model.layers:  # and so do an MoE MLP's router and shared expert
+        assert not any(t is layer.w[n] for n in MOE_KERNEL_WEIGHTS if n in layer.w for t in gemm)
+    # per layer: the mixer's input pack and output projection, and a dense MLP's input pack and down projection
+    assert len(gemm) == 1 + (2 if cfg.is_moe else 4) * cfg.num_hidden_layers
 
 
 def test_the_engine_drops_the_padding_only_when_every_gemm_passes(engine, monkeypatch, caplog):
     engine.model.decode_rows = MAX_DECODE_BATCH
-    monkeypatch.setattr(engine_module, "first_row_variant_gemm", lambda weights, rows: ((1288, 2048), 3))
+    monkeypatch.setattr(engine_module, "first_row_variant_gemm", lambda weights, rows: ((2048, 4096), 3))
     with caplog.at_level(logging.WARNING, logger="capsulert.engine.engine"):
         engine._choose_decode_rows()
     assert engine.model.decode_rows == MAX_DECODE_BATCH
-    assert "padded to 64 rows" in caplog.text and "1288x2048 GEMM" in caplog.text and "at 3 rows" in caplog.text
+    assert "padded to 64 rows" in caplog.text and "2048x4096 GEMM" in caplog.text and "at 3 rows" in caplog.text
     monkeypatch.setattr(engine_module, "first_row_variant_gemm", lambda weights, rows: None)
     engine._choose_decode_rows()
     assert engine.model.decode_rows is None
