@@ -12,8 +12,8 @@
            gated shared expert, rounded once to the model's dtype
     The shared expert is one more expert of steps 2 and 3 that every row chose, its weight sigmoid(shared_logit):
     its first programs (Tiles.shared_rows rows each) run beside the routed ones in the same launches, so a decode step
-    launches no GEMM of its own for it (two small cuBLAS launches a layer, ~6 us each at one row, were half the
-    dense GEMMs' excess time over their reads on the 35B-A3B shape: bench/RESULTS.md).
+    launches no GEMM nor elementwise kernel of its own for it (on the 35B-A3B shape that took the b = 1 step from
+    3.62 to 3.41 ms on the H200: bench/RESULTS.md).
 
 Row-wise batch invariance: there is no split-K: every output element is one fp32 accumulator that runs over K
 in 16-element MMA steps in the same order, whatever else is in its tile, and the padding rows of a tile are
@@ -66,8 +66,9 @@ LARGE_FROM_ROWS = 512
 LARGE_DTYPES = (torch.bfloat16, torch.float16)  # an fp32 LARGE tile does not fit in shared memory
 COMBINE_BH = 1024
 # shared_rows: the shared expert's rows per program. One tile in a decode step: its programs then take as long as a
-# routed expert's, where 4 tiles of 64 rows in one program made the b = 64 step's last wave wait for them (0.5 ms a
-# step on the 35B-A3B shape). 128 in a long piece: about a routed expert's rows (n * k / E = 128 at 4096 tokens).
+# routed expert's, where 64 rows in one program made the b = 64 step's last wave wait for them (20.2 against
+# 19.8 ms a step on the 35B-A3B shape, H200). 128 in a long piece: about a routed expert's rows (n * k / E = 128
+# at 4096 tokens).
 
 
 @triton.jit
