@@ -45,7 +45,8 @@ class KernelSet:
     silu_mul: Callable
     gated_delta_step_fused: Callable
     gated_delta_prefill_prep: Callable
-    # the routed experts of an MoE MLP (kernels/moe.py): routing, then the experts and the combine
+    # an MoE MLP (kernels/moe.py): the router with the shared expert's gate, then the experts (routed and
+    # shared) and the combine
     moe_route: Callable
     moe_experts: Callable
     # pack the projections that read one input into one GEMM (engine/packing.py); off on the CPU reference
