@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from capsulert.config.model import FULL, ModelConfig
+from capsulert.kernels.moe import AddNorm
 from capsulert.kernels.ops import KernelSet, reference_kernels
 from capsulert.engine.moe import moe_mlp
 from capsulert.engine.moe_weights import MOE_KERNEL_WEIGHTS
@@ -144,20 +145,25 @@ class HybridModel:
         eps = self.cfg.rms_norm_eps
         add_rms_norm = self.kernels.add_rms_norm
         delta = None  # the previous block's output, added to the residual stream by the next norm
+        normed = None  # or (h, x): an MoE block added its output to h and ran this layer's input norm itself
         # the linear-attention layers' piece starts `replay` rows early, with the tail's rows
         lin_valid, lin_grid_at = valid, grid_at
         if replay is not None:
             lin_valid = replay + (valid if valid is not None else torch.full_like(slots, tokens.shape[1]))
             lin_grid_at = None if grid_at is None else grid_at + replay
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             w = layer.w
-            h, x = add_rms_norm(h, delta, w["input_layernorm.weight"], eps)
+            h, x = normed if normed is not None else add_rms_norm(h, delta, w["input_layernorm.weight"], eps)
             if layer.kind == FULL:
                 x = self._attention(layer, x, state, slots, start, kv_len, rope, decode)
             else:
                 x = self._gated_delta_net(layer, x, state, slots, decode, lin_valid, lin_grid_at, replay, tail_from)
             h, x = add_rms_norm(h, x, w["post_attention_layernorm.weight"], eps)
-            delta = self._mlp(w, x, B)
+            if self.cfg.is_moe and i + 1 < len(self.layers):  # the expert stage adds and norms in its last launch
+                next_norm = AddNorm(h, self.layers[i + 1].w["input_layernorm.weight"], eps)
+                delta, normed = None, moe_mlp(self.cfg, self.kernels, w, x, B, next_norm)
+            else:
+                delta, normed = self._mlp(w, x, B), None
         h = (h + delta)[:B]
         if grid_at is not None:  # the hidden state before the grid point: the logits a checkpoint there gives
             before = h[:, grid_at - 1] if isinstance(grid_at, int) else h[torch.arange(B, device=self.device), grid_at - 1]
@@ -190,18 +196,15 @@ class HybridModel:
         D = cfg.head_dim
         q_gate, k, v = self._project(w, "attn_in", x)
         q, gate = q_gate.view(R, T, -1, 2 * D).chunk(2, dim=-1)
-        gate = gate.reshape(R, T, -1)
         cos, sin = rope
-        q = self.kernels.head_norm_rope(q, w["self_attn.q_norm.weight"], cos, sin, cfg.rotary_dim, cfg.rms_norm_eps)
-        k = self.kernels.head_norm_rope(k.view(R, T, -1, D), w["self_attn.k_norm.weight"], cos, sin, cfg.rotary_dim,
-                                        cfg.rms_norm_eps)
-        v = v.view(R, T, -1, D)
         kv_k, kv_v = state.kv_k[layer.state_index], state.kv_v[layer.state_index]
-        self.kernels.write_kv(kv_k, kv_v, slots, start, k[:B], v[:B])
+        # the real rows only: q, k through their norms and the rotary embedding, k and v into the cache
+        q = self.kernels.attention_prep(q[:B], w["self_attn.q_norm.weight"], k.view(R, T, -1, D)[:B],
+                                        w["self_attn.k_norm.weight"], v.view(R, T, -1, D)[:B], cos[:B], sin[:B],
+                                        cfg.rotary_dim, cfg.rms_norm_eps, kv_k, kv_v, slots, start)
         attend = self.kernels.attention if decode else self.kernels.prefill_attention
-        o = attend(q[:B], kv_k, kv_v, slots, start, kv_len, D**-0.5)
-        o = pad_rows(o, R).reshape(R, T, -1) * torch.sigmoid(gate)
-        return F.linear(o, w["self_attn.o_proj.weight"])
+        o = attend(q, kv_k, kv_v, slots, start, kv_len, D**-0.5, gate[:B])  # gated: o * sigmoid(gate)
+        return F.linear(pad_rows(o, R).reshape(R, T, -1), w["self_attn.o_proj.weight"])
 
     def _gated_delta_net(self, layer, x, state, slots, decode: bool, valid, grid_at=None, replay=None,
                          tail_from=None):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from capsulert.kernels.moe import ExpertWeights
+from capsulert.kernels.moe import AddNorm, ExpertWeights
 from capsulert.kernels.ops import KernelSet
 from capsulert.config.model import ModelConfig
 from capsulert.engine.moe_weights import (
@@ -24,12 +24,18 @@ from capsulert.engine.moe_weights import (
 
 
 def moe_mlp(cfg: ModelConfig, kernels: KernelSet, w: dict[str, torch.Tensor], x: torch.Tensor,
-            real_rows: int) -> torch.Tensor:
+            real_rows: int, add_norm: AddNorm | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [R, T, H] (after the post-attention norm) -> the MoE block's output [R, T, H]. Rows real_rows..R-1
-    are padding (a fixed-shape decode step): they get the shared expert only."""
+    are padding (a fixed-shape decode step): they get the shared expert only. With `add_norm` (h [R, T, H], the
+    next layer's input norm) -> (h + output, the next layer's normalised input), both [R, T, H]."""
     R, T, H = x.shape
     rows = x.reshape(R * T, H)
+    if add_norm is not None:
+        add_norm = add_norm._replace(h=add_norm.h.reshape(R * T, H))
     ids, weights, shared_logit = kernels.moe_route(rows, w[ROUTER], w[SHARED_GATE], real_rows * T,
                                                    cfg.num_experts_per_tok, cfg.norm_topk_prob)
     experts = ExpertWeights(w[GATE_UP], w[DOWN], w[SHARED_GATE_PROJ], w[SHARED_UP_PROJ], w[SHARED_DOWN_PROJ])
-    return kernels.moe_experts(rows, ids, weights, experts, shared_logit).view(R, T, H)
+    out = kernels.moe_experts(rows, ids, weights, experts, shared_logit, add_norm)
+    if add_norm is not None:
+        return out[0].view(R, T, H), out[1].view(R, T, H)
+    return out.view(R, T, H)

@@ -18,8 +18,15 @@ def write_kv_ref(kv_k, kv_v, slots, start, k, v):
     kv_v.index_put_((slots[:, None].expand_as(rows), rows), v)
 
 
-def attention_ref(q, kv_k, kv_v, slots, start, kv_len: int, scale: float):
-    """q [B, T, Hq, D]; returns [B, T, Hq, D] in q's dtype. GQA: query head h reads kv head h // (Hq/Hkv)."""
+def output_gate(o, gate):
+    """The gated attention's output gate: o * sigmoid(gate), each rounded to o's dtype (the model's semantics,
+    as HF computes it); gate [B, T, Hq, D], any strides."""
+    return o * torch.sigmoid(gate)
+
+
+def attention_ref(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, gate=None):
+    """q [B, T, Hq, D]; returns [B, T, Hq, D] in q's dtype, times sigmoid(gate) when a gate is given
+    (output_gate). GQA: query head h reads kv head h // (Hq/Hkv)."""
     B, T, Hq, D = q.shape
     k = kv_k[slots, :kv_len].transpose(1, 2)  # [B, Hkv, L, D]
     v = kv_v[slots, :kv_len].transpose(1, 2)
@@ -27,10 +34,11 @@ def attention_ref(q, kv_k, kv_v, slots, start, kv_len: int, scale: float):
     visible = torch.arange(kv_len, device=q.device)[None, None, :] <= qpos[:, :, None]  # [B, T, L]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None], scale=scale,
                                          enable_gqa=True)
-    return out.transpose(1, 2)
+    out = out.transpose(1, 2)
+    return out if gate is None else output_gate(out, gate)
 
 
-def tiled_attention_ref(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, tile: int = 64):
+def tiled_attention_ref(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, gate=None, tile: int = 64):
     """attention_ref computed so that a query row's bits depend only on its own position and the keys it
     sees, never on how many queries share the call or on `kv_len` (split-invariant prefill, on CPU).
 
@@ -67,4 +75,4 @@ def tiled_attention_ref(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, 
             o = pv[..., :D] / pv[..., D:]
             ot[g0 - lo:g1 - lo] = o.view(Hkv, rep, tile, D).permute(2, 0, 1, 3).reshape(tile, Hq, D)
         out[b] = ot[a - lo:a - lo + T].to(q.dtype)
-    return out
+    return out if gate is None else output_gate(out, gate)

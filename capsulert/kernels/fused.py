@@ -8,6 +8,7 @@ in fp32 with a single rounding at the end, and are tested against these within a
     add_rms_norm           residual add + zero-centred RMSNorm (the norm before each mixer and MLP)
     gated_rms_norm         RMSNorm with a plain weight times silu(z) (the Gated DeltaNet output norm)
     head_norm_rope         per-head zero-centred RMSNorm + partial rotary embedding (q and k of attention)
+    attention_prep_ref     head_norm_rope of q and of k, and k and v into the KV cache (triton_attention_prep.py)
     silu_mul               silu(gate) * up over a packed [gate | up] projection (the MLP)
     gated_delta_step_fused q/k L2 norms, decay g, write strength beta and the recurrent decode step
     gated_delta_prefill_prep  the same norms and gates for a prefill piece, padding tokens masked: the
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from capsulert.kernels.attention import write_kv_ref
 from capsulert.kernels.gated_delta import gated_delta_step_ref
 
 # On the CPU a vectorised transcendental op (silu, sigmoid) rounds an element differently in its vector body
@@ -67,6 +69,15 @@ def head_norm_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: tor
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     r = rotary_dim
     return torch.cat((x[..., :r] * cos + rotate_half(x[..., :r]) * sin, x[..., r:]), dim=-1)
+
+
+def attention_prep_ref(q, w_q, k, w_k, v, cos, sin, rotary_dim: int, eps: float, kv_k, kv_v, slots, start
+                       ) -> torch.Tensor:
+    """An attention layer's stage between its input projection and the attention: q and k [B, T, H, D] through
+    head_norm_rope with their norms, k and v [B, T, Hkv, D] into the KV cache (write_kv_ref); returns q's."""
+    k = head_norm_rope(k, w_k, cos, sin, rotary_dim, eps)
+    write_kv_ref(kv_k, kv_v, slots, start, k, v)
+    return head_norm_rope(q, w_q, cos, sin, rotary_dim, eps)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ Triton versions in triton_moe_route.py and triton_moe.py).
     moe_experts(x, ids, weights, experts, shared_logit)
                                                    -> sum_r weights[:, r] * expert_r(x)
                                                       + sigmoid(shared_logit) * shared_expert(x)
+    moe_experts(..., add_norm=AddNorm(h, w, eps))  -> add_rms_norm(h, that output, w, eps) (kernels/fused.py):
+                                                      the residual stream and the next layer's input norm
 
 Routing: the router's logits (router @ x), softmax over the experts in fp32, the k largest probabilities in
 descending order (the lowest expert id first among equal ones), renormalised to sum to 1 when `normalize` (HF's
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from capsulert.errors import ConfigError
+from capsulert.kernels.fused import add_rms_norm
 
 
 class ExpertWeights(NamedTuple):
@@ -38,6 +41,15 @@ class ExpertWeights(NamedTuple):
     shared_gate_proj: torch.Tensor  # [S, H] the shared expert, which every row goes through
     shared_up_proj: torch.Tensor  # [S, H]
     shared_down_proj: torch.Tensor  # [H, S]
+
+
+class AddNorm(NamedTuple):
+    """Where an MoE block's output goes next, when the expert stage takes it there itself: added to the residual
+    stream h [R, H] and normalised with the next layer's input norm (add_rms_norm(h, out, w, eps)). The Triton
+    combine does both in its own launch, a launch less a layer."""
+    h: torch.Tensor
+    w: torch.Tensor
+    eps: float
 
 
 def moe_route(x: torch.Tensor, router: torch.Tensor, shared_gate: torch.Tensor, n: int, top_k: int,
@@ -56,12 +68,14 @@ def moe_route(x: torch.Tensor, router: torch.Tensor, shared_gate: torch.Tensor, 
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
-                shared_logit: torch.Tensor) -> torch.Tensor:
+                shared_logit: torch.Tensor, add_norm: AddNorm | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The MoE block's output for R rows.
 
     x [R, H] (model dtype); ids, weights [n, k] from moe_route for the first n <= R rows; shared_logit [R, 1] the
     shared expert's gate logit. Rows n..R-1 (padding of a fixed-shape step) are not routed: they get the gated
-    shared expert alone. Returns [R, H] in the model's dtype."""
+    shared expert alone. Returns [R, H] in the model's dtype; with `add_norm`, add_rms_norm of it instead:
+    (h + out, the next layer's normalised input)."""
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise ConfigError("the reference MoE kernels read each token's experts on the host, which a CUDA graph "
                           "cannot capture: use kernels='auto' or 'triton' on CUDA, or cuda_graphs=False")
@@ -78,7 +92,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
                 routed = term if routed is None else routed + term
             acc = routed + acc
         out[m] = acc.to(out.dtype)
-    return out
+    return out if add_norm is None else add_rms_norm(add_norm.h, out, add_norm.w, add_norm.eps)
 
 
 def _gated_shared(experts: ExpertWeights, x: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from capsulert.kernels import fused, moe
-from capsulert.kernels.attention import attention_ref, tiled_attention_ref, write_kv_ref
+from capsulert.kernels.attention import attention_ref, tiled_attention_ref
 from capsulert.kernels.conv import causal_conv1d_ref, causal_conv1d_step_ref, conv_history_at
 from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK, chunk_gated_delta_rule_ref
 
@@ -23,14 +23,17 @@ from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK, chunk_gated_delta_r
 # are of another numerics origin (engine/capsules.numerics_origin: restored byte-exact, never shared by block,
 # served as a prefix or replayed). 2: prefill attention over absolute 256-key ranges. 3: an MoE layer's
 # shared-expert gate computed in its packed projection (engine/packing.py). 4: the shared expert computed in the
-# expert kernels, the router's logits in fp32 from fixed K slices (kernels/triton_moe*.py).
-CUDA_KERNEL_BITS = 4
+# expert kernels, the router's logits in fp32 from fixed K slices (kernels/triton_moe*.py). 5: the attention output
+# gate's sigmoid in the attention kernels (kernels/triton_attention.py).
+CUDA_KERNEL_BITS = 5
 
 
 @dataclass(frozen=True)
 class KernelSet:
     name: str
-    write_kv: Callable
+    # q and k through their norms and the rotary embedding, k and v into the KV cache (fused.attention_prep_ref)
+    attention_prep: Callable
+    # both attentions take the layer's output gate: out = o * sigmoid(gate) (attention.output_gate)
     attention: Callable  # decode: one query a slot, batch-invariant
     # prefill: a query row's bits do not depend on how many queries share the piece or on kv_len
     # (split-invariant prefill: the state at every 64-token grid point is the same whatever the pieces)
@@ -41,7 +44,6 @@ class KernelSet:
     # the elementwise work around the GEMMs (kernels/fused.py), fused into one launch each on CUDA
     add_rms_norm: Callable
     gated_rms_norm: Callable
-    head_norm_rope: Callable
     silu_mul: Callable
     gated_delta_step_fused: Callable
     gated_delta_prefill_prep: Callable
@@ -104,7 +106,7 @@ def gated_delta_prefill_ref(q, k, v, g, beta, ssm_buf, slots, grid=None) -> torc
 def reference_kernels() -> KernelSet:
     return KernelSet(
         name="reference",
-        write_kv=write_kv_ref,
+        attention_prep=fused.attention_prep_ref,
         attention=attention_ref,
         prefill_attention=tiled_attention_ref,
         conv_prefill=conv_prefill_ref,
@@ -112,7 +114,6 @@ def reference_kernels() -> KernelSet:
         gated_delta_prefill=gated_delta_prefill_ref,
         add_rms_norm=fused.add_rms_norm,
         gated_rms_norm=fused.gated_rms_norm,
-        head_norm_rope=fused.head_norm_rope,
         silu_mul=fused.silu_mul,
         gated_delta_step_fused=fused.gated_delta_step_fused,
         gated_delta_prefill_prep=fused.gated_delta_prefill_prep,
@@ -155,11 +156,12 @@ def cuda_kernels(use_fla: bool = True, large_moe_tiles: bool = True) -> KernelSe
     from capsulert.kernels.triton_conv import conv_prefill, conv_step
     from capsulert.kernels import triton_fused, triton_moe, triton_moe_route
     from capsulert.kernels.triton_gated_delta_prep import gated_delta_prefill_prep
+    from capsulert.kernels.triton_attention_prep import attention_prep
 
     fla = _fla_prefill() if use_fla else None
     return KernelSet(
         name="triton+fla" if fla else "triton",
-        write_kv=write_kv_ref,
+        attention_prep=attention_prep,
         attention=attention,
         prefill_attention=prefill_attention,
         conv_prefill=conv_prefill,
@@ -167,7 +169,6 @@ def cuda_kernels(use_fla: bool = True, large_moe_tiles: bool = True) -> KernelSe
         gated_delta_prefill=fla or gated_delta_prefill_ref,
         add_rms_norm=triton_fused.add_rms_norm,
         gated_rms_norm=triton_fused.gated_rms_norm,
-        head_norm_rope=triton_fused.head_norm_rope,
         silu_mul=triton_fused.silu_mul,
         gated_delta_step_fused=triton_fused.gated_delta_step_fused,
         # fla reads q, k, v in bf16; the plain-torch chunked rule computes in fp32

@@ -43,16 +43,28 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _gated(out, g_ptrs, mask, GATED: tl.constexpr, dtype: tl.constexpr):
+    """The output in `dtype`, times sigmoid(gate) when GATED, with the reference's roundings (output_gate in
+    kernels/attention.py): the output and the sigmoid each rounded to `dtype`, then their product."""
+    out = out.to(dtype)
+    if GATED:
+        g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) * tl.sigmoid(g).to(dtype).to(tl.float32)).to(dtype)
+    return out
+
+
+@triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, o_ptr, lse_ptr, opart_ptr,
+    q_ptr, k_ptr, v_ptr, slots_ptr, start_ptr, o_ptr, lse_ptr, opart_ptr, g_ptr,
     T, t0, Tw, Hq, kv_len, n_tblocks, qk_scale,
     sq_b, sq_t, sq_h, sq_d,
     sk_n, sk_s, sk_h, sk_d,
     sv_n, sv_s, sv_h, sv_d,
     so_b, so_t, so_h, so_d,
+    sg_b, sg_t, sg_h, sg_d,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
     D: tl.constexpr, BN: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, IEEE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, GATED: tl.constexpr,
 ):
     BM: tl.constexpr = BT * GP
     pid0 = tl.program_id(0)
@@ -122,8 +134,10 @@ def _attn_fwd_kernel(
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
-        tl.store(o_ptr + b * so_b + t[:, None] * so_t + hq[:, None] * so_h + offs_d[None, :] * so_d,
-                 out.to(o_ptr.dtype.element_ty), mask=row_valid[:, None])
+        g_ptrs = g_ptr + b * sg_b + t[:, None] * sg_t + hq[:, None] * sg_h + offs_d[None, :] * sg_d
+        out = _gated(out, g_ptrs, row_valid[:, None], GATED, o_ptr.dtype.element_ty)
+        tl.store(o_ptr + b * so_b + t[:, None] * so_t + hq[:, None] * so_h + offs_d[None, :] * so_d, out,
+                 mask=row_valid[:, None])
     else:
         # partials laid out [B, Tw, Hq, NUM_SPLITS, (D)], rows of the wave
         row = ((b * Tw + (t - t0)) * Hq + hq) * NUM_SPLITS + split
@@ -135,10 +149,11 @@ def _attn_fwd_kernel(
 
 @triton.jit
 def _attn_merge_kernel(
-    lse_ptr, opart_ptr, o_ptr,
+    lse_ptr, opart_ptr, o_ptr, g_ptr,
     Tn, t0, Tw, Hq,
     so_b, so_t, so_h, so_d,
-    D: tl.constexpr, NUM_SPLITS: tl.constexpr, SP: tl.constexpr, ORDERED: tl.constexpr,
+    sg_b, sg_t, sg_h, sg_d,
+    D: tl.constexpr, NUM_SPLITS: tl.constexpr, SP: tl.constexpr, ORDERED: tl.constexpr, GATED: tl.constexpr,
 ):
     pid = tl.program_id(0)  # over B * Tn * Hq (Tn rows of the wave), in the order of the partials
     hq = pid % Hq
@@ -170,7 +185,9 @@ def _attn_merge_kernel(
             part = tl.load(opart_ptr + (base + s) * D + offs_d, mask=w > 0.0, other=0.0)  # splits w/o keys: no read
             acc += w * part
     out = acc / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(o_ptr + b * so_b + t * so_t + hq * so_h + offs_d * so_d, out.to(o_ptr.dtype.element_ty))
+    out = _gated(out, g_ptr + b * sg_b + t * sg_t + hq * sg_h + offs_d * sg_d, offs_d < D, GATED,
+                 o_ptr.dtype.element_ty)
+    tl.store(o_ptr + b * so_b + t * so_t + hq * so_h + offs_d * so_d, out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,15 +251,20 @@ def _launch_config(B: int, T: int, Hq: int, Hkv: int, D: int, kv_len: int, devic
                 num_warps=num_warps, num_stages=num_stages)
 
 
-def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, split_invariant: bool = False) -> torch.Tensor:
+def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, gate=None,
+              split_invariant: bool = False) -> torch.Tensor:
     """q [B, T, Hq, D]; kv_k, kv_v [num_slots, max_seq, Hkv, D]; slots, start int [B] on the device;
-    kv_len a static (Python int) bound on the keys read. Returns [B, T, Hq, D] in q's dtype.
+    kv_len a static (Python int) bound on the keys read. Returns [B, T, Hq, D] in q's dtype, times
+    sigmoid(gate) when a gate [B, T, Hq, D] (any strides) is given: the output gate in the kernel that stores
+    the output, where the model ran it as a copy, a sigmoid and a product.
     split_invariant: a row's bits do not depend on T or kv_len (prefill on the 64-token grid)."""
     B, T, Hq, D = q.shape
     Hkv = kv_k.shape[2]
     assert kv_k.dim() == 4 and kv_v.shape == kv_k.shape and kv_k.shape[3] == D
     assert Hq % Hkv == 0 and D == triton.next_power_of_2(D) and D >= 16
     assert slots.shape == (B,) and start.shape == (B,)
+    assert gate is None or gate.shape == q.shape, f"gate {tuple(gate.shape)} for queries {tuple(q.shape)}"
+    g = q if gate is None else gate  # not read without a gate
     kv_len = int(min(kv_len, kv_k.shape[1]))
     o = torch.empty(B, T, Hq, D, dtype=q.dtype, device=q.device)
     if B == 0 or T == 0:
@@ -261,28 +283,30 @@ def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, split_inva
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     for t0 in range(0, T, Tw):
         _attn_fwd_kernel[(B * Hkv * cfg["n_tblocks"], S)](
-            q, kv_k, kv_v, slots, start, o, lse, opart,
+            q, kv_k, kv_v, slots, start, o, lse, opart, g,
             T, t0, Tw, Hq, kv_len, cfg["n_tblocks"], float(scale) * _LOG2E,
             q.stride(0), q.stride(1), q.stride(2), q.stride(3),
             kv_k.stride(0), kv_k.stride(1), kv_k.stride(2), kv_k.stride(3),
             kv_v.stride(0), kv_v.stride(1), kv_v.stride(2), kv_v.stride(3),
             o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+            g.stride(0), g.stride(1), g.stride(2), g.stride(3),
             HKV=Hkv, G=cfg["G"], GP=cfg["GP"], BT=cfg["BT"], D=D, BN=cfg["BN"], NUM_SPLITS=S,
-            SPLIT_KEYS=cfg["split_keys"], IEEE=ieee, INTERPRET=interpret,
+            SPLIT_KEYS=cfg["split_keys"], IEEE=ieee, INTERPRET=interpret, GATED=gate is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         if merge:
             Tn = min(Tw, T - t0)
             _attn_merge_kernel[(B * Tn * Hq,)](
-                lse, opart, o,
+                lse, opart, o, g,
                 Tn, t0, Tw, Hq,
                 o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-                D=D, NUM_SPLITS=S, SP=triton.next_power_of_2(S), ORDERED=split_invariant,
+                g.stride(0), g.stride(1), g.stride(2), g.stride(3),
+                D=D, NUM_SPLITS=S, SP=triton.next_power_of_2(S), ORDERED=split_invariant, GATED=gate is not None,
                 num_warps=4 if D >= 128 else 2,
             )
     return o
 
 
-def prefill_attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float) -> torch.Tensor:
+def prefill_attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, gate=None) -> torch.Tensor:
     """attention() with rows independent of the piece they are computed in (split-invariant prefill)."""
-    return attention(q, kv_k, kv_v, slots, start, kv_len, scale, split_invariant=True)
+    return attention(q, kv_k, kv_v, slots, start, kv_len, scale, gate, split_invariant=True)

@@ -35,7 +35,7 @@ from capsulert.kernels.triton_gated_delta import delta_rule_update, step_launch_
 _TILE_ELEMS = 4096
 
 
-def _warps(elems: int) -> int:
+def warps_for(elems: int) -> int:
     """Warps for a program holding `elems` values: about 8 per thread (one 16-byte load of bf16), 1 to 16."""
     return max(1, min(16, elems // 256))
 
@@ -59,6 +59,27 @@ def _as_rows(x: torch.Tensor, name: str, inner: int = 1) -> torch.Tensor:
 # ---------------------------------------------------------------- residual add + RMSNorm
 
 @triton.jit
+def add_rms_norm_row(h, x, w_ptr, h_out_ptrs, y_ptrs, offs, m, D, eps, HAS_X: tl.constexpr):
+    """One row: h_new = h + x rounded to h's dtype (stored), y = rms_norm_1p(h_new) (stored). Shared with the
+    MoE combine (kernels/triton_moe.py), which adds its output to the residual stream in the same launch: with
+    the same [BD] block and warps a row's bits are those of add_rms_norm."""
+    if HAS_X:
+        h = (h.to(tl.float32) + x.to(tl.float32)).to(h.dtype)
+        tl.store(h_out_ptrs, h, mask=m)
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    y = hf * rstd * (1.0 + w)
+    tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=m)
+
+
+def add_rms_norm_launch(D: int) -> dict:
+    """The block and warps of a row of add_rms_norm_row: a function of the row's length only."""
+    BD = triton.next_power_of_2(D)
+    return dict(BD=BD, num_warps=warps_for(BD))
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     h_ptr, x_ptr, w_ptr, h_out_ptr, y_ptr,
     D, eps,
@@ -69,15 +90,11 @@ def _add_rms_norm_kernel(
     offs = tl.arange(0, BD)
     m = offs < D
     h = tl.load(h_ptr + row * sh_n + offs, mask=m, other=0.0)
+    x = h
     if HAS_X:
         x = tl.load(x_ptr + row * sx_n + offs, mask=m, other=0.0)
-        h = (h.to(tl.float32) + x.to(tl.float32)).to(h_ptr.dtype.element_ty)
-        tl.store(h_out_ptr + row * sho_n + offs, h, mask=m)
-    hf = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / D + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    y = hf * rstd * (1.0 + w)
-    tl.store(y_ptr + row * sy_n + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+    add_rms_norm_row(h, x, w_ptr, h_out_ptr + row * sho_n + offs, y_ptr + row * sy_n + offs, offs, m, D, eps,
+                     HAS_X)
 
 
 def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor, eps: float
@@ -99,12 +116,11 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor, eps: 
     if N == 0 or D == 0:
         return h_new, y
     ho2 = h_new.view(-1, D) if x is not None else h2
-    BD = triton.next_power_of_2(D)
     _add_rms_norm_kernel[(N,)](
         h2, x2, w, ho2, y,
         D, eps,
         h2.stride(0), x2.stride(0), ho2.stride(0), D,
-        HAS_X=x is not None, BD=BD, num_warps=_warps(BD),
+        HAS_X=x is not None, **add_rms_norm_launch(D),
     )
     return h_new, y
 
@@ -132,7 +148,7 @@ def _gated_rms_norm_kernel(
     tl.store(y_ptr + (n * H + offs_h[:, None]) * D + offs_d[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-def _head_tile(H: int, D: int) -> tuple[int, int]:
+def head_tile(H: int, D: int) -> tuple[int, int]:
     BD = triton.next_power_of_2(D)
     BH = max(1, min(triton.next_power_of_2(H), _TILE_ELEMS // BD))
     return BH, BD
@@ -150,12 +166,12 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
     N = z3.shape[0]
     if y.numel() == 0:
         return y
-    BH, BD = _head_tile(H, D)
+    BH, BD = head_tile(H, D)
     _gated_rms_norm_kernel[(N, triton.cdiv(H, BH))](
         o3, z3, w, y,
         H, D, eps,
         o3.stride(0), o3.stride(1), z3.stride(0), z3.stride(1),
-        BH=BH, BD=BD, num_warps=_warps(BH * BD),
+        BH=BH, BD=BD, num_warps=warps_for(BH * BD),
     )
     return y
 
@@ -163,22 +179,13 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
 # ---------------------------------------------------------------- per-head RMSNorm + partial rotary
 
 @triton.jit
-def _head_norm_rope_kernel(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr,
-    T, H, D, ROT, eps,
-    sx_r, sx_t, sx_h,
-    sc_r, sc_t, ss_r, ss_t,
-    BH: tl.constexpr, BD: tl.constexpr,
-):
-    pid = tl.program_id(0).to(tl.int64)  # one (row, token)
-    r = pid // T
-    t = pid % T
-    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+def norm_rope_heads(x_head, w_ptr, cos_row, sin_row, offs_h, H, D, ROT, eps, BD: tl.constexpr):
+    """rms_norm_1p then the partial rotary embedding of the heads offs_h (< H) of one (row, token): x_head [BH, 1]
+    pointers to their first elements, cos_row / sin_row to the token's angles. Returns [BH, BD] fp32."""
     offs_d = tl.arange(0, BD)
     md = offs_d < D
     mh = offs_h < H
     m = mh[:, None] & md[None, :]
-    x_head = x_ptr + r * sx_r + t * sx_t + offs_h[:, None] * sx_h  # [BH, 1]
     x = tl.load(x_head + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
     w = tl.load(w_ptr + offs_d, mask=md, other=0.0).to(tl.float32)
@@ -195,9 +202,28 @@ def _head_norm_rope_kernel(
     wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)
     xpn = xp * rstd * (1.0 + wp[None, :])
     rot = tl.where(first[None, :], -xpn, xpn)
-    c = tl.load(cos_ptr + r * sc_r + t * sc_t + offs_d, mask=in_rot, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + r * ss_r + t * ss_t + offs_d, mask=in_rot, other=0.0).to(tl.float32)
-    y = tl.where(in_rot[None, :], xn * c[None, :] + rot * s[None, :], xn)
+    c = tl.load(cos_row + offs_d, mask=in_rot, other=0.0).to(tl.float32)
+    s = tl.load(sin_row + offs_d, mask=in_rot, other=0.0).to(tl.float32)
+    return tl.where(in_rot[None, :], xn * c[None, :] + rot * s[None, :], xn)
+
+
+@triton.jit
+def _head_norm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr,
+    T, H, D, ROT, eps,
+    sx_r, sx_t, sx_h,
+    sc_r, sc_t, ss_r, ss_t,
+    BH: tl.constexpr, BD: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # one (row, token)
+    r = pid // T
+    t = pid % T
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_d = tl.arange(0, BD)
+    x_head = x_ptr + r * sx_r + t * sx_t + offs_h[:, None] * sx_h  # [BH, 1]
+    y = norm_rope_heads(x_head, w_ptr, cos_ptr + r * sc_r + t * sc_t, sin_ptr + r * ss_r + t * ss_t, offs_h, H, D,
+                        ROT, eps, BD)
+    m = (offs_h < H)[:, None] & (offs_d < D)[None, :]
     tl.store(y_ptr + (pid * H + offs_h[:, None]) * D + offs_d[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -216,13 +242,13 @@ def head_norm_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: tor
     y = torch.empty(R, T, H, D, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    BH, BD = _head_tile(H, D)
+    BH, BD = head_tile(H, D)
     _head_norm_rope_kernel[(R * T, triton.cdiv(H, BH))](
         x, w, cos, sin, y,
         T, H, D, rotary_dim, eps,
         x.stride(0), x.stride(1), x.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        BH=BH, BD=BD, num_warps=_warps(BH * BD),
+        BH=BH, BD=BD, num_warps=warps_for(BH * BD),
     )
     return y
 
@@ -254,7 +280,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     BLOCK = min(triton.next_power_of_2(inter), 1024)
     _silu_mul_kernel[(N, triton.cdiv(inter, BLOCK))](
         gu2, y, inter, gu2.stride(0),
-        BLOCK=BLOCK, num_warps=_warps(2 * BLOCK),
+        BLOCK=BLOCK, num_warps=warps_for(2 * BLOCK),
     )
     return y
 

@@ -9,7 +9,9 @@
         3. down GEMM: one program per (expert, block of H columns) over the same rows; the routing weight in
            the epilogue -> y [pairs, H] fp32
         4. combine: one program per (row, block of H): the k weighted outputs summed in rank order, plus the
-           gated shared expert, rounded once to the model's dtype
+           gated shared expert, rounded once to the model's dtype; with `add_norm`, one program per row that
+           also adds the row to the residual stream and runs the next layer's input norm (add_rms_norm's own
+           row code, kernels/triton_fused.py: the same bits, a launch less a layer)
     The shared expert is one more expert of steps 2 and 3 that every row chose, its weight sigmoid(shared_logit):
     its first programs (Tiles.shared_rows rows each) run beside the routed ones in the same launches, so a decode step
     launches no GEMM nor elementwise kernel of its own for it (on the 35B-A3B shape that took the b = 1 step from
@@ -40,7 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from capsulert.kernels.moe import ExpertWeights
+from capsulert.kernels.moe import AddNorm, ExpertWeights
+from capsulert.kernels.triton_fused import add_rms_norm_launch, add_rms_norm_row
 from capsulert.kernels.triton_moe_plan import expert_plan
 
 
@@ -181,17 +184,36 @@ def _down_kernel(act_ptr, w_ptr, sd_ptr, y_ptr, rw_ptr, logit_ptr, order_ptr, ex
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, n, P, H, s_y, s_o, TOP_K: tl.constexpr, BH: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BH + tl.arange(0, BH)
-    ok = cols < H
+def _combined(y_ptr, row, cols, ok, n, P, s_y, TOP_K: tl.constexpr):
+    """A row's output over `cols`, fp32: its k weighted expert outputs in rank order, plus the gated shared one."""
     acc = tl.load(y_ptr + (P + row) * s_y + cols, mask=ok, other=0.0)  # the gated shared expert
     if row < n:
         routed = tl.load(y_ptr + (row * TOP_K) * s_y + cols, mask=ok, other=0.0)
         for r in tl.static_range(1, TOP_K):  # rank order
             routed += tl.load(y_ptr + (row * TOP_K + r) * s_y + cols, mask=ok, other=0.0)
         acc = routed + acc
+    return acc
+
+
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, n, P, H, s_y, s_o, TOP_K: tl.constexpr, BH: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    ok = cols < H
+    acc = _combined(y_ptr, row, cols, ok, n, P, s_y, TOP_K)
     tl.store(out_ptr + row * s_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _combine_add_norm_kernel(y_ptr, h_ptr, w_ptr, h_out_ptr, x_out_ptr, n, P, H, eps, s_y, s_h, s_ho, s_xo,
+                             TOP_K: tl.constexpr, BD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BD)
+    ok = cols < H
+    out = _combined(y_ptr, row, cols, ok, n, P, s_y, TOP_K).to(h_ptr.dtype.element_ty)  # the block's output
+    h = tl.load(h_ptr + row * s_h + cols, mask=ok, other=0.0)
+    add_rms_norm_row(h, out, w_ptr, h_out_ptr + row * s_ho + cols, x_out_ptr + row * s_xo + cols, cols, ok, H,
+                     eps, True)
 
 
 def tiles_for(n: int, dtype: torch.dtype, large_from: int | None) -> Tiles:
@@ -202,11 +224,13 @@ def tiles_for(n: int, dtype: torch.dtype, large_from: int | None) -> Tiles:
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights,
-                shared_logit: torch.Tensor, *, large_from: int | None = LARGE_FROM_ROWS,
-                tiles: Tiles | None = None) -> torch.Tensor:
+                shared_logit: torch.Tensor, add_norm: AddNorm | None = None, *,
+                large_from: int | None = LARGE_FROM_ROWS, tiles: Tiles | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [R, H]; ids, weights [n, k] (n <= R: rows n.. are padding, the gated shared expert alone);
-    experts: the layer's weights; shared_logit [R, 1]. Returns [R, H] in x's dtype. The tiles are
-    `tiles_for(R, ...)` unless given (tiles_agree and the tests compare the two sets)."""
+    experts: the layer's weights; shared_logit [R, 1]. Returns [R, H] in x's dtype, or with `add_norm` the pair
+    add_rms_norm(add_norm.h, that, add_norm.w, add_norm.eps) gives. The tiles are `tiles_for(R, ...)` unless
+    given (tiles_agree and the tests compare the two sets)."""
     R, H = x.shape
     n, k = ids.shape
     E, I = experts.down.shape[0], experts.down.shape[2]
@@ -214,9 +238,14 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     for name, t in (("x", x), *zip(experts._fields, experts)):
         assert t.stride(-1) == 1, f"{name}: the last dim must be contiguous"
     assert experts.shared_gate_proj.stride(0) == experts.shared_up_proj.stride(0), "shared gate/up: one row stride"
+    if add_norm is not None:
+        assert add_norm.h.shape == x.shape and add_norm.h.dtype == x.dtype and add_norm.w.shape == (H,), (
+            f"add_norm: h {tuple(add_norm.h.shape)} {add_norm.h.dtype}, w {tuple(add_norm.w.shape)} for x "
+            f"{tuple(x.shape)} {x.dtype}")
+        assert add_norm.h.stride(-1) == 1, "add_norm.h: the last dim must be contiguous"
     out = torch.empty(R, H, dtype=x.dtype, device=x.device)
     if not R:
-        return out
+        return out if add_norm is None else (out, torch.empty_like(out))
     P = n * k
     if n:
         plan = expert_plan(ids, E)  # each routed program's expert and (token, rank) pairs
@@ -246,6 +275,12 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
         experts.down.stride(1), experts.shared_down_proj.stride(0), shared_logit.stride(0), y.stride(0), TOP_K=k,
         IEEE=ieee, COMPACT=compact, SHARED_ROWS=chosen.shared_rows, BM=t["BM"], BN=t["BN"], BK=t["BK"],
         num_warps=t["num_warps"], num_stages=t["num_stages"])
+    if add_norm is not None:  # out is the residual stream h + the block's output
+        normed = torch.empty_like(out)
+        h = add_norm.h
+        _combine_add_norm_kernel[(R,)](y, h, add_norm.w, out, normed, n, P, H, add_norm.eps, y.stride(0),
+                                       h.stride(0), out.stride(0), normed.stride(0), TOP_K=k, **add_rms_norm_launch(H))
+        return out, normed
     _combine_kernel[(R, triton.cdiv(H, COMBINE_BH))](y, out, n, P, H, y.stride(0), out.stride(0), TOP_K=k,
                                                      BH=COMBINE_BH, num_warps=4)
     return out

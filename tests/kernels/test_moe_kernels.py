@@ -258,6 +258,33 @@ def test_the_shared_expert_is_computed_for_every_row():
     torch.testing.assert_close(full, ref.moe_experts(x, ids, w, experts, logit), **TOL[torch.float32])
 
 
+ADD_NORM_SHAPES = _shapes({"h64-r6": (6, 6, 64, 32, 8, 2, 32), "h48-ragged-padded": (5, 7, 48, 40, 6, 3, 40)},
+                          {"35b-b1": (1, 1, 2048, 512, 256, 8, 512), "35b-b64": (64, 64, 2048, 512, 256, 8, 512)})
+
+
+@pytest.mark.parametrize("shape", ADD_NORM_SHAPES.values(), ids=ADD_NORM_SHAPES.keys())
+@DOT_DTYPES
+def test_combine_with_add_norm_is_add_rms_norm_of_the_output(shape, dtype):
+    """The combine that adds the block's output to the residual stream and runs the next layer's input norm
+    gives bitwise what the plain combine followed by add_rms_norm gives (the launch it saves), and the reference's
+    add_norm branch is that composition too."""
+    from capsulert.kernels import fused
+    from capsulert.kernels.triton_fused import add_rms_norm
+    *dims, S = shape
+    x, ids, w, experts, logit = _expert_inputs(*dims, dtype=dtype, S=S)
+    R, H = x.shape
+    h, norm_w = _randn(R, H, seed=20, dtype=dtype), _randn(H, seed=21, dtype=dtype, scale=0.1)
+    add_norm = ref.AddNorm(h, norm_w, 1e-6)
+    got_h, got_x = tm.moe_experts(x, ids, w, experts, logit, add_norm)
+    want_h, want_x = add_rms_norm(h, tm.moe_experts(x, ids, w, experts, logit), norm_w, 1e-6)
+    assert torch.equal(got_h, want_h) and torch.equal(got_x, want_x)
+    args = _fp32(x, ids, w, experts, logit) if dtype != torch.float32 else (x, ids, w, experts, logit)
+    ref_h, ref_x = ref.moe_experts(*args, ref.AddNorm(h.float(), norm_w.float(), 1e-6))
+    composed = fused.add_rms_norm(h.float(), ref.moe_experts(*args), norm_w.float(), 1e-6)
+    assert torch.equal(ref_h, composed[0]) and torch.equal(ref_x, composed[1])
+    torch.testing.assert_close(got_x.float(), ref_x, **TOL[dtype])
+
+
 if CUDA:
     def test_cuda_graph_capture_replay_matches_eager():
         n, R, H, I, E, k = 64, 64, 2048, 512, 256, 8

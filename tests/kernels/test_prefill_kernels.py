@@ -184,37 +184,42 @@ ATTN_PIECE_SHAPES = {  # Hq, Hkv, D, context before the piece, max_seq
 
 
 def _kv(Hq, Hkv, D, max_seq, seed=0, dtype=torch.bfloat16):
-    q_all = _randn(1, max_seq, Hq, D, seed=seed, dtype=dtype)
+    # q and the output gate as the model passes them: the two halves of one [.., Hq, 2D] projection
+    q_all, gate_all = _randn(1, max_seq, Hq, 2 * D, seed=seed, dtype=dtype).chunk(2, dim=-1)
     kv_k = _randn(2, max_seq, Hkv, D, seed=seed + 1, dtype=dtype)
     kv_v = _randn(2, max_seq, Hkv, D, seed=seed + 2, dtype=dtype)
-    return q_all, kv_k, kv_v
+    return q_all, kv_k, kv_v, gate_all
 
 
-def _rows(q_all, kv_k, kv_v, a, b, kv_len):
-    """prefill_attention of positions [a, b) as one piece, in slot 1."""
+def _rows(q_all, kv_k, kv_v, a, b, kv_len, gate_all=None):
+    """prefill_attention of positions [a, b) as one piece, in slot 1 (gated when gate_all is given)."""
     slots, start = torch.tensor([1], device=DEVICE), torch.tensor([a], device=DEVICE)
+    gate = None if gate_all is None else gate_all[:, a:b]
     return triton_attention.prefill_attention(q_all[:, a:b], kv_k, kv_v, slots, start, kv_len,
-                                              q_all.shape[-1] ** -0.5)
+                                              q_all.shape[-1] ** -0.5, gate)
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 @pytest.mark.parametrize("shape", ATTN_PIECE_SHAPES.values(), ids=ATTN_PIECE_SHAPES.keys())
-def test_prefill_attention_rows_do_not_depend_on_the_piece(shape, monkeypatch):
+def test_prefill_attention_rows_do_not_depend_on_the_piece(shape, gated, monkeypatch):
     """Rows of an append (32 tokens after the context), computed in pieces of other lengths, starting at
     other grid points, with other key bounds (kv_len) and with the piece run in waves of rows: bitwise the
-    same; and close to the reference."""
+    same, with and without the output gate; and close to the reference."""
     Hq, Hkv, D, P, max_seq = shape
-    q_all, kv_k, kv_v = _kv(Hq, Hkv, D, max_seq)
-    want = _rows(q_all, kv_k, kv_v, P, P + 32, P + 32)
+    q_all, kv_k, kv_v, gate_all = _kv(Hq, Hkv, D, max_seq)
+    gate_all = gate_all if gated else None
+    want = _rows(q_all, kv_k, kv_v, P, P + 32, P + 32, gate_all)
     slots, start = torch.tensor([1], device=DEVICE), torch.tensor([P], device=DEVICE)
-    ref = attention_ref(q_all[:, P:P + 32].float(), kv_k.float(), kv_v.float(), slots, start, P + 32, D ** -0.5)
+    ref = attention_ref(q_all[:, P:P + 32].float(), kv_k.float(), kv_v.float(), slots, start, P + 32, D ** -0.5,
+                        None if gate_all is None else gate_all[:, P:P + 32].float())
     torch.testing.assert_close(want.float(), ref, **TOL[torch.bfloat16])
     G = P // 64 * 64
-    assert torch.equal(_rows(q_all, kv_k, kv_v, P, P + 32, max_seq), want)  # a graph's bound
-    assert torch.equal(_rows(q_all, kv_k, kv_v, P, P + 95, max_seq)[:, :32], want)
-    assert torch.equal(_rows(q_all, kv_k, kv_v, G, P + 32, P + 32)[:, P - G:], want)
-    assert torch.equal(_rows(q_all, kv_k, kv_v, P, P + 1, P + 1), want[:, :1])
+    assert torch.equal(_rows(q_all, kv_k, kv_v, P, P + 32, max_seq, gate_all), want)  # a graph's bound
+    assert torch.equal(_rows(q_all, kv_k, kv_v, P, P + 95, max_seq, gate_all)[:, :32], want)
+    assert torch.equal(_rows(q_all, kv_k, kv_v, G, P + 32, P + 32, gate_all)[:, P - G:], want)
+    assert torch.equal(_rows(q_all, kv_k, kv_v, P, P + 1, P + 1, gate_all), want[:, :1])
     monkeypatch.setattr(triton_attention, "_INVARIANT_PARTIAL_BYTES_CAP", 1)  # waves of one row block
-    assert torch.equal(_rows(q_all, kv_k, kv_v, G, P + 32, max_seq)[:, P - G:], want)
+    assert torch.equal(_rows(q_all, kv_k, kv_v, G, P + 32, max_seq, gate_all)[:, P - G:], want)
 
 
 def test_prefill_attention_runs_absolute_key_ranges():

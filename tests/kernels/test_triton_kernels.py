@@ -20,15 +20,18 @@ def _needs_cuda_or_interpreter():
         pytest.fail("the Triton kernel tests need a CUDA device, or TRITON_INTERPRET=1 to run on the CPU")
 
 from capsulert.kernels import triton_attention  # noqa: E402
+from capsulert.kernels import fused as fused_ref  # noqa: E402
 from capsulert.kernels.attention import attention_ref  # noqa: E402
 from capsulert.kernels.conv import causal_conv1d_ref, causal_conv1d_step_ref  # noqa: E402
 from capsulert.kernels.gated_delta import gated_delta_step_ref  # noqa: E402
 from capsulert.kernels.triton_attention import attention  # noqa: E402
 from capsulert.kernels.triton_conv import conv_prefill, conv_step  # noqa: E402
 from capsulert.kernels.triton_gated_delta import gated_delta_step  # noqa: E402
+from capsulert.kernels.triton_attention_prep import attention_prep  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+EPS = 1e-6
 
 
 def _gen(seed):
@@ -217,37 +220,111 @@ def split_mode(request, monkeypatch):
     return request.param
 
 
+def _gate_like(q, seed=9):
+    """An output gate as the model passes it: the other half of a [B, T, Hq, 2D] projection (strided)."""
+    B, T, Hq, D = q.shape
+    return torch.randn(B, T, Hq, 2 * D, generator=_gen(seed)).to(q.dtype).to(q.device)[..., D:]
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", ATTN_SHAPES.values(), ids=ATTN_SHAPES.keys())
-def test_attention(shape, dtype, split_mode):
+def test_attention(shape, dtype, gated, split_mode):
     B, T, Hq, Hkv, D, max_seq, kv_len, starts, ids = shape
     q, kv_k, kv_v, slots, start = _attn_inputs(B, T, Hq, Hkv, D, max_seq, starts, ids, dtype)
+    gate = _gate_like(q) if gated else None
     scale = D**-0.5
-    ref = attention_ref(q, kv_k, kv_v, slots, start, kv_len, scale)
-    out = attention(q, kv_k, kv_v, slots, start, kv_len, scale)
+    ref = attention_ref(q, kv_k, kv_v, slots, start, kv_len, scale, gate)
+    out = attention(q, kv_k, kv_v, slots, start, kv_len, scale, gate)
     assert out.shape == (B, T, Hq, D) and out.dtype == dtype
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="model-size shapes: too slow for the interpreter")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter rounds fp32 -> bf16 toward zero")
+def test_attention_gate_rounds_as_the_reference(split_mode):
+    """The gate in the kernel's epilogue rounds as the reference does (the output, then the sigmoid, then their
+    product, each to bf16): the gated output is the kernel's own ungated output through output_gate, bit for
+    bit, up to the sigmoid's last ulp in fp32."""
+    B, T, Hq, Hkv, D, max_seq, kv_len, starts, ids = ATTN_SHAPES["decode-gqa4-d64"]
+    q, kv_k, kv_v, slots, start = _attn_inputs(B, T, Hq, Hkv, D, max_seq, starts, ids, torch.bfloat16)
+    gate = _gate_like(q)
+    plain = attention(q, kv_k, kv_v, slots, start, kv_len, D**-0.5)
+    gated = attention(q, kv_k, kv_v, slots, start, kv_len, D**-0.5, gate)
+    want = plain * torch.sigmoid(gate)
+    mismatch = (gated != want).float().mean().item()
+    assert mismatch < 0.01, f"{mismatch:.2%} of the gated outputs round otherwise than the reference's"
+    torch.testing.assert_close(gated.float(), want.float(), rtol=8e-3, atol=1e-6)
+
+
+# ---------------------------------------------------------------- norms, rotary and the KV write
+
+PREP_SHAPES = {  # B, T, Hq, Hkv, D, rotary_dim, max_seq, starts, slot ids
+    "decode-b3-gqa4-d64": (3, 1, 8, 2, 64, 16, 96, [0, 40, 95], [2, 0, 3]),
+    "decode-b2-gqa2-d16-rot-all": (2, 1, 6, 3, 16, 16, 64, [7, 63], [1, 2]),
+    "prefill-37-gqa2-d32": (1, 37, 4, 2, 32, 8, 128, [19], [3]),
+    "prefill-64-b2-gqa1-d16": (2, 64, 4, 4, 16, 4, 160, [0, 96], [0, 2]),
+}
+
+
+def _prep_inputs(B, T, Hq, Hkv, D, rot, max_seq, starts, ids, dtype, seed=4):
+    """As the model passes them: q, k, v views into one projection output, int32 positions."""
+    g = _gen(seed)
+    proj = torch.randn(B, T, (Hq + 2 * Hkv) * D, generator=g).to(dtype)
+    q = proj[..., :Hq * D].view(B, T, Hq, D)
+    k = proj[..., Hq * D:(Hq + Hkv) * D].view(B, T, Hkv, D)
+    v = proj[..., (Hq + Hkv) * D:].view(B, T, Hkv, D)
+    w_q, w_k = (0.1 * torch.randn(D, generator=g)).to(dtype), (0.1 * torch.randn(D, generator=g)).to(dtype)
+    angle = torch.rand(B, T, rot, generator=g) * 6.0
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    kv_k, kv_v = (torch.randn(4, max_seq, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    slots, start = torch.tensor(ids, dtype=torch.int64), torch.tensor(starts, dtype=torch.int32)
+    return _dev(q, w_q, k, w_k, v, cos, sin), _dev(kv_k, kv_v, slots, start)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T,starts", [(1, [0, 517, 4000]), (256, [3000])], ids=["decode-b3", "prefill-256"])
-def test_attention_model_size(T, starts, dtype):
-    """Hq=16, Hkv=4, D=256 (the model's head layout), lengths not multiples of any block."""
-    B = len(starts)
-    q, kv_k, kv_v, slots, start = _attn_inputs(B, T, 16, 4, 256, 4352, starts, list(range(B))[::-1], dtype)
-    ref = attention_ref(q, kv_k, kv_v, slots, start, 4352, 256**-0.5)
-    out = attention(q, kv_k, kv_v, slots, start, 4352, 256**-0.5)
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+@pytest.mark.parametrize("shape", PREP_SHAPES.values(), ids=PREP_SHAPES.keys())
+def test_attention_prep(shape, dtype):
+    """q's and k's norm + rotary against the reference, v's bytes and every other cache row unchanged."""
+    B, T, Hq, Hkv, D, rot, max_seq, starts, ids = shape
+    (q, w_q, k, w_k, v, cos, sin), (kv_k, kv_v, slots, start) = _prep_inputs(*shape, dtype)
+    want_k, want_v = kv_k.clone(), kv_v.clone()
+    want_q = fused_ref.attention_prep_ref(q, w_q, k, w_k, v, cos, sin, rot, EPS, want_k, want_v, slots, start.long())
+    got_q = attention_prep(q, w_q, k, w_k, v, cos, sin, rot, EPS, kv_k, kv_v, slots, start)
+    assert got_q.shape == (B, T, Hq, D) and got_q.is_contiguous()
+    torch.testing.assert_close(got_q.float(), want_q.float(), **TOL[dtype])
+    torch.testing.assert_close(kv_k.float(), want_k.float(), **TOL[dtype])
+    assert torch.equal(kv_v, want_v)
+    written = torch.zeros(kv_k.shape[:2], dtype=torch.bool, device=kv_k.device)
+    for b, (s0, slot) in enumerate(zip(starts, ids)):
+        written[slot, s0:s0 + T] = True
+    assert torch.equal(kv_k[~written], want_k[~written])  # no other row moved
 
 
-def test_attention_int32_start():
-    """The model's `pos` buffer is int32; start/slots of either int width work."""
-    B, T, Hq, Hkv, D, max_seq = 2, 1, 4, 2, 16, 64
-    q, kv_k, kv_v, slots, start = _attn_inputs(B, T, Hq, Hkv, D, max_seq, [3, 40], [1, 0], torch.float32)
-    ref = attention_ref(q, kv_k, kv_v, slots, start, max_seq, 0.25)
-    out = attention(q, kv_k, kv_v, slots.int(), start.int(), max_seq, 0.25)
-    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+def test_attention_prep_is_row_invariant():
+    """A row's q' and cache rows are the same bits alone and among other rows."""
+    shape = PREP_SHAPES["decode-b3-gqa4-d64"]
+    (q, w_q, k, w_k, v, cos, sin), (kv_k, kv_v, slots, start) = _prep_inputs(*shape, torch.bfloat16)
+    batch_k, batch_v = kv_k.clone(), kv_v.clone()
+    batch_q = attention_prep(q, w_q, k, w_k, v, cos, sin, shape[5], EPS, batch_k, batch_v, slots, start)
+    for b in range(q.shape[0]):
+        one = slice(b, b + 1)
+        solo_q = attention_prep(q[one], w_q, k[one], w_k, v[one], cos[one], sin[one], shape[5], EPS, kv_k, kv_v,
+                                slots[one], start[one])
+        assert torch.equal(solo_q[0], batch_q[b])
+    assert torch.equal(kv_k, batch_k) and torch.equal(kv_v, batch_v)
+
+
+def test_attention_prep_skips_cache_rows_past_the_end():
+    """Padding tokens of a captured piece can sit past max_seq: those are not written (nothing else moves)."""
+    (q, w_q, k, w_k, v, cos, sin), _ = _prep_inputs(1, 8, 2, 2, 16, 16, 64, [60], [1], torch.float32)
+    kv_k, kv_v = torch.zeros(2, 64, 2, 16, device=DEVICE), torch.zeros(2, 64, 2, 16, device=DEVICE)
+    slots, start = _dev(torch.tensor([1]), torch.tensor([60]))
+    want_k, want_v = kv_k.clone(), kv_v.clone()
+    fused_ref.attention_prep_ref(q[:, :4], w_q, k[:, :4], w_k, v[:, :4], cos[:, :4], sin[:, :4], 16, EPS, want_k,
+                                 want_v, slots, start)
+    attention_prep(q, w_q, k, w_k, v, cos, sin, 16, EPS, kv_k, kv_v, slots, start)
+    torch.testing.assert_close(kv_k, want_k, **TOL[torch.float32])
+    assert torch.equal(kv_v, want_v) and not kv_k[0].any() and not kv_k[1, :60].any()
 
 
 # ---------------------------------------------------------------- CUDA graphs
@@ -311,13 +388,14 @@ def test_cuda_graph_capture_replay_matches_eager():
         max_seq = 2048
         q, kv_k, kv_v, slots, start = _attn_inputs(B, T, 16, 4, 256, max_seq, starts0, list(range(B)),
                                                    torch.bfloat16, num_slots=4)
-        graph, o_g = _capture(lambda: attention(q, kv_k, kv_v, slots, start, max_seq, 256**-0.5))
+        gate = _gate_like(q)
+        graph, o_g = _capture(lambda: attention(q, kv_k, kv_v, slots, start, max_seq, 256**-0.5, gate))
         for starts in (starts0, starts1):
             start.copy_(torch.tensor(starts, device=dev))
             slots.copy_(torch.tensor(list(range(B))[::-1], device=dev))
             graph.replay()
-            o_e = attention(q, kv_k, kv_v, slots.clone(), start.clone(), max_seq, 256**-0.5)
-            ref = attention_ref(q, kv_k, kv_v, slots, start, max_seq, 256**-0.5)
+            o_e = attention(q, kv_k, kv_v, slots.clone(), start.clone(), max_seq, 256**-0.5, gate)
+            ref = attention_ref(q, kv_k, kv_v, slots, start, max_seq, 256**-0.5, gate)
             torch.cuda.synchronize()
             assert torch.equal(o_g, o_e)
             torch.testing.assert_close(o_g.float(), ref.float(), **TOL[torch.bfloat16])
