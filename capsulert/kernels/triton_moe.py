@@ -75,7 +75,7 @@ COMBINE_BH = 1024
 
 
 @triton.jit
-def _program_rows(j, NS, order_ptr, experts_ptr, bounds_ptr, R, SHARED_ROWS: tl.constexpr, COMPACT: tl.constexpr):
+def _program_rows(j, NS, experts_ptr, bounds_ptr, R, SHARED_ROWS: tl.constexpr, COMPACT: tl.constexpr):
     """The rows of program j of an expert kernel: programs 0..NS-1 are the shared expert over rows
     [j * SHARED_ROWS, ...) of the step, the rest the plan's routed experts (triton_moe_plan.py). Returns
     (routed, e, start, end): the routed expert e computes order[start:end], the shared expert rows start..end-1."""
@@ -107,7 +107,7 @@ def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, act_ptr, order_ptr, experts_pt
                     s_x, s_we, s_wn, s_sn, s_a,
                     TOP_K: tl.constexpr, IEEE: tl.constexpr, COMPACT: tl.constexpr, SHARED_ROWS: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    routed, e, start, end = _program_rows(tl.program_id(0), NS, order_ptr, experts_ptr, bounds_ptr, R,
+    routed, e, start, end = _program_rows(tl.program_id(0), NS, experts_ptr, bounds_ptr, R,
                                           SHARED_ROWS, COMPACT)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     if routed:
@@ -150,7 +150,7 @@ def _down_kernel(act_ptr, w_ptr, sd_ptr, y_ptr, rw_ptr, logit_ptr, order_ptr, ex
                  H, I, S, s_a, s_we, s_wn, s_sn, s_l, s_y,
                  TOP_K: tl.constexpr, IEEE: tl.constexpr, COMPACT: tl.constexpr, SHARED_ROWS: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    routed, e, start, end = _program_rows(tl.program_id(0), NS, order_ptr, experts_ptr, bounds_ptr, R,
+    routed, e, start, end = _program_rows(tl.program_id(0), NS, experts_ptr, bounds_ptr, R,
                                           SHARED_ROWS, COMPACT)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     col_ok = cols < H

@@ -295,7 +295,7 @@ def test_attention_prep(shape, dtype):
     torch.testing.assert_close(kv_k.float(), want_k.float(), **TOL[dtype])
     assert torch.equal(kv_v, want_v)
     written = torch.zeros(kv_k.shape[:2], dtype=torch.bool, device=kv_k.device)
-    for b, (s0, slot) in enumerate(zip(starts, ids)):
+    for s0, slot in zip(starts, ids):
         written[slot, s0:s0 + T] = True
     assert torch.equal(kv_k[~written], want_k[~written])  # no other row moved
 
