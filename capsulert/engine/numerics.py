@@ -101,10 +101,18 @@ def check_split_invariant_gemm(weight: torch.Tensor, rows: int = 1024) -> None:
     """first_split_variant_piece over CUDA_PIECES on a CUDA device: ConfigError when a piece changes a row's
     bits (the CUDA numerics were not set before the process's first GEMM)."""
     bad = first_split_variant_piece(weight, rows, CUDA_PIECES)
-    if bad is not None:
-        a, m = bad
-        raise ConfigError(
-            f"GEMM rows on {weight.device} depend on the number of rows computed with them ({m} rows at {a} "
-            f"vs one {rows}-row GEMM): split-invariant prefill needs cuBLASLt with a 1-byte workspace, read "
-            "when the process's first CUDA GEMM runs. Start the engine before any other CUDA work in the "
-            "process, or export CUBLASLT_WORKSPACE_SIZE=1 and TORCH_BLAS_PREFER_CUBLASLT=1 before it starts")
+    if bad is None:
+        return
+    a, m = bad
+    dtype = str(weight.dtype).replace("torch.", "")
+    if weight.dtype != torch.bfloat16:
+        # cuBLAS keeps a row's bits across row counts for bf16 under the settings above (measured on the
+        # H200); for fp32 it does not (a one-row GEMM takes another kernel), whatever the process did before
+        why = (f"split-invariant prefill on CUDA holds for bfloat16 weights (cuBLASLt with a 1-byte workspace), "
+               f"not for {dtype} on this device: start the engine with dtype='bfloat16'")
+    else:
+        why = ("split-invariant prefill needs cuBLASLt with a 1-byte workspace, read when the process's first "
+               "CUDA GEMM runs. Start the engine before any other CUDA work in the process, or export "
+               "CUBLASLT_WORKSPACE_SIZE=1 and TORCH_BLAS_PREFER_CUBLASLT=1 before it starts")
+    raise ConfigError(f"GEMM rows on {weight.device} ({dtype}) depend on the number of rows computed with them "
+                      f"({m} rows at {a} vs one {rows}-row GEMM): {why}")

@@ -282,3 +282,24 @@ def test_a_cpu_whose_gemm_rows_depend_on_the_piece_is_refused_at_start(make_engi
     _gemm_rounding_otherwise(monkeypatch, lambda rows: rows not in full)  # only the one-GEMM references agree
     with pytest.raises(ConfigError, match="breaks split-invariant prefill"):
         make_engine(device="cpu")
+
+
+CUDA_CAUSES = {torch.bfloat16: "before any other CUDA work", torch.float32: "dtype='bfloat16'"}
+
+
+@pytest.mark.parametrize("dtype", list(CUDA_CAUSES), ids=str)
+def test_a_gpu_whose_gemm_rows_depend_on_the_piece_is_told_why(monkeypatch, dtype):
+    """The CUDA start check names the cause: for bf16 the process's cuBLAS settings (read at its first GEMM);
+    for fp32, which cuBLAS does not compute row-invariantly (a one-row GEMM takes another kernel on the H200),
+    the dtype."""
+    from capsulert.engine.numerics import check_split_invariant_gemm
+    from capsulert.errors import ConfigError
+
+    import torch.nn.functional as F
+
+    real = F.linear  # every piece of fewer rows than the one-GEMM reference rounds otherwise (by a bf16 ulp)
+    monkeypatch.setattr(F, "linear", lambda x, w: real(x, w) * (1 if x.shape[0] == 1024 else 1 + 2 ** -6))
+    w = torch.randn(32, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with pytest.raises(ConfigError, match=str(dtype).replace("torch.", "")) as err:
+        check_split_invariant_gemm(w)
+    assert [c in str(err.value) for c in CUDA_CAUSES.values()] == [d == dtype for d in CUDA_CAUSES]

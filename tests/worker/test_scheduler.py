@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from capsulert.engine.stops import TextStream
 from capsulert.errors import (InvalidRequestError, NoFreeSlotError, QueueFullError, SequenceTooLongError,
                               UnknownCapsuleError)
 from capsulert.sessions.local import AsyncEngine
@@ -145,8 +146,20 @@ async def test_a_stream_that_ends_inside_a_character_releases_it_with_its_last_t
             assert final.result.stop_reason == stop and final.result.text == _bytes_text(want)
             assert "".join(e.text for e in events) == final.result.text  # the last event released the rest
         assert [e.token for e in events] == want
-        if stop == "interrupted":
-            assert "".join(e.text for e in events) == _bytes_text(want)[:-1]  # held while it may go on
+        if stop == "interrupted":  # held while it may go on: the tokens after the last whole character
+            whole = max(n for n in range(len(want) + 1) if n == 0 or not _bytes_text(want[:n]).endswith("\ufffd"))
+            assert whole < len(want) and "".join(e.text for e in events) == _bytes_text(want[:whole])
+
+
+def test_a_stream_holds_the_whole_run_of_replacement_characters_at_its_end():
+    """A decoder's text cannot tell a final U+FFFD (a lead byte followed by another) from one a later token
+    completes, so the stream holds every token since its last whole character, and releases them with the next
+    text or at the end."""
+    letter, lead = 5, 0  # 'f' and a lead byte under _bytes_text
+    stream = TextStream(_bytes_text)
+    assert [stream.push(t) for t in (letter, lead, lead, lead, 8)] == ["f", "", "", "", "\ufffd" * 3 + "i"]
+    stream = TextStream(_bytes_text)
+    assert [stream.push(t) for t in (letter, lead, lead, lead)] + [stream.flush()] == ["f", "", "", "", "\ufffd" * 3]
 
 
 async def test_stop_strings_eos_and_stop_ids(make_engine, corpus):
