@@ -99,7 +99,8 @@ def first_row_variant_gemm(weights: list[torch.Tensor], rows: int) -> tuple[tupl
 
 def check_split_invariant_gemm(weight: torch.Tensor, rows: int = 1024) -> None:
     """first_split_variant_piece over CUDA_PIECES on a CUDA device: ConfigError when a piece changes a row's
-    bits (the CUDA numerics were not set before the process's first GEMM)."""
+    bits, naming the cause: for bf16 the CUDA numerics not set before the process's first GEMM, for another
+    dtype the dtype."""
     bad = first_split_variant_piece(weight, rows, CUDA_PIECES)
     if bad is None:
         return

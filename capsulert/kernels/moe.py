@@ -13,8 +13,8 @@ Triton versions in triton_moe_route.py and triton_moe.py).
 Routing: the router's logits (router @ x), softmax over the experts in fp32, the k largest probabilities in
 descending order (the lowest expert id first among equal ones), renormalised to sum to 1 when `normalize` (HF's
 norm_topk_prob). An expert, routed or shared, is a SwiGLU MLP: down @ (silu(gate @ x) * (up @ x)); a routed
-expert's gate and up rows are stacked in one [2I, H] weight. Combine: the k weighted expert outputs summed in fp32 in rank order, then the gated shared
-expert added, one rounding to the model's dtype at the end.
+expert's gate and up rows are stacked in one [2I, H] weight. Combine: the k weighted expert outputs summed in
+fp32 in rank order, then the gated shared expert added, one rounding to the model's dtype at the end.
 
 Row-wise by construction: a token's expert work, the shared expert's included, is matrix-vector products on its
 own hidden vector (torch.mv), and every reduction (softmax, the top-k sort, the rank-order sum) runs over one row.

@@ -240,6 +240,27 @@ def test_attention(shape, dtype, gated, split_mode):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="model-size shapes: too slow for the interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,starts", [(1, [0, 517, 4000]), (256, [3000])], ids=["decode-b3", "prefill-256"])
+def test_attention_model_size(T, starts, dtype):
+    """Hq=16, Hkv=4, D=256 (the model's head layout), lengths not multiples of any block."""
+    B = len(starts)
+    q, kv_k, kv_v, slots, start = _attn_inputs(B, T, 16, 4, 256, 4352, starts, list(range(B))[::-1], dtype)
+    ref = attention_ref(q, kv_k, kv_v, slots, start, 4352, 256**-0.5)
+    out = attention(q, kv_k, kv_v, slots, start, 4352, 256**-0.5)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+def test_attention_int32_start():
+    """The model's `pos` buffer is int32; start/slots of either int width work."""
+    B, T, Hq, Hkv, D, max_seq = 2, 1, 4, 2, 16, 64
+    q, kv_k, kv_v, slots, start = _attn_inputs(B, T, Hq, Hkv, D, max_seq, [3, 40], [1, 0], torch.float32)
+    ref = attention_ref(q, kv_k, kv_v, slots, start, max_seq, 0.25)
+    out = attention(q, kv_k, kv_v, slots.int(), start.int(), max_seq, 0.25)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter rounds fp32 -> bf16 toward zero")
 def test_attention_gate_rounds_as_the_reference(split_mode):
     """The gate in the kernel's epilogue rounds as the reference does (the output, then the sigmoid, then their
