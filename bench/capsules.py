@@ -294,7 +294,7 @@ def main(argv=None) -> int:
         "config": {"model": args.model, "device": args.device, "dtype": str(engine.dtype).replace("torch.", ""),
                    "slots": 4, "max_seq": max_seq, "prefill_chunk": chunk, "suffix": args.suffix,
                    "repeats": args.repeats, "warmup": 1, "threads": torch.get_num_threads(),
-                   "tail_replay": engine.tail_replay,
+                   "tail_replay": engine.runner.tail_replay,
                    "statistic": "median", "fingerprint": engine.fingerprint,
                    "hf_logits_to_keep": 1},
         "results": rows,

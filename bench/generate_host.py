@@ -139,7 +139,7 @@ def _qualnames() -> dict[tuple[str, int], str]:
     import importlib
 
     out = {}
-    for name in ("decoding", "sampler", "stops", "token_codec", "engine", "grammar", "model"):
+    for name in ("decoding", "sampler", "stops", "token_codec", "engine", "runner", "session_table", "grammar", "model"):
         mod = importlib.import_module(f"capsulert.engine.{name}")
         for obj in vars(mod).values():
             members = [obj] + ([m for m in vars(obj).values()] if inspect.isclass(obj) else [])
@@ -151,7 +151,7 @@ def _qualnames() -> dict[tuple[str, int], str]:
     return out
 
 
-_ENGINE_INPUTS = {"pad_logits", "decode", "_slot_ids", "decode_groups", "logits_rows", "_rederive_grid_points"}
+_ENGINE_INPUTS = {"pad_logits", "decode", "slot_ids", "decode_groups", "logits_rows", "rederive_grid_points", "step"}
 _LOGPROB_OPS = ("log_softmax", "topk", "gather")
 
 
@@ -171,7 +171,7 @@ def _classify(key, qual: dict, callers_of) -> str | None:
         return "text"
     if file.endswith("engine/grammar.py"):
         return "sampling"  # the constraint's mask (no mode of this benchmark is constrained)
-    if file.endswith("engine/engine.py"):
+    if file.endswith(("engine/engine.py", "engine/runner.py", "engine/session_table.py")):
         return "inputs" if name in _ENGINE_INPUTS else "other"
     if file.endswith("engine/decoding.py"):
         return "inputs" if "input" in name else "other"

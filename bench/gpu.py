@@ -205,7 +205,7 @@ def main() -> int:
     s.close()
     decode = {}
     fast_model = HybridModel(eng.model_cfg, eng.model_weights, eng.model.kernels)
-    fast = GraphPlans(fast_model, eng.state, eng.scratch_slot, eng.config.max_seq, c, eng.graphs.decode_batches, eng.grid)
+    fast = GraphPlans(fast_model, eng.state, eng.runner.scratch_slot, eng.config.max_seq, c, eng.graphs.decode_batches, eng.grid)
     fast.capture(prefill=False)
     for B in DECODE_BATCHES:
         sess = eng.fork("ctx", B)
@@ -219,7 +219,7 @@ def main() -> int:
         slots, toks = [x.slot for x in sess], base[ctx + B:ctx + 2 * B]
         # replay alone; both paths advance the same slots, which is fine for timing (values are not used)
         inv_ms, _ = timed(lambda: [eng.graphs.decode(slots, toks) for _ in range(16)], 3, 1)
-        fast_ms, _ = timed(lambda: [fast.decode(slots, toks) for _ in range(16)], 3, 1)
+        fast_ms, _ = timed(lambda: [fast.decode(slots, toks) for _ in range(16)], 3, 1)  # noqa: F821 (`del fast` comes after every call)
         decode[f"step_b{B}_invariant_ms"] = inv_ms / 16
         decode[f"step_b{B}_batch_dependent_ms"] = fast_ms / 16
         decode[f"step_b{B}_invariance_overhead"] = inv_ms / fast_ms - 1
@@ -298,7 +298,7 @@ def main() -> int:
                  "generate_ms_per_token"])
     print("decode:", decode)
     print("fan-out best-of-8 from 8k, 64 tokens:", fan)
-    result = dict(machine=machine_info("cuda"), model=args.model, prefill_chunk=c, tail_replay=eng.tail_replay, engine_start_s=start_s, kernels=eng.model.kernels.name,
+    result = dict(machine=machine_info("cuda"), model=args.model, prefill_chunk=c, tail_replay=eng.runner.tail_replay, engine_start_s=start_s, kernels=eng.model.kernels.name,
                   graphs=len(eng.graphs.graphs), capture_s=eng.graphs.capture_s, weights_gb=weights_gb,
                   state_gb=state_gb, peak_gb=mem_gb, ttft=rows, decode=decode, fanout=fan)
     write_json(OUT_DIR / "gpu.json", result)

@@ -65,7 +65,7 @@ def make_request(rng: random.Random, model: str, max_tokens: int, slots: int) ->
 async def one(http: httpx.AsyncClient, path: str, body: dict, want: int) -> tuple[int, str | None]:
     """(status, what went wrong or None) of one request, every answer checked."""
     if body["stream"]:
-        finished, tokens = set(), Counter()
+        finished = set()
         async with http.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 return r.status_code, (await r.aread()).decode()[:200]

@@ -46,6 +46,7 @@ import torch  # noqa: E402
 from common import OUT_DIR, cuda_sync, log, machine_info, plot_lines, print_table, write_json  # noqa: E402
 
 from capsulert.engine.engine import Engine  # noqa: E402
+from capsulert.engine.slot_views import capsule_views  # noqa: E402
 from capsulert.protocol.sampling import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(ignore_eos=True)
@@ -107,7 +108,7 @@ def agents(args, cfg: dict, n: int, mode: str) -> dict:
         b = eng.fork("base", 1)[0]
         b.append(tokens(T, 100 + i, vocab))
         b.snapshot(f"agent{i}", mode=mode)
-        copies += sum(t.nbytes for t in eng.capsules._views(b.slot, L + T, (L + T) // cfg["chunk"] * cfg["chunk"]).values())
+        copies += sum(t.nbytes for t in capsule_views(eng.state, b.slot, L + T, (L + T) // cfg["chunk"] * cfg["chunk"]).values())
         if i < 8:
             want[i] = b.generate(4, GREEDY).tokens  # what the agent does next: a restore must do the same
         b.close()

@@ -123,7 +123,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(1)
     base = torch.randint(0, vocab, (longest + 64,), generator=g).tolist()
     if args.append_at:
-        result = dict(machine=machine_info("cuda"), engine_start_s=start_s, tail_replay=eng.tail_replay, append_at={})
+        result = dict(machine=machine_info("cuda"), engine_start_s=start_s, tail_replay=eng.runner.tail_replay, append_at={})
         for P in args.append_at:
             s = eng.open()
             s.append(base[:P])

@@ -1,7 +1,9 @@
 """RL rollouts: episode resets/s and steps/s with E envs through the orchestrator (EpisodeDriver, envs
 spread over the workers, steps batched by each worker's step scheduler) against the same work in-process
-(Engine: restore in place, batched generate over the envs), plus the time of a weight update and of a
-start-capsule rebuild. Prints a table, writes bench/out/rl.json and bench/out/rl.png.
+(Engine: restore in place, one batched append of the observations and a batched generate over the envs, and
+the same with an append per env, the way before batched appends), plus the time of a weight update and of a
+start-capsule rebuild. Prints a table, writes bench/out/rl.json and bench/out/rl.png. `--no-batch-prefill`
+runs the workers' prefill one forward per session (the orchestrated baseline: run it beside a default run).
 
     .venv/bin/python bench/rl.py --quick                 # CPU, default model
     python bench/rl.py --device cuda --model random:capsulert/configs/models/qwen3_5-9b-shape.yaml
@@ -27,7 +29,10 @@ from capsulert.protocol.sampling import SamplingParams  # noqa: E402
 PARAMS = SamplingParams(ignore_eos=True)
 
 
-def in_process(engine: Engine, envs: int, resets: int, steps: int, obs: list[int], gen: int) -> dict:
+def in_process(engine: Engine, envs: int, resets: int, steps: int, obs: list[int], gen: int,
+               one_by_one: bool = False) -> dict:
+    """Resets and steps of `envs` sessions forked from c0; a step appends the observation to every env (one
+    batched append, or with one_by_one an append per env: the way before batching) and generates for all."""
     sessions = engine.fork("c0", envs)
     t0 = time.perf_counter()
     for i in range(resets):
@@ -35,8 +40,11 @@ def in_process(engine: Engine, envs: int, resets: int, steps: int, obs: list[int
     reset_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(steps):
-        for s in sessions:
-            s.append(obs)
+        if one_by_one:
+            for s in sessions:
+                s.append(obs)
+        else:
+            engine.append_many(sessions, [obs] * envs)
         engine.generate(sessions, gen, [PARAMS] * envs)
     step_s = time.perf_counter() - t0
     for s in sessions:
@@ -103,8 +111,10 @@ async def main(args) -> int:
     cuda_sync(args.device)
     rebuild_ms = (time.perf_counter() - t0) * 1e3
     rows = []
-    orch = await Orchestrator.start(dict(engine=cfg, num_workers=args.workers, call_timeout_s=3600,
-                                         torch_threads=args.threads))
+    # --no-batch-prefill: the workers run each session's prefill piece as its own forward (the way before
+    # batching), the baseline of the orchestrated steps/s
+    orch = await Orchestrator.start(dict(engine={**cfg, "scheduler": {"batch_prefill": not args.no_batch_prefill}},
+                                         num_workers=args.workers, call_timeout_s=3600, torch_threads=args.threads))
     try:
         s = await orch.open(c0)
         await s.snapshot("c0", pin=True)
@@ -112,8 +122,11 @@ async def main(args) -> int:
         for envs in args.envs:
             log(f"E={envs}")
             local = in_process(engine, envs, args.resets, args.steps, obs, args.gen)
+            alone = in_process(engine, envs, 1, args.steps, obs, args.gen, one_by_one=True)
             remote = await orchestrated(orch, envs, args.resets, args.steps, obs, args.gen)
             rows.append({"envs": envs, "resets_per_s_inprocess": local["resets_per_s"],
+                         "steps_per_s_inprocess_one_by_one": alone["steps_per_s"],
+                         "steps_batched_over_one_by_one": local["steps_per_s"] / alone["steps_per_s"],
                          "resets_per_s_orch": remote["resets_per_s"],
                          "resets_orch_over_inprocess": remote["resets_per_s"] / local["resets_per_s"],
                          "steps_per_s_inprocess": local["steps_per_s"], "steps_per_s_orch": remote["steps_per_s"],
@@ -149,6 +162,8 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="CPU-sized: fewer resets and steps")
+    ap.add_argument("--no-batch-prefill", action="store_true",
+                    help="the orchestrator's workers run one forward per session's prefill piece (the baseline)")
     args = ap.parse_args(argv)
     if args.quick:
         args.resets, args.steps, args.context = 256, 2, 500

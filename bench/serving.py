@@ -146,7 +146,7 @@ async def main(args) -> int:
         ratios = [dict(n=r["n"], **{f"tokens_per_s@{c}": by_context[c][i]["tokens_per_s"] for c in contexts},
                        **{f"ratio {c}/{base}": by_context[c][i]["tokens_per_s"] / r["tokens_per_s"] for c in contexts[1:]})
                   for i, r in enumerate(by_context[base])]
-        print(f"\nend-to-end tokens/s by context length (a turn ending off the grid should cost what one on it does)\n")
+        print("\nend-to-end tokens/s by context length (a turn ending off the grid should cost what one on it does)\n")
         print_table(ratios, list(ratios[0]))
         write_json(OUT_DIR / "serving_contexts.json", {"machine": machine_info(args.device), "args": vars(args),
                                                         "rows": ratios})

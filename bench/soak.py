@@ -93,7 +93,7 @@ class Client:
         self.i, self.run, self.n_ops, self.max_seq = i, run, ops, max_seq
         self.ns = orch.namespace(f"soak-{i:04d}")
         self.rng = random.Random(seed * 1_000_003 + i)
-        self.sess = None  # the client's main RemoteSession
+        self.sess = None  # the client's main session
         self.sid = -1  # its logical id in the records
         self.next_sid = 0
         self.next_cap = 0

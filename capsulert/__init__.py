@@ -31,16 +31,16 @@ _EXPORTS: dict[str, str] = {
     "Orchestrator": "capsulert.orchestrator.orchestrator",
     "OrchestratorConfig": "capsulert.config.orchestrator",
     "Namespace": "capsulert.orchestrator.namespace",
-    "RemoteSession": "capsulert.sessions.remote",
+    "AsyncSession": "capsulert.sessions.session",
     "GenerateResult": "capsulert.protocol.results",
     "TokenEvent": "capsulert.protocol.results",
     "FinalEvent": "capsulert.protocol.results",
     "AsyncEngine": "capsulert.sessions.local",
-    "best_of_n": "capsulert.orchestrator.schedulers",
-    "tree_search": "capsulert.orchestrator.schedulers",
-    "Candidate": "capsulert.orchestrator.schedulers",
-    "Thought": "capsulert.orchestrator.schedulers",
-    "Node": "capsulert.orchestrator.schedulers",
+    "best_of_n": "capsulert.orchestrator.search",
+    "tree_search": "capsulert.orchestrator.search",
+    "Candidate": "capsulert.orchestrator.search",
+    "Thought": "capsulert.orchestrator.search",
+    "Node": "capsulert.orchestrator.search",
     "EpisodeDriver": "capsulert.orchestrator.episodes",
     "Trajectory": "capsulert.orchestrator.episodes",
 }
@@ -80,8 +80,8 @@ if TYPE_CHECKING:  # static view of the lazy names for type checkers and IDEs (p
     from capsulert.orchestrator.episodes import EpisodeDriver, Trajectory
     from capsulert.orchestrator.namespace import Namespace
     from capsulert.orchestrator.orchestrator import Orchestrator
-    from capsulert.orchestrator.schedulers import Candidate, Node, Thought, best_of_n, tree_search
-    from capsulert.sessions.remote import RemoteSession
+    from capsulert.orchestrator.search import Candidate, Node, Thought, best_of_n, tree_search
+    from capsulert.sessions.session import AsyncSession
     from capsulert.sessions.local import AsyncEngine
     from capsulert.protocol.results import FinalEvent, GenerateResult, TokenEvent
     from capsulert.engine.engine import Engine

@@ -4,7 +4,7 @@
     capsulert serve [--model M] [--port P] [--keys F] ... an OpenAI-compatible HTTP server (Ray Serve)
     capsulert capsules ls DIR [--namespace NS] [--json]   list the capsule files in DIR (headers only)
     capsulert capsules rm DIR NAME [--namespace NS]       delete one capsule file
-    capsulert bench [NAME [ARGS...]]                      run bench/NAME.py (from a repository checkout)
+    capsulert bench [NAME [ARGS...]]                      run bench/<name>.py (from a repository checkout)
     capsulert --version                                   the installed version
 
 `demo` and `bench` pass ARGS through untouched (`capsulert demo --help` shows the demo's own options).
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from capsulert.errors import CapsuleRTError, InvalidRequestError
+from capsulert.protocol.names import DEFAULT_NAMESPACE
 
 PROG = "capsulert"
 PASSTHROUGH = ("demo", "bench")  # commands whose remaining arguments belong to the script they run
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     rm = verbs.add_parser("rm", help="delete one capsule file (refused in a directory a live engine or orchestrator owns)")
     rm.add_argument("dir", type=Path)
     rm.add_argument("name", help="capsule name (a name, never a path)")
-    rm.add_argument("--namespace", default="default", help="namespace of the capsule (default: %(default)s)")
+    rm.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="namespace of the capsule (default: %(default)s)")
     rm.add_argument("--force", action="store_true",
                     help="delete the capsule's file even if its header does not verify (a damaged file)")
     return ap

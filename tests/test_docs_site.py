@@ -34,7 +34,7 @@ def test_the_site_builds_in_strict_mode(tmp_path):
         assert (tmp_path / "site" / page).is_file(), page
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     for name in ("capsulert.engine.engine.Engine.from_config", "capsulert.orchestrator.orchestrator.Orchestrator.start",
-                 "capsulert.orchestrator.schedulers.best_of_n", "capsulert.errors.NoFreeSlotError"):
+                 "capsulert.orchestrator.search.best_of_n", "capsulert.errors.NoFreeSlotError"):
         assert f'id="{name}"' in api, name  # generated from the code, documented or not
 
 

@@ -68,7 +68,7 @@ def test_no_bar_in_captured_output_or_when_turned_off(make_engine, text, capsys,
 
 def test_a_long_prefill_through_the_step_scheduler_draws_one_bar_over_its_pieces(make_engine, text, capsys,
                                                                                 monkeypatch):
-    from capsulert.worker.scheduler import StepScheduler, queue_sink
+    from capsulert.scheduler.step_scheduler import StepScheduler, queue_sink
     from capsulert.protocol.requests import Open
 
     monkeypatch.setattr("capsulert.progress.SHOW_AFTER_S", 0)

@@ -49,8 +49,8 @@ def step(n, scratch):
     sess = eng.fork("ctx", n)
     for i, x in enumerate(sess):
         x.append([base[2048 + i]])
-    slots = [x.slot for x in sess] + ([eng.scratch_slot] if scratch else [])
-    eng.state.pos[eng.scratch_slot:eng.scratch_slot + 1].fill_(2049)
+    slots = [x.slot for x in sess] + ([eng.runner.scratch_slot] if scratch else [])
+    eng.state.pos[eng.runner.scratch_slot:eng.runner.scratch_slot + 1].fill_(2049)
     toks = [base[2100 + i] for i in range(n)] + ([0] if scratch else [])
     calls.clear()
     rows_now[0] = len(slots)
@@ -79,7 +79,7 @@ for label, n, scratch in (("b3+scratch", 3, True), ("b3", 3, False), ("b1", 1, F
 torch.nn.functional.linear = linear
 
 # the graph path, as the engine's unpadded plans would run it
-fast = GraphPlans(HybridModel(eng.model_cfg, eng.model_weights, ks), eng.state, eng.scratch_slot,
+fast = GraphPlans(HybridModel(eng.model_cfg, eng.model_weights, ks), eng.state, eng.runner.scratch_slot,
                   eng.config.max_seq, 1024, eng.graphs.decode_batches, eng.grid)
 fast.capture(prefill=False, progress=False)
 

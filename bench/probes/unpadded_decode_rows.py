@@ -16,7 +16,7 @@ for label, model in [("moe", "random:capsulert/configs/models/qwen3_5-35b-a3b-sh
                      ("dense", "random:capsulert/configs/models/qwen3_5-9b-shape.yaml")]:
     eng = Engine.from_config(model=model, device="cuda", dtype="bfloat16", slots=66, max_seq=4096, prefill_chunk=1024)
     m = HybridModel(eng.model_cfg, eng.model_weights, eng.model.kernels)
-    fast = GraphPlans(m, eng.state, eng.scratch_slot, eng.config.max_seq, 1024, eng.graphs.decode_batches, eng.grid)
+    fast = GraphPlans(m, eng.state, eng.runner.scratch_slot, eng.config.max_seq, 1024, eng.graphs.decode_batches, eng.grid)
     fast.capture(prefill=False)
     g = torch.Generator().manual_seed(3)
     base = torch.randint(0, eng.model_cfg.vocab_size, (2048 + 200,), generator=g).tolist()

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from capsulert.protocol.names import MAX_NAME_LEN, validate_name  # noqa: F401  (the capsule data model's rule)
+from capsulert.protocol.names import DEFAULT_NAMESPACE, MAX_NAME_LEN, validate_name  # noqa: F401  (the capsule data model's rule)
 
 _HEX64_RE = re.compile(r"[0-9a-f]{64}")
 _INT32_MAX = 2**31 - 1
@@ -151,7 +151,7 @@ class CapsuleMeta:
         return self.held // self.grid * self.grid
 
     @classmethod
-    def build(cls, *, name: str, namespace: str = "default", tokens: Any, grid_pos: int,
+    def build(cls, *, name: str, namespace: str = DEFAULT_NAMESPACE, tokens: Any, grid_pos: int,
               fingerprint: str, layout_version: int, grid: int, nbytes: int,
               recompute_cost_s: float = 0.0, created_at: float | None = None,
               decoded_from: int | None = None, replay_from: int | None = None) -> "CapsuleMeta":

@@ -65,7 +65,7 @@ class Persistence:
     def load(self, directory: str | Path) -> int:
         """Load every capsule file in `directory`; all are verified first (block files included), and any
         bad file raises its typed error with nothing inserted. Temp files of interrupted writes are removed
-        and logged (see tempfiles.py). From this store's own disk_dir the files are indexed in place, in the
+        and logged (see format/tempfiles.py). From this store's own disk_dir the files are indexed in place, in the
         disk tier (the ones it already indexes are skipped); from anywhere else they are copied into the
         host tier (gpu if host is disabled), each block once, and a whole capsule whose file records this
         store's block origin (export_file) is cut into blocks, shared with the store's capsules of its prefix."""

@@ -44,6 +44,7 @@ from capsulert.capsule_store.tiers import RANK, TierBook, check_budget, pkey, ti
 from capsulert.errors import (CapsuleInUseError, DuplicateCapsuleError, IncompatibleCapsuleError,
                               InvalidRequestError)
 from capsulert.policies.base import TIERS, CapsulePolicy
+from capsulert.protocol.names import DEFAULT_NAMESPACE
 
 ReadCheck = Callable[[CapsuleMeta, Mapping[str, TensorSpec]], None]
 
@@ -127,7 +128,7 @@ class CapsuleStore:
             self._access.put(key, meta, tensors, tier, bool(pin), origin if origin == self.block_origin else None)
             return CapsuleRef(meta.name, meta.namespace, tier, n, meta.boundary)
 
-    def get(self, name: str, namespace: str = "default") -> tuple[CapsuleMeta, dict[str, torch.Tensor]]:
+    def get(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> tuple[CapsuleMeta, dict[str, torch.Tensor]]:
         """The capsule's tensors on `device` (promoted to gpu first), each in one piece (a capsule held as
         prefix blocks is assembled: a copy). Treat them as read-only."""
         with self._lock:
@@ -135,7 +136,7 @@ class CapsuleStore:
             return e.meta, self._mover.acquire(key, e)[0].full()
 
     @contextmanager
-    def reading(self, name: str, namespace: str = "default", check: ReadCheck | None = None,
+    def reading(self, name: str, namespace: str = DEFAULT_NAMESPACE, check: ReadCheck | None = None,
                 ) -> Iterator[tuple[CapsuleMeta, dict[str, torch.Tensor]]]:
         """Like get, holding a read reference for the block: delete refuses, budget moves skip it.
         `check(meta, specs)` runs first, before any tier move: a read it refuses changes nothing."""
@@ -143,7 +144,7 @@ class CapsuleStore:
             yield meta, tensors
 
     @contextmanager
-    def reading_tier(self, name: str, namespace: str = "default", check: ReadCheck | None = None,
+    def reading_tier(self, name: str, namespace: str = DEFAULT_NAMESPACE, check: ReadCheck | None = None,
                      ) -> Iterator[tuple[CapsuleMeta, dict[str, torch.Tensor], str]]:
         """`reading`, also yielding the tier the capsule was read from: where this read found it (gpu, host
         or disk), before any promotion the read made."""
@@ -151,7 +152,7 @@ class CapsuleStore:
             yield meta, parts.full(), found
 
     @contextmanager
-    def reading_parts(self, name: str, namespace: str = "default", check: ReadCheck | None = None,
+    def reading_parts(self, name: str, namespace: str = DEFAULT_NAMESPACE, check: ReadCheck | None = None,
                       ) -> Iterator[tuple[CapsuleMeta, Parts, str]]:
         """`reading_tier` with the capsule as the store holds it: own tensors and its blocks' tensors (no
         assembling copy; a restore writes each piece into place)."""
@@ -164,7 +165,7 @@ class CapsuleStore:
         with self._access.reading(resolve) as (e, parts, found):
             yield e.meta, parts, found
 
-    def export_file(self, name: str, directory: str | Path, namespace: str = "default") -> Path:
+    def export_file(self, name: str, directory: str | Path, namespace: str = DEFAULT_NAMESPACE) -> Path:
         """Write the capsule as one self-contained capsule file (format 1: every tensor whole, no block
         files) into `directory`, crash-safely; its path. A canonical capsule's file records its origin, so a
         store of the same origin that loads it (`load`, or `put` with the origin `read_capsule_origin`
@@ -172,7 +173,7 @@ class CapsuleStore:
         with self.reading_parts(name, namespace) as (meta, parts, _):
             return write_capsule_with_meta(directory, meta, parts.full(), origin=parts.origin)[0]
 
-    def contains(self, name: str, namespace: str = "default") -> bool:
+    def contains(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> bool:
         with self._lock:
             return (validate_name(namespace, "namespace"), validate_name(name)) in self._tiers.entries
 
@@ -180,7 +181,7 @@ class CapsuleStore:
         return CapsuleInfo(e.meta, e.tier, e.pinned, e.last_used, own_nbytes=e.own_nbytes,
                            blocks=len(e.block_keys))
 
-    def info(self, name: str, namespace: str = "default") -> CapsuleInfo:
+    def info(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> CapsuleInfo:
         with self._lock:
             return self._info(self._tiers.lookup(name, namespace)[1])
 
@@ -192,7 +193,7 @@ class CapsuleStore:
                     if (namespace is None or k[0] == namespace) and not self._tiers.entries[k].anonymous]
 
     # -- moves ------------------------------------------------------------------------------------
-    def promote(self, name: str, tier: str, namespace: str = "default") -> None:
+    def promote(self, name: str, tier: str, namespace: str = DEFAULT_NAMESPACE) -> None:
         tier = tier_name(tier)
         with self._lock:
             key, e = self._tiers.lookup(name, namespace)
@@ -202,7 +203,7 @@ class CapsuleStore:
             if tier != e.tier:
                 self._mover.promote(key, tier)
 
-    def prefetch(self, name: str, tier: str = "gpu", namespace: str = "default") -> None:
+    def prefetch(self, name: str, tier: str = "gpu", namespace: str = DEFAULT_NAMESPACE) -> None:
         """Start promoting toward `tier`; returns once queued (CUDA) or done (CPU). The bookkeeping moves at
         once, so a second prefetch while the copy is in flight finds it there and copies nothing."""
         tier = tier_name(tier)
@@ -212,7 +213,7 @@ class CapsuleStore:
             if RANK[tier] < RANK[e.tier]:
                 self._mover.promote(key, tier)
 
-    def demote(self, name: str, tier: str | None = None, namespace: str = "default") -> None:
+    def demote(self, name: str, tier: str | None = None, namespace: str = DEFAULT_NAMESPACE) -> None:
         """Move to a slower tier (None: the next usable slower one), making room there per policy. Into
         disk the write is synchronous: the file is durable when demote returns."""
         tier = tier_name(tier)
@@ -240,11 +241,11 @@ class CapsuleStore:
                     s.discard()
                 raise
 
-    def pin(self, name: str, namespace: str = "default") -> None:
+    def pin(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> None:
         """A pinned capsule is never dropped nor moved out by budget pressure (it counts in budgets)."""
         self._set_pin(name, namespace, True)
 
-    def unpin(self, name: str, namespace: str = "default") -> None:
+    def unpin(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> None:
         self._set_pin(name, namespace, False)
 
     def _set_pin(self, name: str, namespace: str, flag: bool) -> None:
@@ -253,7 +254,7 @@ class CapsuleStore:
             e.pinned = flag
             (self._tiers.policy.pin if flag else self._tiers.policy.unpin)(pkey(key))
 
-    def delete(self, name: str, namespace: str = "default") -> None:
+    def delete(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> None:
         with self._lock:
             key, e = self._tiers.lookup(name, namespace)
             if e.readers:
@@ -274,7 +275,7 @@ class CapsuleStore:
         count under its older name), dropped_bytes, disk_write_errors (failed background writes), quarantined (capsule files set aside
         instead of loaded: `quarantined` lists them).
         A tier's bytes are what it holds: own tensors plus each prefix block once (`blocks`: how many per
-        tier, KV and grid-state blocks); `count` counts named capsules. `prefix`: the prefix cache (prefix_cache.py)."""
+        tier, KV and grid-state blocks); `count` counts named capsules. `prefix`: the prefix cache (engine/prefix_reuse.py)."""
         tiers = self._tiers
         with self._lock:
             out: dict = {t: {"bytes": tiers.used[t], "budget": tiers.budgets[t],

@@ -6,7 +6,7 @@ in the disk tier, counted in its budget) and queues the write here; the caller g
 
 Crash safety is unchanged: the file is staged (temp file, fsync) and renamed, so a crash leaves either
 the complete file or none. A capsule cut into blocks first writes the block files the directory lacks,
-renames them and fsyncs the directory, and only then its capsule file (blockfiles.py). Until the file is durable (renamed and the directory fsynced) the store keeps
+renames them and fsyncs the directory, and only then its capsule file (format/blockfiles.py). Until the file is durable (renamed and the directory fsynced) the store keeps
 the capsule's source bytes and serves reads from them, so the capsule is readable throughout; those bytes
 are only then dropped. A crash before that loses the capsule exactly as a crash just before the demotion
 would have (it was only in memory then, too).

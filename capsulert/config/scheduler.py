@@ -1,4 +1,4 @@
-"""SchedulerConfig: the worker's step scheduler (worker/scheduler.py), part of every engine's config so the
+"""SchedulerConfig: the step scheduler (scheduler/step_scheduler.py), part of every engine's config so the
 in-process AsyncEngine and the orchestrator's workers read the same values."""
 from __future__ import annotations
 
@@ -13,3 +13,6 @@ class SchedulerConfig(BaseModel):
     step_prefill_tokens: int | None = Field(None, ge=1, description="prompt tokens one step prefills across all "
                                             "sessions before the next decode step (a long prompt cannot stall the "
                                             "others' decoding for longer); None: the engine's prefill_chunk")
+    batch_prefill: bool = Field(True, description="a step's prefill pieces of many sessions run as one batched "
+                                "append (one forward per round); False: one forward per session's piece, the way "
+                                "before batching (benchmarks compare the two; the tokens are the same)")

@@ -6,7 +6,7 @@ which validates it again: both sides agree on one schema and the replica never t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -21,7 +21,7 @@ from capsulert.errors import ConfigError
 # - max_queued: the generation requests in flight, running or queued for sessions, before one more is refused
 #   with 429 and Retry-After. A request waits in the admission queue for all of its sessions (bounded by this,
 #   not by time), so the engine's slot_wait_s is only a backstop for a worker busier than the rest.
-SERVER_ORCHESTRATOR_DEFAULTS = {"engine": {"prefix_cache": True}, "call_timeout_s": 600.0, "max_queued": 256}
+SERVER_ORCHESTRATOR_DEFAULTS: dict[str, Any] = {"engine": {"prefix_cache": True}, "call_timeout_s": 600.0, "max_queued": 256}
 
 
 class ServerOptions(BaseModel):

@@ -23,26 +23,67 @@ was sampled under its `weights_version`, never under two.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+import threading
+from typing import Callable, Protocol, Sequence
 
 import torch
 
-from capsulert.engine.grammar import allowed_tokens
-from capsulert.protocol.sampling import GREEDY, SamplingParams
+from capsulert.config.engine import EngineConfig
+from capsulert.engine.grammar import Grammars, allowed_tokens
+from capsulert.engine.runner import ModelRunner, decode_groups
 from capsulert.engine.sampler import SamplingPlan, resolve_seed
+from capsulert.engine.session import Session
+from capsulert.engine.session_table import SessionTable
 from capsulert.engine.stops import HeldText, StopRule, TextStream
+from capsulert.errors import InvalidRequestError
 from capsulert.protocol.results import GenerateResult, TokenEvent
+from capsulert.protocol.sampling import GREEDY, SamplingParams
 
-if TYPE_CHECKING:
-    from capsulert.engine.engine import Engine
-    from capsulert.engine.session import Session
+
+class Decoder(Protocol):
+    """What decoding reads of the engine that runs it (Engine is one)."""
+    config: EngineConfig
+    runner: ModelRunner
+    table: SessionTable
+    grammars: Grammars
+    eos_token_ids: tuple[int, ...]
+    tokenizer: object
+
+    @property
+    def lock(self) -> threading.RLock: ...
+
+    @property
+    def weights_version(self) -> int: ...
+
+    def detokenize(self, tokens: Sequence[int]) -> str: ...
+
+
+def check_generate(sessions, max_new_tokens, sampling) -> tuple[list[Session], list[SamplingParams | None]]:
+    """Typed refusals of generate's arguments (before any state changes)."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise InvalidRequestError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if isinstance(sessions, Session) or not isinstance(sessions, Sequence):
+        raise InvalidRequestError("generate takes a list of sessions")
+    sessions = list(sessions)
+    if not sessions:
+        raise InvalidRequestError("generate needs at least one session")
+    for s in sessions:
+        if not isinstance(s, Session):
+            raise InvalidRequestError(f"generate takes Session objects, got {type(s).__name__}")
+    sampling = list(sampling) if sampling is not None else [None] * len(sessions)
+    if len(sampling) != len(sessions):
+        raise InvalidRequestError("one SamplingParams per session (or None)")
+    for p in sampling:
+        if p is not None and not isinstance(p, SamplingParams):
+            raise InvalidRequestError(f"sampling entries must be SamplingParams or None, got {type(p).__name__}")
+    return sessions, sampling
 
 
 class DecodeStream:
-    def __init__(self, engine: "Engine", session: "Session", max_new_tokens: int,
+    def __init__(self, engine: Decoder, session: Session, max_new_tokens: int,
                  sampling: SamplingParams | None):
         session.check_current()  # a stale session's tokens would mix two weights versions
-        self.session = session
+        self.session, self.table = session, engine.table
         self.params = sampling or GREEDY
         self.seed = resolve_seed(self.params)
         self.rule = StopRule(self.params, engine.eos_token_ids, max_new_tokens)
@@ -62,7 +103,8 @@ class DecodeStream:
         """End the generate; the text its events have not shown yet ("" without a tokenizer)."""
         self.done = True
         self.logits = self.batch = None  # its group's block is not kept alive for it
-        self.session.stop_reason = self.result.stop_reason = reason
+        self.result.stop_reason = reason
+        self.table.stopped(self.session, reason)
         self.result.length = len(self.session.tokens)
         if not self.has_text:
             return ""
@@ -74,7 +116,7 @@ class DecodeStream:
 
 class _Batch:
     """A decode group that steps together: its streams in row order, their next-token logits as the rows of
-    `block` (the fixed-shape block the sampler runs on, its padding rows zero, as Engine.pad_logits makes
+    `block` (the fixed-shape block the sampler runs on, its padding rows zero, as ModelRunner.pad_logits makes
     it) and the sampling plan of their parameters. Each step writes the new logits into the same block, so
     while the group stays the same the next step samples it as it is."""
 
@@ -90,7 +132,7 @@ class _Batch:
             st.batch, st.logits = self, block[r]
 
 
-def advance(engine: "Engine", streams: list[DecodeStream],
+def advance(engine: Decoder, streams: list[DecodeStream],
             should_stop: Callable[[DecodeStream], bool] | None = None,
             events: bool = True) -> list[tuple[DecodeStream, TokenEvent]]:
     """One token for every live stream. Returns the (stream, event) pairs produced, in stream order (none
@@ -117,18 +159,18 @@ def _advance(engine, streams, should_stop, events):
         live.append(st)
     need = [st for st in live if st.logits is None]
     if need:
-        for st, row in zip(need, engine.logits_rows([st.session for st in need])):
+        for st, row in zip(need, engine.runner.logits_rows([st.session.slot for st in need])):
             st.logits = row
     out = []
-    for group in engine.decode_groups(live):
+    for group in decode_groups(live):
         batch = group[0].batch
         if batch is None or batch.streams != group:  # a new group: its rows stacked into a block of its own
-            batch = _Batch(group, engine.pad_logits([st.logits for st in group]))
+            batch = _Batch(group, engine.runner.pad_logits([st.logits for st in group]))
         tokens, rest = batch.plan.start(batch.block, [len(st.session.tokens) for st in group],
                                         _allowed(engine, group, batch.block) if batch.constrained else None)
         # copied out of the graph's output buffer: the next group's replay, or another thread's step between
         # ours, reuses it
-        batch.block[:len(group)].copy_(engine.decode([st.session for st in group], tokens)[:len(group)])
+        batch.block[:len(group)].copy_(engine.table.step([st.session for st in group], tokens)[:len(group)])
         logprobs, tops = rest()
         for r, st in enumerate(group):
             top = tops[r]  # empty unless this stream asked for logprobs
@@ -166,7 +208,7 @@ def _commit(st: DecodeStream, token: int, logprob: float, top: list, max_seq: in
     return shown
 
 
-def _allowed(engine: "Engine", group: list[DecodeStream], block: torch.Tensor) -> torch.Tensor:
+def _allowed(engine: Decoder, group: list[DecodeStream], block: torch.Tensor) -> torch.Tensor:
     """The step's boolean token mask [rows, vocab] (each constrained stream fills its own row; the others
     and the padding rows allow everything)."""
     bitmask = engine.grammars.bitmask(block.shape[0])

@@ -1,8 +1,9 @@
-"""Session: a handle on one slot of the engine's state set. All work is done by the Engine."""
+"""Session: a handle on one slot of the engine's state set. All work is done by its engine (the front door,
+engine.py); the engine's session table (session_table.py) is the one writer of its fields."""
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -10,11 +11,10 @@ from capsulert.errors import SessionClosedError, StaleSessionError
 from capsulert.protocol.requests import Restore, Snapshot
 from capsulert.protocol.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from capsulert.capsule_store.capsule import CapsuleRef
-    from capsulert.chat.turn import ChatReply
-    from capsulert.engine.engine import Engine
-    from capsulert.protocol.results import GenerateResult
+from capsulert.capsule_store.capsule import CapsuleRef
+from capsulert.chat.turn import ChatReply, ChatTurn
+from capsulert.protocol.conversation import ChatPrompt
+from capsulert.protocol.results import GenerateResult
 
 _ids = itertools.count()
 
@@ -23,7 +23,9 @@ class Session:
     """Host-side view of a slot: the token ids committed so far, all of them folded into the slot's live
     state."""
 
-    def __init__(self, engine: "Engine", slot: int):
+    def __init__(self, engine: Any, slot: int, weights_version: int):
+        """`engine`: the front door whose verbs this handle calls (an Engine; typed loosely because the engine
+        module imports this one); `weights_version`: the weights the slot's state is computed under."""
         self.engine = engine
         self.slot = slot
         self.id = next(_ids)
@@ -39,7 +41,7 @@ class Session:
         self.interrupt_requested = False  # set by interrupt() from any thread, read by the decode loop
         # the weights version the slot's state was computed under: an update_weights makes the session stale
         # (its state mixes nothing: every verb but close, restore and rederive refuses it)
-        self.weights_version = engine.weights_version
+        self.weights_version = weights_version
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -88,26 +90,22 @@ class Session:
         `tools` (OpenAI tool definitions) where the template lists tools, and opening the assistant's
         turn; returns the next-token logits. The template sees exactly these messages: give a new
         session the whole conversation, or a session that holds the earlier turns only the new ones."""
-        from capsulert.protocol.conversation import ChatPrompt
-
         return self.append(ChatPrompt.of(messages, tools, add_generation_prompt, **template_kwargs))
 
     def chat(self, messages, max_new_tokens: int = 256, sampling: SamplingParams | None = None, *, tools=None,
              tool_choice="auto", response_format=None, parallel_tool_calls: bool = True,
-             **template_kwargs) -> "ChatReply":
+             **template_kwargs) -> ChatReply:
         """One chat turn: append_chat(messages, tools), then generate the assistant's reply and parse it
         (ChatReply: content, tool_calls, finish_reason, result). tool_choice "required" or a named
         function, and response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema":
         {"schema": ...}}), constrain the reply by grammar (capsulert/chat/formats.py)."""
-        from capsulert.chat.turn import ChatTurn
-
         turn = ChatTurn.plan(messages, sampling, tools=tools, tool_choice=tool_choice,
                              response_format=response_format, parallel_tool_calls=parallel_tool_calls,
                              **template_kwargs)
         self.append(turn.prompt)
         return turn.reply(self.generate(max_new_tokens, turn.sampling))
 
-    def generate(self, max_new_tokens: int, sampling: SamplingParams | None = None) -> "GenerateResult":
+    def generate(self, max_new_tokens: int, sampling: SamplingParams | None = None) -> GenerateResult:
         """Sample up to max_new_tokens; each produced token is committed to the state before the next.
         The result is the list of tokens, with logprobs, text and stop reason (protocol/results.py)."""
         return self.engine.generate([self], max_new_tokens, [sampling] if sampling else None)[0]
@@ -116,8 +114,8 @@ class Session:
         """Stop a running generate at the next token boundary (thread-safe flag)."""
         self.interrupt_requested = True
 
-    def snapshot(self, name: str, tier: str = Snapshot.tier, pin: bool = Snapshot.pin, mode: str = Snapshot.mode,
-                 namespace: str = Snapshot.namespace) -> "CapsuleRef":
+    def snapshot(self, name: str, tier: str = Snapshot.tier, pin: bool = Snapshot.pin,
+                 namespace: str = Snapshot.namespace, mode: str = Snapshot.mode) -> CapsuleRef:
         return self.engine.snapshot(self, name, tier=tier, pin=pin, mode=mode, namespace=namespace)
 
     def restore(self, name: str, namespace: str = Restore.namespace) -> str:

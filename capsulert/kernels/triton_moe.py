@@ -25,7 +25,7 @@ exist: SMALL (16-row tiles, the decode steps and short appends: a few rows per e
 tiles, Hopper's warpgroup MMA: long prefill pieces, 2.2-2.7x faster at 2k-8k rows on the H200). The set is
 chosen from the number of rows, so a row's bits must be the same under both. They are on the H200 (measured,
 bf16; tests/kernels/test_moe_kernels.py), and `tiles_agree` checks it on the engine's device at start: where
-it does not hold, the engine runs SMALL everywhere and says so in its log (engine.py). Numerics: fp32
+it does not hold, the engine runs SMALL everywhere and says so in its log (engine/runner.py). Numerics: fp32
 accumulation, one rounding of act to the model's dtype (the reference rounds gate/up, silu and the product
 separately), so results match the reference within a tolerance, not bitwise.
 

@@ -3,8 +3,8 @@ from capsulert.config.orchestrator import OrchestratorConfig
 from capsulert.orchestrator.episodes import EpisodeDriver, Trajectory
 from capsulert.orchestrator.namespace import Namespace
 from capsulert.orchestrator.orchestrator import Orchestrator
-from capsulert.orchestrator.schedulers import Candidate, Node, Thought, best_of_n, tree_search
-from capsulert.sessions.remote import GenerateResult, RemoteSession
+from capsulert.orchestrator.search import Candidate, Node, Thought, best_of_n, tree_search
+from capsulert.protocol.results import GenerateResult
 
 __all__ = ["Candidate", "EpisodeDriver", "GenerateResult", "Namespace", "Node", "Orchestrator", "OrchestratorConfig",
-           "RemoteSession", "Thought", "Trajectory", "best_of_n", "tree_search"]
+           "Thought", "Trajectory", "best_of_n", "tree_search"]

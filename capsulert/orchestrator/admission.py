@@ -19,7 +19,7 @@ refused, on an idle server).
   holder ends.
 
 The gate counts the slots of the requests it admitted; sessions opened around it (orch.open called
-directly) are not counted here and queue at their worker instead (worker/scheduler.py).
+directly) are not counted here and queue at their worker instead (scheduler/step_scheduler.py).
 """
 from __future__ import annotations
 

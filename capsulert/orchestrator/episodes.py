@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from capsulert.errors import InvalidRequestError
 from capsulert.protocol.checks import int_arg, name_arg, sampling_arg, tokens_arg
-from capsulert.orchestrator.schedulers import maybe_await
+from capsulert.orchestrator.search import maybe_await
 from capsulert.protocol.sampling import SamplingParams
 from capsulert.protocol.results import GenerateResult
 

@@ -29,7 +29,8 @@ from capsulert.orchestrator.worker_pool import WorkerPool
 from capsulert.protocol.checks import int_arg, samplings_arg, tokens_arg
 from capsulert.protocol.requests import Detokenize, Fork, Interrupt, Open, Restore, Tokenize, Turn
 from capsulert.protocol.results import FinalEvent, GenerateResult, SessionInfo, TokenEvent
-from capsulert.sessions.remote import RemoteSender, RemoteSession
+from capsulert.orchestrator.remote_sender import RemoteSender
+from capsulert.sessions.session import AsyncSession
 from capsulert.sessions.sender import next_call_id
 
 
@@ -41,8 +42,8 @@ class Namespace:
     def __repr__(self) -> str:
         return f"Namespace({self.ns!r})"
 
-    def _session(self, w: int, info: SessionInfo | GenerateResult) -> RemoteSession:
-        return RemoteSession(RemoteSender(self.pool, self.router, w), info.session, info.length, info.restored_from)
+    def _session(self, w: int, info: SessionInfo | GenerateResult) -> AsyncSession:
+        return AsyncSession(RemoteSender(self.pool, self.router, w), info.session, info.length, info.restored_from)
 
     def admitted(self, sessions: int, *, together: int = 1):
         """An async context manager holding `sessions` session slots of the orchestrator for its body: a
@@ -55,7 +56,7 @@ class Namespace:
         return self.pool.gate.reserve(sessions, self.ns, together=together)
 
     # ------------------------------------------------------------------ verbs
-    async def open(self, prompt=None, *, worker: int | None = None) -> RemoteSession:
+    async def open(self, prompt=None, *, worker: int | None = None) -> AsyncSession:
         """A new session (on the least loaded worker), prefilled with `prompt` when given. Its snapshots
         go into this namespace, and with the worker's prefix cache on, its prompt is served from (and its
         grid checkpoints kept for) this namespace's cached prefixes."""
@@ -63,16 +64,16 @@ class Namespace:
         w = self.pool.least_loaded(range(len(self.pool))) if worker is None else self.pool.worker_arg(worker)
         return self._session(w, await self.pool.call(w, request))
 
-    async def restore(self, name: str) -> RemoteSession:
+    async def restore(self, name: str) -> AsyncSession:
         """A new session holding capsule `name`, on a worker that has it."""
         return self._session(*await self.router.on_holder(name, Restore(name, self.ns)))
 
-    async def fork(self, name: str, n: int) -> list[RemoteSession]:
+    async def fork(self, name: str, n: int) -> list[AsyncSession]:
         """n independent sessions from capsule `name` (on one worker, so they can decode batched)."""
         w, infos = await self.router.on_holder(name, Fork(name, n, self.ns))
         return [self._session(w, i) for i in infos]
 
-    async def fork_spread(self, name: str, n: int) -> list[RemoteSession]:
+    async def fork_spread(self, name: str, n: int) -> list[AsyncSession]:
         """n sessions from capsule `name`, spread evenly over every live worker (the capsule is copied to a
         worker that lacks it, once): RL envs, independent agents that need not decode together."""
         Fork(name, n, self.ns)  # checks the arguments before anything moves
@@ -85,25 +86,49 @@ class Namespace:
         return [self._session(w, i) for w, infos in zip(share, groups) for i in infos]
 
     async def restore_append_generate(self, name: str, suffix, max_new_tokens: int, sampling=None, *,
-                                      keep: bool = False, timeout: float | None = None):
+                                      timeout: float | None = None) -> GenerateResult:
         """Restore capsule `name` into a NEW session (on a worker holding it), append `suffix` (None:
-        nothing) and generate: one Turn request, the same verb as RemoteSession.restore_append_generate
+        nothing) and generate: one Turn request, the same verb as AsyncSession.restore_append_generate
         (which rolls an existing session back in place instead), with the same GenerateResult. The new
-        session is closed afterwards; with keep=True it stays open and (session, result) is returned."""
+        session is closed afterwards (restore_branch keeps it)."""
+        w, res = await self._turn(name, suffix, max_new_tokens, sampling, keep=False, timeout=timeout)
+        return res
+
+    async def restore_branch(self, name: str, suffix, max_new_tokens: int, sampling=None, *,
+                             timeout: float | None = None) -> tuple[AsyncSession, GenerateResult]:
+        """restore_append_generate() that keeps the new session open: (the session, its GenerateResult), in
+        one request (a tree search's node: restore the parent, append, generate, snapshot the child)."""
+        w, res = await self._turn(name, suffix, max_new_tokens, sampling, keep=True, timeout=timeout)
+        s = self._session(w, res)
+        s.stop_reason = res.stop_reason
+        return s, res
+
+    async def append_generate(self, prompt, max_new_tokens: int, sampling=None, *,
+                              timeout: float | None = None) -> GenerateResult:
+        """A new session (on the least loaded worker), `prompt` appended, a generate, the session closed:
+        one Turn request, so one round trip to the worker (an HTTP completion from no capsule)."""
+        w, res = await self._turn(None, prompt, max_new_tokens, sampling, keep=False, timeout=timeout)
+        return res
+
+    def append_stream(self, prompt, max_new_tokens: int, sampling=None) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """append_generate() as a stream, in one request (restore_append_stream's events and rules)."""
+        return self._turn_stream(None, prompt, max_new_tokens, sampling)
+
+    async def _worker_for(self, name: str | None) -> int:
+        """Where a turn runs: a worker holding capsule `name`, or the least loaded one for a new session."""
+        return self.pool.least_loaded(range(len(self.pool))) if name is None else await self.router.serving_worker(name)
+
+    async def _turn(self, name: str | None, suffix, max_new_tokens: int, sampling, keep: bool,
+                    timeout: float | None) -> tuple[int, GenerateResult]:
         request = self._restore_turn(name, suffix, max_new_tokens, sampling, keep)
-        w = await self.router.serving_worker(name)
+        w = await self._worker_for(name)
         call_id = next_call_id()
         try:
-            res = await self.pool.call(w, request, timeout=timeout, call_id=call_id)
+            return w, await self.pool.call(w, request, timeout=timeout, call_id=call_id)
         except asyncio.CancelledError:
             if not keep:  # the caller went away: its generate stops at the next token, its session is closed
                 self.pool.send(w, Interrupt(None, call_id))
             raise
-        if not keep:
-            return res
-        s = self._session(w, res)
-        s.stop_reason = res.stop_reason
-        return s, res
 
     async def restore_append_stream(self, name: str, suffix, max_new_tokens: int, sampling=None
                                     ) -> AsyncIterator[TokenEvent | FinalEvent]:
@@ -112,19 +137,25 @@ class Namespace:
         closed when the generate ends. Closing the iterator (or cancelling its consumer) stops the generate
         at the next token boundary. A refusal (no such capsule, a suffix past max_seq) is raised by the
         first step of the iteration."""
+        async for event in self._turn_stream(name, suffix, max_new_tokens, sampling):
+            yield event
+
+    async def _turn_stream(self, name: str | None, suffix, max_new_tokens: int, sampling
+                           ) -> AsyncIterator[TokenEvent | FinalEvent]:
         request = self._restore_turn(name, suffix, max_new_tokens, sampling, keep=False)
-        w = await self.router.serving_worker(name)
+        w = await self._worker_for(name)
         await self.pool.check(w)
         # closing this closes the pool's stream at once, which interrupts an unfinished generate
         async with aclosing(self.pool.stream(w, request, next_call_id())) as events:
             async for event in events:
                 yield event
 
-    def _restore_turn(self, name: str, suffix, max_new_tokens: int, sampling, keep: bool) -> Turn:
-        """The Turn that restores `name` into a new session, appends and generates (it checks itself)."""
+    def _restore_turn(self, name: str | None, suffix, max_new_tokens: int, sampling, keep: bool) -> Turn:
+        """The Turn that restores `name` into a new session (None: opens an empty one), appends and generates
+        (it checks itself)."""
         return Turn(None, name, suffix, max_new_tokens, sampling, self.ns, close=not keep)
 
-    async def generate(self, sessions: list[RemoteSession], max_new_tokens: int, sampling=None) -> list:
+    async def generate(self, sessions: list[AsyncSession], max_new_tokens: int, sampling=None) -> list:
         """Generate for several sessions at once: each is its own request, and each worker's step scheduler
         decodes its share together (workers run concurrently). One GenerateResult per session."""
         n = int_arg(max_new_tokens, "max_new_tokens", 0)

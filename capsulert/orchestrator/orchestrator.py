@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import ray
 from pydantic import ValidationError
@@ -29,11 +29,13 @@ from capsulert.logs import level_name
 from capsulert.orchestrator.admission import SessionGate
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.namespace import Namespace
+from capsulert.orchestrator.router import CapsuleRouter
 from capsulert.config.orchestrator import OrchestratorConfig
-from capsulert.sessions.remote import RemoteSession
+from capsulert.sessions.session import AsyncSession
 from capsulert.worker.actor import WorkerActor
 from capsulert.orchestrator.worker_pool import WorkerPool, WorkerRecord
-from capsulert.protocol.results import GenerateResult
+from capsulert.protocol.names import DEFAULT_NAMESPACE
+from capsulert.protocol.results import FinalEvent, GenerateResult, TokenEvent
 from capsulert.protocol.requests import Ping, Request, Stats, UpdateWeights
 
 
@@ -43,12 +45,6 @@ from capsulert.protocol.requests import Ping, Request, Stats, UpdateWeights
 # hand takes it as `ray start --system-config='{"timeout_ms_task_wait_for_death_info": 100}'`.
 FAST_FAILURE_RAY_CONFIG = {"timeout_ms_task_wait_for_death_info": 100}
 
-
-# the verbs of a Namespace the Orchestrator answers for namespace "default", by passing them to its handle
-DEFAULT_NAMESPACE_VERBS = frozenset({
-    "open", "restore", "fork", "fork_spread", "restore_append_generate", "restore_append_stream", "generate",
-    "tokenize", "detokenize", "admitted", "holders", "placement", "space", "migrate", "capsules", "promote",
-    "demote", "rebuild", "delete", "router"})
 
 
 class Orchestrator:
@@ -60,8 +56,8 @@ class Orchestrator:
                  dir_lock: DirLock | None = None):
         self.config, self.pool, self.capsule_map, self._owns_ray = config, pool, capsule_map, owns_ray
         self._dir_lock = dir_lock  # engine.disk_dir is ours while we live: a second orchestrator is refused
-        self.default = Namespace(pool, capsule_map, "default")
-        self._handles: dict[str, Namespace] = {"default": self.default}
+        self.default = Namespace(pool, capsule_map, DEFAULT_NAMESPACE)
+        self._handles: dict[str, Namespace] = {DEFAULT_NAMESPACE: self.default}
         self._closed = False
 
     @property
@@ -69,11 +65,83 @@ class Orchestrator:
         """The namespace the orchestrator's own verbs serve."""
         return self.default.ns
 
-    def __getattr__(self, name: str) -> Any:
-        # only reached for names the class lacks: the verbs of namespace "default", from its handle
-        if name in DEFAULT_NAMESPACE_VERBS:
-            return getattr(self.default, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    # ------------------------------------------------------------------ namespace "default"'s verbs
+    # passed to its handle as they are (Namespace documents each)
+    @property
+    def router(self) -> CapsuleRouter:
+        return self.default.router
+
+    @property
+    def space(self):
+        return self.default.space
+
+    def admitted(self, sessions: int, *, together: int = 1):
+        return self.default.admitted(sessions, together=together)
+
+    async def open(self, prompt=None, *, worker: int | None = None) -> AsyncSession:
+        return await self.default.open(prompt, worker=worker)
+
+    async def restore(self, name: str) -> AsyncSession:
+        return await self.default.restore(name)
+
+    async def fork(self, name: str, n: int) -> list[AsyncSession]:
+        return await self.default.fork(name, n)
+
+    async def fork_spread(self, name: str, n: int) -> list[AsyncSession]:
+        return await self.default.fork_spread(name, n)
+
+    async def restore_append_generate(self, name: str, suffix, max_new_tokens: int, sampling=None, *,
+                                      timeout: float | None = None) -> GenerateResult:
+        return await self.default.restore_append_generate(name, suffix, max_new_tokens, sampling, timeout=timeout)
+
+    async def restore_branch(self, name: str, suffix, max_new_tokens: int, sampling=None, *,
+                             timeout: float | None = None) -> tuple[AsyncSession, GenerateResult]:
+        return await self.default.restore_branch(name, suffix, max_new_tokens, sampling, timeout=timeout)
+
+    def restore_append_stream(self, name: str, suffix, max_new_tokens: int, sampling=None
+                              ) -> AsyncIterator[TokenEvent | FinalEvent]:
+        return self.default.restore_append_stream(name, suffix, max_new_tokens, sampling)
+
+    async def append_generate(self, prompt, max_new_tokens: int, sampling=None, *,
+                              timeout: float | None = None) -> GenerateResult:
+        return await self.default.append_generate(prompt, max_new_tokens, sampling, timeout=timeout)
+
+    def append_stream(self, prompt, max_new_tokens: int, sampling=None) -> AsyncIterator[TokenEvent | FinalEvent]:
+        return self.default.append_stream(prompt, max_new_tokens, sampling)
+
+    async def generate(self, sessions: list[AsyncSession], max_new_tokens: int, sampling=None) -> list:
+        return await self.default.generate(sessions, max_new_tokens, sampling)
+
+    async def tokenize(self, text: str) -> list[int]:
+        return await self.default.tokenize(text)
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        return await self.default.detokenize(tokens)
+
+    def holders(self, name: str) -> set[int]:
+        return self.default.holders(name)
+
+    def placement(self) -> dict[str, set[int]]:
+        return self.default.placement()
+
+    async def migrate(self, name: str, worker: int, *, via: str = "auto", directory: str | None = None,
+                      tier: str = "gpu") -> str | None:
+        return await self.default.migrate(name, worker, via=via, directory=directory, tier=tier)
+
+    async def capsules(self) -> list[dict]:
+        return await self.default.capsules()
+
+    async def promote(self, name: str, tier: str) -> None:
+        await self.default.promote(name, tier)
+
+    async def demote(self, name: str, tier: str | None = None) -> None:
+        await self.default.demote(name, tier)
+
+    async def rebuild(self, name: str) -> None:
+        await self.default.rebuild(name)
+
+    async def delete(self, name: str) -> None:
+        await self.default.delete(name)
 
     @property
     def workers(self) -> list[WorkerRecord]:
@@ -167,7 +235,7 @@ class Orchestrator:
             h = self._handles[name] = Namespace(self.pool, self.capsule_map, name)
         return h
 
-    def sessions(self) -> list[RemoteSession]:
+    def sessions(self) -> list[AsyncSession]:
         """The sessions open now, of every namespace."""
         return list(self.pool.sessions)
 
@@ -263,4 +331,4 @@ async def _check_free_resources(cfg: OrchestratorConfig, use_gpu: bool) -> None:
         f"running server's workers); free them, start fewer workers, or use device='cpu'")
 
 
-__all__ = ["GenerateResult", "Namespace", "Orchestrator", "OrchestratorConfig", "RemoteSession"]
+__all__ = ["GenerateResult", "Namespace", "Orchestrator", "OrchestratorConfig", "AsyncSession"]

@@ -9,7 +9,7 @@ the capsules of its peers are current on it too).
 
 A worker's death is seen at once, even when nobody is calling it: the pool holds a connection to each
 worker process's lifeline (lifeline.py), whose end the operating system signals the moment the process dies,
-and every worker's event feed (one Ray stream per worker, event_feed.py) is kept open from start, its end by
+and every worker's event feed (one Ray stream per worker, worker/event_feed.py) is kept open from start, its end by
 the process's death marking the worker down too (the way Ray sees it, up to a second later under load). Calls
 in flight on a process seen dead fail at once, as do the streams on it. Calls on a session of a process that died (or is being restarted) then fail with WorkerLost at once,
 instead of waiting for the restart only to learn that the session is gone (`check_session`); calls that
@@ -42,7 +42,7 @@ from capsulert.protocol.requests import (
 from capsulert.protocol.results import FinalEvent, TokenEvent
 
 if TYPE_CHECKING:
-    from capsulert.sessions.remote import RemoteSession
+    from capsulert.sessions.session import AsyncSession
 
 log = logging.getLogger(__name__)
 _LOST = (RayActorError, WorkerCrashedError, ObjectLostError, GetTimeoutError)
@@ -78,7 +78,7 @@ class WorkerPool:
         self.call_timeout_s = call_timeout_s
         self.replicate_hot = replicate_hot  # OrchestratorConfig.replicate_hot (router.py)
         self.closed = False
-        self.sessions: weakref.WeakSet[RemoteSession] = weakref.WeakSet()  # open sessions handed out
+        self.sessions: weakref.WeakSet[AsyncSession] = weakref.WeakSet()  # open sessions handed out
         self.batches: dict[int, list] = {}  # worker -> [(request, reply future)] for its next Batch
         self.feeds: dict[int, FeedReader] = {}  # worker -> the reader of its event feed (streams)
         # the last weights every worker took (update_weights), re-applied to a worker Ray restarts
@@ -115,11 +115,11 @@ class WorkerPool:
         return worker
 
     # ------------------------------------------------------------------ sessions
-    def opened(self, session: "RemoteSession") -> None:
+    def opened(self, session: "AsyncSession") -> None:
         self.workers[session.worker].sessions += 1
         self.sessions.add(session)
 
-    def closed_session(self, session: "RemoteSession") -> None:
+    def closed_session(self, session: "AsyncSession") -> None:
         self.sessions.discard(session)
         w = self.workers[session.worker]
         w.sessions = max(0, w.sessions - 1)
@@ -197,8 +197,8 @@ class WorkerPool:
 
     async def stream(self, w: int, request: Request, call_id) -> AsyncIterator[TokenEvent | FinalEvent]:
         """The events of a streamed Generate or Turn on worker w, through the worker's event feed (one Ray
-        stream per worker for every generate it streams: event_feed.py); `call_id` (unique, as
-        RemoteSession's are) keys its events and is what an Interrupt names. Call `check(w)` first. A stream
+        stream per worker for every generate it streams: worker/event_feed.py); `call_id` (unique, as
+        AsyncSession's are) keys its events and is what an Interrupt names. Call `check(w)` first. A stream
         that ends before its FinalEvent (closed, cancelled, or failed) interrupts its generate: it stops at the
         next token boundary, its tokens committed."""
         reader = self.watch(w)

@@ -25,7 +25,7 @@ def _fail(err: type[CapsuleRTError], what: str, value: Any, e: ValidationError) 
     return err(f"{what}: {value!r:.80} is invalid ({msg})")
 
 
-def tokens_arg(value: Any, what: str = "tokens") -> str | list[int]:
+def tokens_arg(value: Any, what: str = "tokens") -> str | list[int] | ChatPrompt:
     """A non-empty str of valid Unicode, or a non-empty list of ints from a list, a tuple or a 1-D integer
     array / tensor (range checks happen in the engine, which changes nothing on refusal). Bytes, dicts,
     sets and every other type are refused: none is a token sequence with a defined order and meaning. A

@@ -8,7 +8,7 @@ says when a grammar is complete (`is_stopped`). Both write the same thing: an in
 t set when token t may come next.
 
 How the mask meets the batch: a stream's GrammarState fills its row of a host bitmask before the step's
-draw; the sampler (sampler.py) turns the rows into a boolean [rows, vocab] block and sets the logits of
+draw; the sampler (engine/sampler.py) turns the rows into a boolean [rows, vocab] block and sets the logits of
 forbidden tokens to -inf, row by row, on the stacked logits block it samples from. That block is a copy
 made after the decode step (and after a CUDA graph's replay): the mask never enters a captured graph.
 A row's masking reads only its own logits and its own mask row (a masked_fill with an all-allowed row

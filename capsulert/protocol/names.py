@@ -5,6 +5,8 @@ import re
 
 from capsulert.errors import InvalidCapsuleNameError
 
+#: the namespace of every verb that names none (the one place it is written)
+DEFAULT_NAMESPACE = "default"
 MAX_NAME_LEN = 200
 _NAME_RE = re.compile(r"[A-Za-z0-9_:@+=\-][A-Za-z0-9._:@+=\-]{0,199}")
 

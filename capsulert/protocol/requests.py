@@ -1,7 +1,7 @@
 """The verbs of a worker as typed requests, and what they return, defined once.
 
 Every layer passes these objects as they are: the in-process async engine builds them from method calls,
-the orchestrator's RemoteSession / Namespace build them from theirs, the Ray worker receives them (plain
+the orchestrator's sessions / Namespace build them from theirs, the Ray worker receives them (plain
 frozen dataclasses pickle by value) and runs each by its type: no dispatch by method-name strings, no verb
 written again per layer. Sessions are named by integer ids the worker's step scheduler hands out.
 
@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Sequence, Union
 from capsulert.errors import InvalidRequestError
 from capsulert.protocol.checks import bool_arg, choice_arg, int_arg, name_arg, sampling_params, tier_arg, tokens_arg
 from capsulert.protocol.sampling import SamplingParams
+from capsulert.protocol.names import DEFAULT_NAMESPACE
 
 Tokens = Union[str, Sequence[int]]
 
@@ -36,10 +37,6 @@ class Request:
     # every effect lives in the worker's memory (sessions, unpinned capsules, reads): a call the worker
     # died under may run once more on the restarted process
     memory_only: ClassVar[bool] = True
-    # a simple session verb: the name of the Engine method that runs it, called by the worker's step
-    # scheduler as method(session, **the request's other fields) with no code of its own in worker/ (the
-    # reply is the session's SessionInfo); None: the worker's dispatch table names the request's handler
-    engine_method: ClassVar[str | None] = None
 
     @property
     def target(self) -> int | None:
@@ -51,6 +48,20 @@ class Request:
         """Whether running it again on a restarted worker equals running it once: its effects live in
         worker memory and it names no existing session (those died with the old process)."""
         return self.memory_only and self.target is None
+
+
+@dataclass(frozen=True)
+class SessionVerb(Request):
+    """A simple session verb: one engine call on one session, which the request makes itself (`apply`). The
+    worker's step scheduler runs it in the session's order with no code of its own in worker/ (the reply is
+    the session's SessionInfo), so adding one touches this module and the engine only. Duck-typed: protocol/
+    imports no engine."""
+
+    session: int
+
+    def apply(self, engine: Any, session: Any) -> None:
+        """Run the verb on `session` (an engine Session) through `engine` (the Engine holding it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how it applies itself")
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,7 @@ class Open(Request):
     """A new session, optionally prefilled with `prompt`. `namespace`: the prefix cache's namespace the
     session is served from and keeps its checkpoints in (None: no prefix reuse until a Turn names one)."""
     prompt: Tokens | None = None
-    namespace: str | None = "default"
+    namespace: str | None = DEFAULT_NAMESPACE
 
     def __post_init__(self) -> None:
         if self.prompt is not None:
@@ -136,17 +147,18 @@ class Rederive(Request):
 
 
 @dataclass(frozen=True)
-class Truncate(Request):
+class Truncate(SessionVerb):
     """Roll the session back to its first n tokens: bitwise the state a cold prefill of them computes. n equal
     to its length changes nothing; n past it is refused (InvalidRequestError, the session unchanged). The
     reply is its SessionInfo."""
-    engine_method: ClassVar[str | None] = "truncate"
-    session: int
     n: int
 
     def __post_init__(self) -> None:
         _session_id(self.session)
         int_arg(self.n, "n", 0)
+
+    def apply(self, engine: Any, session: Any) -> None:
+        engine.truncate(session, self.n)
 
 
 @dataclass(frozen=True)
@@ -172,7 +184,7 @@ class Snapshot(Request):
     name: str
     tier: str = "device"
     pin: bool = False
-    namespace: str = "default"
+    namespace: str = DEFAULT_NAMESPACE
     mode: str = "full"
 
     def __post_init__(self) -> None:
@@ -188,7 +200,7 @@ class Snapshot(Request):
 class Restore(Request):
     """Restore capsule `name` into a new session, or into `into` in place (rollback, episode reset)."""
     name: str
-    namespace: str = "default"
+    namespace: str = DEFAULT_NAMESPACE
     into: int | None = None
 
     def __post_init__(self) -> None:
@@ -206,7 +218,7 @@ class Restore(Request):
 class Fork(Request):
     name: str
     n: int
-    namespace: str = "default"
+    namespace: str = DEFAULT_NAMESPACE
 
     def __post_init__(self) -> None:
         name_arg(self.name)
@@ -247,7 +259,7 @@ class Delete(Request):
     UnknownCapsuleError (never CapsuleInUseError)."""
     memory_only: ClassVar[bool] = False
     name: str
-    namespace: str = "default"
+    namespace: str = DEFAULT_NAMESPACE
 
     def __post_init__(self) -> None:
         name_arg(self.name)
@@ -257,13 +269,15 @@ class Delete(Request):
 @dataclass(frozen=True)
 class Turn(Request):
     """A chained turn in one round trip: [restore capsule `restore` (into `session` in place, or into a new
-    session when `session` is None)], append `suffix`, generate; `close` closes the session afterwards."""
+    session when `session` is None)], append `suffix`, generate; `close` closes the session afterwards. With
+    neither `session` nor `restore` it opens a new empty session in `namespace` first (open + turn + close
+    as one request)."""
     session: int | None = None
     restore: str | None = None
     suffix: Tokens | None = None
     max_new_tokens: int = 0
     sampling: SamplingParams | None = None
-    namespace: str = "default"
+    namespace: str = DEFAULT_NAMESPACE
     close: bool = False
 
     def __post_init__(self) -> None:
@@ -281,7 +295,7 @@ class Turn(Request):
 
 @dataclass(frozen=True)
 class Streamed(Request):
-    """A Generate or Turn whose events go into the worker's event feed under `key` (orchestrator/
+    """A Generate or Turn whose events go into the worker's event feed under `key` (worker/
     event_feed.py) instead of a stream of its own; the reply (None) comes once it is submitted, and an
     Interrupt(key) stops it at the next token boundary."""
     request: Generate | Turn
@@ -306,7 +320,7 @@ class Feed(Request):
 class Promote(StoreRequest):
     name: str
     tier: str
-    namespace: str = "default"
+    namespace: str = DEFAULT_NAMESPACE
 
     def __post_init__(self) -> None:
         name_arg(self.name)
@@ -318,7 +332,7 @@ class Promote(StoreRequest):
 class Demote(StoreRequest):
     name: str
     tier: str | None = None
-    namespace: str = "default"
+    namespace: str = DEFAULT_NAMESPACE
 
     def __post_init__(self) -> None:
         name_arg(self.name)
@@ -331,7 +345,7 @@ class Demote(StoreRequest):
 class Rebuild(StoreRequest):
     """Re-derive a stale capsule under the current weights; the reply says whether it was stale."""
     name: str
-    namespace: str = "default"
+    namespace: str = DEFAULT_NAMESPACE
 
     def __post_init__(self) -> None:
         name_arg(self.name)
@@ -344,7 +358,7 @@ class ExportCapsule(StoreRequest):
     block origin)."""
     memory_only: ClassVar[bool] = True  # a read
     name: str
-    namespace: str = "default"
+    namespace: str = DEFAULT_NAMESPACE
 
 
 @dataclass(frozen=True)
@@ -363,7 +377,7 @@ class ExportToDir(StoreRequest):
     """Write a capsule as a verified capsule file into `directory`; the reply is its path."""
     name: str
     directory: str
-    namespace: str = "default"
+    namespace: str = DEFAULT_NAMESPACE
 
 
 @dataclass(frozen=True)
@@ -409,7 +423,7 @@ class SendCapsule(TransferRequest):
     phase; a refusal or a failure on either side stores nothing and raises its typed error."""
     name: str
     peer_key: str
-    namespace: str = "default"
+    namespace: str = DEFAULT_NAMESPACE
     timeout_s: float = 60.0
     tier: str = "device"
     pin: bool = False
@@ -498,7 +512,7 @@ class LastCall(ControlRequest):
     """Milliseconds the worker's last session or store request spent inside it (transport cost probes)."""
 
 __all__ = [
-    'Request', 'StoreRequest', 'ControlRequest', 'TransferRequest', 'Open', 'Append', 'Rederive', 'Truncate',
+    'Request', 'SessionVerb', 'StoreRequest', 'ControlRequest', 'TransferRequest', 'Open', 'Append', 'Rederive', 'Truncate',
     'Generate', 'Snapshot', 'Restore', 'Fork', 'Close', 'Batch', 'Delete', 'Turn', 'Streamed', 'Feed', 'Promote',
     'Demote', 'Rebuild', 'ExportCapsule', 'ImportCapsule', 'ExportToDir', 'ImportFromFile', 'UpdateWeights',
     'PeerConnect', 'SendCapsule', 'LinkProbe', 'Ping', 'PeerAddress', 'PeerClose', 'Stats',

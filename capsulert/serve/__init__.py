@@ -5,10 +5,10 @@
     app.py         the FastAPI routes, admission control, SSE responses, error handlers
     protocol.py    request bodies (pydantic)         plans.py      request -> Plan (tokenized, checked)
     generation.py  a Plan run on the orchestrator    responses.py  OpenAI response and chunk shapes
-    tokens.py      the tokenizer in the server process (chat templates, tools, formats: capsulert/chat)
+    token_text.py  the tokenizer in the server process (chat templates, tools, formats: capsulert/chat)
     tenants.py     API keys -> namespaces            metrics.py    Prometheus metrics (prometheus_client)
     streaming.py   stop-string holdback, SSE         http_errors.py  errors -> status codes and JSON
-    options.py     ServerOptions
+    (config/server.py: ServerOptions; ingress.py, lane.py: the replica's own HTTP server and its fast path)
 
 Nothing here is imported by `import capsulert`; the server's dependencies are the `serve` extra.
 """

@@ -6,9 +6,10 @@ A request is one or more prompts (a batch), each answered by n choices. Per prom
   request's namespace, so the worker serves the longest cached grid prefix of it from that namespace's
   prefix cache (`usage.prompt_tokens_details.cached_tokens` counts those tokens too);
 - n = 1: one `turn` (append the prompt + generate in one request to the worker's step scheduler, which
-  interleaves the prefill with every other session's decode), or `stream_turn` when streamed; from a
-  capsule, with nothing to keep (no snapshot_as), the restore, the turn and the close are one request
-  (`restore_append_generate` / `restore_append_stream`: one round trip to the worker instead of three);
+  interleaves the prefill with every other session's decode), or `stream_turn` when streamed; with nothing
+  to keep (no snapshot_as), the open (or the capsule's restore), the turn and the close are one request
+  (`append_generate` / `append_stream`, `restore_append_generate` / `restore_append_stream`: one round trip
+  to the worker instead of three);
 - n > 1: the prompt is appended first and snapshotted once as a private fork point, forked into n sessions
   on one worker and the fork point deleted, and the n branches generate concurrently, so the worker's step
   scheduler decodes them in one batch. Branch j samples with seed + j (a request's choices differ, and
@@ -189,10 +190,10 @@ class Run:
     # ------------------------------------------------------------------ start
     @property
     def one_request(self) -> bool:
-        """One prompt, one choice, from a capsule, nothing kept: the worker restores it into a session of its
-        own, appends, generates and closes that session in one request (no session of this Run)."""
+        """One prompt, one choice, nothing kept: the worker opens a session of its own (or restores the capsule
+        into one), appends, generates and closes that session in one request (no session of this Run)."""
         p = self.plan
-        return p.capsule is not None and p.n == 1 and len(p.prompts) == 1 and p.snapshot_as is None
+        return p.n == 1 and len(p.prompts) == 1 and p.snapshot_as is None
 
     async def start(self) -> None:
         """Open or restore every prompt's session; for n > 1 append the prompts and fork."""
@@ -253,9 +254,12 @@ class Run:
     async def _generate(self, i: int, group: _Group) -> list[Choice]:
         plan = self.plan
         if self.one_request:
-            with self._lookup():
-                results = [await self.ns.restore_append_generate(plan.capsule, self._prompt(i), plan.max_tokens,
-                                                                 plan.params(0))]
+            if plan.capsule is None:
+                results = [await self.ns.append_generate(self._prompt(i), plan.max_tokens, plan.params(0))]
+            else:
+                with self._lookup():
+                    results = [await self.ns.restore_append_generate(plan.capsule, self._prompt(i), plan.max_tokens,
+                                                                     plan.params(0))]
         else:
             results = await _each([s.turn(self._prompt(i), plan.max_tokens, plan.params(j))
                                    for j, s in enumerate(group.sessions)])
@@ -266,7 +270,7 @@ class Run:
         """Prompt i's generate ended: its usage, and the capsule lookup of a one-request Run."""
         group = self.groups[i]
         group.prompt_tokens = res.length - len(res)
-        if self.one_request:  # the capsule's tokens were restored by the same request
+        if self.one_request and self.plan.capsule is not None:  # the capsule's tokens were restored by the same request
             group.cached_tokens += group.prompt_tokens - len(self.plan.prompts[i])
             self.metrics.capsule_lookup(hit=True, restore_s=res.restore_s, tier=res.restored_from)
         if not group.prefilled:  # n = 1: the turn's own prefill
@@ -302,8 +306,9 @@ class Run:
         task of their own (`_pump`) into one queue, so their choices interleave."""
         loop, plan = asyncio.get_running_loop(), self.plan
         if self.one_request:
-            streams = [(0, 0, self.ns.restore_append_stream(plan.capsule, self._prompt(0), plan.max_tokens,
-                                                            plan.params(0)))]
+            events = (self.ns.append_stream(self._prompt(0), plan.max_tokens, plan.params(0)) if plan.capsule is None
+                      else self.ns.restore_append_stream(plan.capsule, self._prompt(0), plan.max_tokens, plan.params(0)))
+            streams = [(0, 0, events)]
         else:
             streams = [(i, j, s.stream_turn(self._prompt(i), plan.max_tokens, plan.params(j)))
                        for i, g in enumerate(self.groups) for j, s in enumerate(g.sessions)]

@@ -24,8 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from capsulert.capsule_store import validate_name
 from capsulert.errors import CapsuleRTError, ConfigError
 from capsulert.serve.http_errors import UNAUTHORIZED, ApiError
+from capsulert.protocol.names import DEFAULT_NAMESPACE
 
-OPEN_NAMESPACE = "default"
+OPEN_NAMESPACE = DEFAULT_NAMESPACE
 MIN_KEY_LENGTH = 8
 
 

@@ -13,7 +13,7 @@ the sessions are the AsyncSession of sessions/session.py, the same class the orc
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from capsulert.chat.turn import ChatReply
 from capsulert.engine.engine import Engine
@@ -23,8 +23,8 @@ from capsulert.protocol.requests import (
 from capsulert.protocol.results import FinalEvent, SessionInfo, TokenEvent
 from capsulert.sessions.sender import Sender
 from capsulert.sessions.session import AsyncSession
-from capsulert.worker.running_calls import RunningCalls
-from capsulert.worker.scheduler import Sink, StepScheduler, queue_sink, stream_item
+from capsulert.scheduler.running_calls import RunningCalls
+from capsulert.scheduler.step_scheduler import Sink, StepScheduler, queue_sink, stream_item
 
 
 class AsyncEngine:
@@ -69,7 +69,7 @@ class AsyncEngine:
             self.calls.interrupt(call_id)
             raise
 
-    async def stream(self, request: Generate | Turn, call_id: Any = None) -> AsyncIterator[TokenEvent | FinalEvent]:
+    async def stream(self, request: Generate | Turn, call_id: Any = None) -> AsyncGenerator[TokenEvent | FinalEvent, None]:
         """TokenEvents as tokens are produced, then a FinalEvent. Closing or cancelling the iterator stops
         the generate at the next token boundary with the produced tokens committed."""
         loop = asyncio.get_running_loop()
@@ -152,7 +152,7 @@ class LocalSender(Sender):
     async def result(self, handle: asyncio.Future, request: Generate | Turn, timeout: float | None = None) -> Any:
         return await asyncio.wait_for(asyncio.shield(handle), timeout)
 
-    def stream(self, request: Generate | Turn, call_id: int) -> AsyncIterator[TokenEvent | FinalEvent]:
+    def stream(self, request: Generate | Turn, call_id: int) -> AsyncGenerator[TokenEvent | FinalEvent, None]:
         return self.aeng.stream(request, call_id)
 
     def post(self, request: Request) -> None:

@@ -1,6 +1,6 @@
 """Sender: how a session's requests reach the step scheduler that holds the session. The one session class
 (session.py) defines every verb once and holds a sender; the in-process sender (local.py) hands requests to
-an AsyncEngine's StepScheduler, the remote one (remote.py) to one worker of the orchestrator's pool.
+an AsyncEngine's StepScheduler, the remote one (orchestrator/remote_sender.py) to one worker of the orchestrator's pool.
 
 Invariants every sender keeps:
 - `call(request)` runs one typed request (protocol/requests.py) and returns its reply, or raises its typed
@@ -22,13 +22,11 @@ import itertools
 import random
 from abc import ABC, abstractmethod
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from capsulert.protocol.requests import Generate, Request, Turn
 from capsulert.protocol.results import FinalEvent, TokenEvent
 
-if TYPE_CHECKING:
-    from capsulert.sessions.session import AsyncSession
 
 _call_ids = itertools.count(random.getrandbits(32) << 16)
 
@@ -58,7 +56,7 @@ class Sender(ABC):
         """The reply of a started generate (a cancelled await leaves the call running)."""
 
     @abstractmethod
-    def stream(self, request: Generate | Turn, call_id: int) -> AsyncIterator[TokenEvent | FinalEvent]:
+    def stream(self, request: Generate | Turn, call_id: int) -> AsyncGenerator[TokenEvent | FinalEvent, None]:
         """A generate's events; closing the iterator early interrupts it."""
 
     @abstractmethod
@@ -76,8 +74,8 @@ class Sender(ABC):
         """Held while a snapshot makes capsule `name` (in-process: the engine's store serialises it)."""
         yield
 
-    def opened(self, session: "AsyncSession") -> None:
+    def opened(self, session: Any) -> None:
         """A session was handed out (the remote pool counts them per worker)."""
 
-    def closed(self, session: "AsyncSession") -> None:
+    def closed(self, session: Any) -> None:
         """A handed-out session was closed."""

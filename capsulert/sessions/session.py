@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing, asynccontextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator
 
 from capsulert.protocol.conversation import ChatPrompt
 from capsulert.chat.turn import ChatReply, ChatTurn
@@ -44,12 +44,12 @@ class AsyncSession:
         self.stop_reason: str | None = None
         self._lock = asyncio.Lock()
         self._running: int | None = None  # the call id of the generate running now
-        self._inflight: tuple[Any, Request] | None = None  # an interrupted generate not yet settled
+        self._inflight: tuple[Any, Generate | Turn] | None = None  # an interrupted generate not yet settled
         sender.opened(self)
 
     @property
     def sid(self) -> int:
-        """The session's id on its scheduler (the name RemoteSession gave `id`)."""
+        """The session's id on its scheduler (`id` under the name the scheduler uses)."""
         return self.id
 
     @property
@@ -118,7 +118,7 @@ class AsyncSession:
                 self._running = None
             return self._take(res)
 
-    async def _stream(self, request: Generate | Turn) -> AsyncIterator[TokenEvent | FinalEvent]:
+    async def _stream(self, request: Generate | Turn) -> AsyncGenerator[TokenEvent | FinalEvent, None]:
         async with self._turn():
             # closing this closes the sender's stream at once, which interrupts an unfinished generate
             async with aclosing(self.sender.stream(request, next_call_id())) as events:

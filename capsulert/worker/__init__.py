@@ -1,3 +1,3 @@
 """The worker process: the WorkerActor (actor.py) and the WorkerCore it holds (core.py: the one type -> handler
-table), the step scheduler (scheduler.py, jobs.py), capsule transfers over pair links (transfers.py,
-peer_link.py), the event feed, running calls and pinned capsule files."""
+table, over the step scheduler of capsulert/scheduler), capsule transfers over pair links (transfers.py,
+peer_link.py), the event feed and pinned capsule files."""

@@ -15,11 +15,10 @@ reloaded (pinned) when the worker starts again, whichever caller pinned them.
 The dispatch, and its invariant: every request type maps to exactly one handler, in `WorkerCore.HANDLERS`
 (a session request's maps to `_scheduled`, which hands it to the scheduler; its starter, the loop-side half,
 is its one entry of `starters.STARTERS`), and nothing else dispatches on a request's type. A *simple
-session verb*, one that runs one Engine method on one session, has no entry in either table: its request
-type names the method (`Request.engine_method`, e.g. `engine_method = "truncate"` for `Truncate(session,
-n)`), both tables route it (WorkerCore.handler, starters.starter), and the scheduler runs it in the
-session's order as `method(session, **the request's other fields)`, replying the session's SessionInfo.
-Adding one touches protocol/requests.py and the engine, nothing in worker/.
+session verb*, one engine call on one session (a `SessionVerb`, e.g. `Truncate(session, n)`), has no entry
+in either table: it applies itself (`SessionVerb.apply(engine, session)`), both tables route every
+SessionVerb (WorkerCore.handler, starters.starter), and the scheduler runs it in the session's order,
+replying the session's SessionInfo. Adding one touches protocol/requests.py and the engine, nothing in worker/.
 """
 from __future__ import annotations
 
@@ -41,16 +40,16 @@ from capsulert.errors import InvalidRequestError, SessionClosedError, WorkerLost
 from capsulert.worker.event_feed import EventFeed
 from capsulert.worker.peer_link import PeerLink
 from capsulert.worker.pinned_files import PinnedFiles
-from capsulert.worker.running_calls import RunningCalls
+from capsulert.scheduler.running_calls import RunningCalls
 from capsulert.worker.transfers import CapsuleTransfers, check_namespace
 from capsulert.engine.engine import Engine
-from capsulert.worker.scheduler import Sink, StepScheduler, queue_sink, stream_item
-from capsulert.worker.starters import STARTERS
+from capsulert.scheduler.step_scheduler import Sink, StepScheduler, queue_sink, stream_item
+from capsulert.scheduler.starters import STARTERS
 from capsulert.engine.state import LAYOUT_VERSION
 from capsulert.protocol.requests import (
-    BATCHABLE, CONTROL, SESSION, Batch, Close, Delete, Demote, Detokenize, ExportCapsule, ExportToDir, Feed,
+    BATCHABLE, CONTROL, Batch, Close, Delete, Demote, Detokenize, ExportCapsule, ExportToDir, Feed,
     Generate, ImportCapsule, ImportFromFile, Interrupt, LastCall, LinkProbe, ListCapsules, PeerAddress, PeerClose,
-    PeerConnect, Ping, Promote, ReadTokens, Rebuild, Request, SendCapsule, Snapshot, Stats, Streamed, Tokenize,
+    PeerConnect, Ping, Promote, ReadTokens, Rebuild, Request, SendCapsule, SessionVerb, Snapshot, Stats, Streamed, Tokenize,
     Turn, UpdateWeights)
 from capsulert.protocol.results import CapsuleExport
 
@@ -150,11 +149,10 @@ class WorkerCore:
 
     @classmethod
     def handler(cls, request_type: type) -> Handler:
-        """The handler of a request type: its entry of HANDLERS, or, for a simple session verb (one naming
-        its Engine method), the scheduler's, which has one starter for them all."""
+        """The handler of a request type: its entry of HANDLERS, or, for a simple session verb, the
+        scheduler's, which has one starter for them all."""
         handler = cls.HANDLERS.get(request_type)
-        if handler is None and issubclass(request_type, Request) and request_type.lane == SESSION \
-                and request_type.engine_method is not None:
+        if handler is None and issubclass(request_type, SessionVerb) and request_type is not SessionVerb:
             handler = cls._scheduled
         if handler is None:
             raise InvalidRequestError(f"a worker runs typed requests (capsulert.protocol.requests), "
@@ -360,7 +358,7 @@ class WorkerCore:
     #: the worker's dispatch: one handler per request type, in this one table. A session request goes to the
     #: step scheduler (_scheduled), which starts it by its starter (starters.STARTERS: the scheduler runs
     #: without a WorkerCore too, in AsyncEngine); Snapshot and Delete do more once it answered. A simple
-    #: session verb (Request.engine_method) needs no entry here nor there (see `handler`).
+    #: session verb (a SessionVerb, which applies itself) needs no entry here nor there (see `handler`).
     HANDLERS: dict[type, Handler] = {
         **dict.fromkeys(STARTERS, _scheduled),
         Snapshot: _snapshot, Delete: _delete, Batch: _batch, Streamed: _streamed, Feed: _feed_items,

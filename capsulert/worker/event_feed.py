@@ -23,7 +23,7 @@ import threading
 from typing import Any, Callable, Hashable, Iterator
 
 from capsulert.errors import CapsuleRTError, WorkerLost
-from capsulert.worker.scheduler import Sink
+from capsulert.scheduler.step_scheduler import Sink
 
 Item = tuple[Hashable, str, Any]  # (key, "event" | "done" | "error", TokenEvent | GenerateResult | exception)
 

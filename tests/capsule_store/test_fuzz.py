@@ -9,7 +9,6 @@ metadata rewrites 2500, store.load 600, a restart re-indexing the directory 400 
 sound one: the mutated one indexed exactly or set aside with a typed record, the sound one always
 indexed): 10,500 in all (~35 s); CAPSULERT_FUZZ_SCALE=10 runs ten times as many. `pytest --hypothesis-show-statistics` shows how the cases ended.
 """
-import contextlib
 import json
 import math
 import os

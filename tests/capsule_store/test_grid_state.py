@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from capsulert.engine.engine import GRID
+from capsulert.engine.slot_views import capsule_views, tail_views
 from capsulert.capsule_store import (CapsuleMeta, CapsuleStore, capsule_file_name, read_capsule_origin,
                                      write_capsule_with_meta)
 from capsulert.capsule_store.format import inspect as inspect_dir
@@ -34,7 +35,7 @@ def slot_bytes(eng, s) -> dict[str, torch.Tensor]:
     """What a snapshot of s stores (copies of the slot's bytes)."""
     P = len(s.tokens)
     G = P // CHUNK * CHUNK
-    views = {**eng.capsules._views(s.slot, P, G), **eng.capsules._tail_views(s.slot, eng.replayable_end(s) - G)}
+    views = {**capsule_views(eng.state, s.slot, P, G), **tail_views(eng.state, s.slot, eng.table.replayable_end(s) - G)}
     return {k: v.clone() for k, v in views.items()}
 
 
@@ -54,7 +55,7 @@ def assert_restores(eng, name: str, want: dict[str, torch.Tensor], namespace: st
     try:
         mine = slot_bytes(eng, r)
         if "tail_in" in want:  # written back whatever numerics made them (replayed only under their own)
-            mine.update(eng.capsules._tail_views(r.slot, want["tail_in"].shape[1]))
+            mine.update(tail_views(eng.state, r.slot, want["tail_in"].shape[1]))
         for k in want:
             assert torch.equal(mine[k], want[k]), k
         if "ssm_grid" not in want:  # on the grid the slot's grid checkpoint is the live state
@@ -104,7 +105,7 @@ def test_branches_share_one_grid_state_block_and_restore_bitwise(engine, ctx_len
     # every branch holds alone only what it computed past the grid point: its live state, last hidden
     # state, KV rows [256, P) and, past the context's prefilled tail, that tail's exact-replay rows (kept
     # where the engine replays tails: on the CPU by default, not on CUDA)
-    tails = {"tail_in", "tail_gates"} if ctx_len > 256 and eng.tail_replay else set()
+    tails = {"tail_in", "tail_gates"} if ctx_len > 256 and eng.runner.tail_replay else set()
     own = {"kv_k", "kv_v", "ssm", "conv", "last_hidden"} | tails
     assert all(set(eng.store._tiers.entries["default", n].tensors) == own for n in want if n != "ctx" or ctx_len != 256)
     for name, w in want.items():

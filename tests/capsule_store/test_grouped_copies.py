@@ -9,6 +9,7 @@ import torch
 
 from capsulert.capsule_store.moves import distinct_events
 from capsulert.engine.engine import GRID
+from capsulert.engine.slot_views import capsule_views
 
 SENTINEL = 7.0
 BUFFERS = ("kv_k", "kv_v", "ssm", "conv", "ssm_grid", "conv_grid", "last_hidden")
@@ -23,7 +24,7 @@ def snapshot_of(eng, P: int, name: str) -> dict[str, torch.Tensor]:
     """A capsule of P tokens, and the slot's bytes it was made from."""
     s = eng.open()
     s.append(toks(P, P))
-    want = {k: v.clone() for k, v in eng.capsules._views(s.slot, P, P // GRID * GRID).items()}
+    want = {k: v.clone() for k, v in capsule_views(eng.state, s.slot, P, P // GRID * GRID).items()}
     s.snapshot(name)
     s.close()
     return want

@@ -10,17 +10,17 @@ from capsulert.engine import capsules
 from capsulert.kernels.ops import CUDA_KERNEL_BITS
 
 
-def _engine(device: str):
+def _runner(device: str):
     return SimpleNamespace(device=torch.device(device), config=SimpleNamespace(kernels="auto"))
 
 
 def test_a_cuda_origin_carries_the_kernel_bits_revision(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: "NVIDIA H200")
-    origin = capsules.numerics_origin(_engine("cuda"))
+    origin = capsules.numerics_origin(_runner("cuda"))
     assert origin == f"cuda:NVIDIA H200:torch-{torch.__version__}:auto:bits-{CUDA_KERNEL_BITS}"
     monkeypatch.setattr(capsules, "CUDA_KERNEL_BITS", CUDA_KERNEL_BITS - 1)
-    assert capsules.numerics_origin(_engine("cuda")) != origin  # a capsule of the kernels before: other numerics
+    assert capsules.numerics_origin(_runner("cuda")) != origin  # a capsule of the kernels before: other numerics
 
 
 def test_a_cpu_origin_names_the_machine_torch_and_kernels():
-    assert capsules.numerics_origin(_engine("cpu")) == f"cpu:{platform.machine()}:torch-{torch.__version__}:auto"
+    assert capsules.numerics_origin(_runner("cpu")) == f"cpu:{platform.machine()}:torch-{torch.__version__}:auto"

@@ -225,7 +225,7 @@ if CUDA:
         eng = Engine.from_config(model=str(tiny_moe_dir), device="cuda", slots=2, max_seq=256, cuda_graphs=False)
         assert eng.model.kernels.moe_experts is tm.moe_experts
         monkeypatch.setattr(tm, "tiles_agree", lambda dtype, device: False)
-        with caplog.at_level("WARNING", logger="capsulert.engine.engine"):
+        with caplog.at_level("WARNING", logger="capsulert.engine"):
             eng = Engine.from_config(model=str(tiny_moe_dir), device="cuda", slots=2, max_seq=256, cuda_graphs=False)
         assert eng.model.kernels.moe_experts.keywords == {"large_from": None}
         assert "16-row tiles" in caplog.text

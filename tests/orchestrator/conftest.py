@@ -42,7 +42,7 @@ async def orch(ray_session, engine_cfg):
 def fresh(oracle):
     """Close every oracle session a test leaves open and delete its capsules."""
     yield oracle
-    for s in list(oracle._sessions.values()):
+    for s in list(oracle.table.sessions()):
         s.close()
     for info in oracle.store.list():
         oracle.store.delete(info.name)

@@ -83,7 +83,7 @@ async def test_every_verb_is_a_request_type_with_one_handler_and_the_actor_one_e
     types = _request_types()
     assert {t.__name__ for t in types} >= {"Open", "Append", "Generate", "Snapshot", "Restore", "Fork", "Close", "Turn",
                                            "Delete", "Promote", "Demote", "ExportCapsule", "ImportCapsule", "Ping"}
-    simple = {t for t in types if t.engine_method is not None}  # simple session verbs: routed by the method they name
+    simple = {t for t in types if issubclass(t, verbs.SessionVerb)}  # simple session verbs: routed by their type
     assert set(WorkerCore.HANDLERS) == types - simple  # each request type has exactly one handler, nothing else does
     assert all(WorkerCore.handler(t) is WorkerCore.HANDLERS[verbs.Generate] for t in simple)
     assert all(t.lane in verbs.LANES for t in types)
@@ -205,7 +205,7 @@ async def test_restore_append_generate_is_one_verb_on_a_namespace_and_a_session(
     assert (await orch.stats())[0]["sessions"] == sessions_before
     s = await orch.open(" another context entirely")
     from_session = await s.restore_append_generate("rag-c", " next", 6, sp)  # this session, rolled back in place
-    kept, from_kept = await orch.restore_append_generate("rag-c", " next", 6, sp, keep=True)
+    kept, from_kept = await orch.restore_branch("rag-c", " next", 6, sp)
     for res in (from_namespace, from_session, from_kept):
         assert type(res) is GenerateResult
         assert (list(res), res.logprobs, res.stop_reason, res.length, res.text) == (
@@ -216,6 +216,21 @@ async def test_restore_append_generate_is_one_verb_on_a_namespace_and_a_session(
         (None, "rag-c", True), (s.sid, "rag-c", False), (None, "rag-c", False)]
     await asyncio.gather(maker.close(), s.close(), kept.close())
     await orch.delete("rag-c")
+
+
+async def test_append_generate_on_a_namespace_is_one_request(orch_tv, spy):
+    """A new session, the prompt, a generate and the close in one Turn: what an HTTP completion sends."""
+    orch = orch_tv
+    sp = SamplingParams(temperature=0.8, seed=4, ignore_eos=True)
+    sessions_before = (await orch.stats())[0]["sessions"]
+    spy.calls.clear()
+    res = await orch.default.append_generate(PROMPT, 5, sp)
+    turns = [args[0] for name, args in spy.calls if isinstance(args[0], Turn)]
+    assert [(t.session, t.restore, t.close) for t in turns] == [(None, None, True)] and len(spy.calls) == 1
+    assert (await orch.stats())[0]["sessions"] == sessions_before
+    s = await orch.open()
+    assert list(await s.turn(PROMPT, 5, sp)) == list(res)
+    await s.close()
 
 
 # ---------------------------------------------------------------------- thin schedulers

@@ -97,6 +97,14 @@ class _Namespace:
         self.calls.append("restore_append_stream")
         return _SlowStream.events() if name == "slow" else _Session().stream_turn(suffix, max_new_tokens, sampling)
 
+    async def append_generate(self, prompt, max_new_tokens, sampling=None):
+        self.calls.append("append_generate")
+        return _result()
+
+    def append_stream(self, prompt, max_new_tokens, sampling=None):
+        self.calls.append("append_stream")
+        return _Session().stream_turn(prompt, max_new_tokens, sampling)
+
     async def fork(self, name, n):
         return [_Session() for _ in range(n)]
 
@@ -268,23 +276,27 @@ def test_a_client_that_goes_away_mid_stream_ends_it(app, prompt):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_request_from_a_capsule_is_one_request_to_the_worker(app, stream):
-    """One prompt, one choice, from a capsule, nothing kept: restore, turn and close are one request (no
-    restore of a session of its own, nothing to close)."""
-    raw = json.dumps({"model": "m", "prompt": [5], "capsule": "agent0", "stream": stream}).encode()
+@pytest.mark.parametrize("capsule, one, many", [
+    ("agent0", "restore_append_", ["restore", "restore"]),  # two prompts: a session per prompt
+    (None, "append_", ["open"]),  # two choices: a session to fork
+], ids=["capsule", "no-capsule"])
+def test_one_prompt_one_choice_is_one_request_to_the_worker(app, stream, capsule, one, many):
+    """One prompt, one choice, nothing kept: the open (or the capsule's restore), the turn and the close are one
+    request (no session of its own, nothing to close)."""
+    body = {"model": "m", "prompt": [5], "stream": stream, **({"capsule": capsule} if capsule else {})}
     _Namespace.calls.clear()
-    status, body = asyncio.run(_call(app, "/v1/completions", raw, JSON_WITH_KEY))
+    status, out = asyncio.run(_call(app, "/v1/completions", json.dumps(body).encode(), JSON_WITH_KEY))
     text = "".join(x for _, x in OUT)
     if stream:
-        chunks = [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: {")]
+        chunks = [json.loads(line[6:]) for line in out.decode().split("\n\n") if line.startswith("data: {")]
         assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
     else:
-        assert status == 200 and json.loads(body)["choices"][0]["text"] == text
-    assert _Namespace.calls == ["restore_append_stream" if stream else "restore_append_generate"]
-    _Namespace.calls.clear()  # more than one prompt: a session per prompt
-    raw = json.dumps({"model": "m", "prompt": [[5], [6]], "capsule": "agent0", "stream": stream}).encode()
-    assert asyncio.run(_call(app, "/v1/completions", raw, JSON_WITH_KEY))[0] == 200
-    assert _Namespace.calls == ["restore", "restore"]
+        assert status == 200 and json.loads(out)["choices"][0]["text"] == text
+    assert _Namespace.calls == [one + ("stream" if stream else "generate")]
+    _Namespace.calls.clear()
+    more = {**body, "prompt": [[5], [6]]} if capsule else {**body, "n": 2}
+    assert asyncio.run(_call(app, "/v1/completions", json.dumps(more).encode(), JSON_WITH_KEY))[0] == 200
+    assert _Namespace.calls == many
 
 
 # ------------------------------------------------------------------------------------------ disconnects

@@ -11,7 +11,10 @@ from capsulert.errors import (ConfigError, InvalidCapsuleNameError, InvalidReque
 from capsulert.protocol.requests import Append, Fork, Generate, Open, Restore, Snapshot, Turn
 from capsulert.protocol.sampling import SamplingParams
 from capsulert.sessions.local import AsyncEngine
-from capsulert.sessions.remote import RemoteSession
+import typing
+
+from capsulert.orchestrator.namespace import Namespace
+from capsulert.orchestrator.orchestrator import Orchestrator
 from capsulert.sessions.session import AsyncSession
 
 NOEOS = SamplingParams(ignore_eos=True)
@@ -20,7 +23,8 @@ N = 400
 
 
 def test_the_remote_session_is_the_one_session_class():
-    assert RemoteSession is AsyncSession
+    for verb in (Namespace.open, Namespace.restore, Orchestrator.open, Orchestrator.restore):
+        assert typing.get_type_hints(verb)["return"] is AsyncSession
 
 
 async def _started(s, start_len):

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from capsulert.engine import engine as engine_module
+from capsulert.engine import runner as runner_module
 from capsulert.engine import numerics
 from capsulert.engine.engine import MAX_DECODE_BATCH
 from capsulert.engine.loader import load_checkpoint
@@ -63,13 +63,13 @@ def test_gemm_weights_are_the_packed_projections_and_the_lm_head(model_dir):
 
 def test_the_engine_drops_the_padding_only_when_every_gemm_passes(engine, monkeypatch, caplog):
     engine.model.decode_rows = MAX_DECODE_BATCH
-    monkeypatch.setattr(engine_module, "first_row_variant_gemm", lambda weights, rows: ((2048, 4096), 3))
-    with caplog.at_level(logging.WARNING, logger="capsulert.engine.engine"):
-        engine._choose_decode_rows()
+    monkeypatch.setattr(runner_module, "first_row_variant_gemm", lambda weights, rows: ((2048, 4096), 3))
+    with caplog.at_level(logging.WARNING, logger="capsulert.engine"):
+        engine.runner.choose_decode_rows()
     assert engine.model.decode_rows == MAX_DECODE_BATCH
     assert "padded to 64 rows" in caplog.text and "2048x4096 GEMM" in caplog.text and "at 3 rows" in caplog.text
-    monkeypatch.setattr(engine_module, "first_row_variant_gemm", lambda weights, rows: None)
-    engine._choose_decode_rows()
+    monkeypatch.setattr(runner_module, "first_row_variant_gemm", lambda weights, rows: None)
+    engine.runner.choose_decode_rows()
     assert engine.model.decode_rows is None
 
 
@@ -81,4 +81,4 @@ def test_a_cuda_engine_decodes_unpadded_where_its_gemms_are_row_invariant(make_e
     eng = make_engine(device="cuda", slots=4)
     variant = first_row_variant_gemm(eng.model.gemm_weights(), MAX_DECODE_BATCH)
     assert (eng.model.decode_rows is None) == (variant is None)
-    assert eng.pad_logits([torch.zeros(8, device=eng.device)]).shape[0] == MAX_DECODE_BATCH  # the sampler's block
+    assert eng.runner.pad_logits([torch.zeros(8, device=eng.device)]).shape[0] == MAX_DECODE_BATCH  # the sampler's block

@@ -1,21 +1,20 @@
 """The worker's one dispatch: every request type has one handler (WorkerCore.HANDLERS; a session request's
-starter in worker/starters.py), and a simple session verb, one that names its Engine method, runs on the
+starter in worker/starters.py), and a simple session verb, a SessionVerb that applies itself, runs on the
 step scheduler and on a WorkerCore with no code of its own in capsulert/worker/."""
 import asyncio
 import gc
 from dataclasses import dataclass
-from typing import ClassVar
 
 import pytest
 import torch
 
 from capsulert.errors import InvalidRequestError, SessionClosedError, UnknownCapsuleError, WorkerLost
 from capsulert.protocol import requests
-from capsulert.protocol.requests import SESSION, Generate, Open, Request, Snapshot
+from capsulert.protocol.requests import SESSION, Generate, Open, Request, SessionVerb, Snapshot
 from capsulert.protocol.sampling import SamplingParams
 from capsulert.sessions.local import AsyncEngine
 from capsulert.worker.core import WorkerCore
-from capsulert.worker import starters
+from capsulert.scheduler import starters
 
 NOEOS = SamplingParams(ignore_eos=True)
 
@@ -28,23 +27,25 @@ def corpus(engine):
 
 
 def _simple_verbs() -> tuple[type, type]:
-    """Two simple session verbs, made as a new one is in protocol/requests.py: a request type naming its
-    Engine method, nothing else. Made per test and collected after it, so that the lists of every request
-    type other tests make do not hold them."""
+    """Two simple session verbs, made as a new one is in protocol/requests.py: a SessionVerb that applies
+    itself, nothing else. Made per test and collected after it, so that the lists of every request type other
+    tests make do not hold them."""
 
     @dataclass(frozen=True)
-    class RollBack(Request):
+    class RollBack(SessionVerb):
         """Restore capsule `name` into the session in place (Engine.restore_into)."""
-        engine_method: ClassVar[str] = "restore_into"
-        session: int
         name: str
         namespace: str = "default"
 
+        def apply(self, engine, session) -> None:
+            engine.restore_into(session, self.name, self.namespace)
+
     @dataclass(frozen=True)
-    class Recompute(Request):
+    class Recompute(SessionVerb):
         """Prefill the session's tokens again (Engine.rederive)."""
-        engine_method: ClassVar[str] = "rederive"
-        session: int
+
+        def apply(self, engine, session) -> None:
+            engine.rederive(session)
 
     return RollBack, Recompute
 
@@ -59,7 +60,7 @@ def simple_verbs():
 
 def test_every_request_type_has_one_handler_and_each_scheduled_one_a_starter():
     types = {t for t in vars(requests).values() if isinstance(t, type) and issubclass(t, Request)
-             and t.__module__ == requests.__name__ and t.engine_method is None and not t.__subclasses__()}
+             and t.__module__ == requests.__name__ and not issubclass(t, SessionVerb) and not t.__subclasses__()}
     assert set(WorkerCore.HANDLERS) == types
     assert set(starters.STARTERS) <= types
     assert all(t.lane == SESSION for t in starters.STARTERS)
@@ -70,7 +71,7 @@ def test_every_request_type_has_one_handler_and_each_scheduled_one_a_starter():
         starters.starter(Request)
 
 
-def test_a_simple_verb_is_routed_by_the_engine_method_it_names(simple_verbs):
+def test_a_simple_verb_is_routed_by_its_type_and_applies_itself(simple_verbs):
     for verb in simple_verbs:
         assert verb not in WorkerCore.HANDLERS and verb not in starters.STARTERS
         assert WorkerCore.handler(verb) is WorkerCore.HANDLERS[Generate]  # the scheduler's, as a Generate's

@@ -24,7 +24,7 @@ class ExactnessMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        for s in list(self.engine._sessions.values()):
+        for s in list(self.engine.table.sessions()):
             s.close()
         for info in self.engine.store.list():
             self.engine.store.delete(info.name, info.namespace)

@@ -68,7 +68,7 @@ def test_reference_moe_kernels_refuse_graph_capture(make_engine):
 def test_a_prefill_its_graph_would_pad_by_over_a_quarter_runs_in_two_pieces_with_the_same_bits(make_engine, monkeypatch):
     """1056 tokens under 2048-token pieces: a 1024-row and a 32-row graph (engine.prefill_pieces), not one
     2048-row graph, with the logits and state of one unpadded eager piece."""
-    from capsulert.engine import engine as engine_mod
+    from capsulert.engine import runner as engine_mod
 
     if not torch.cuda.is_available():
         pytest.fail("the gpu marker needs a CUDA device: run with -m gpu --device cuda on the GPU machine")
@@ -94,11 +94,11 @@ def test_an_moe_engine_with_short_prefill_pieces_says_which_piece_keeps_prefill_
 
     if not torch.cuda.is_available():
         pytest.fail("the gpu marker needs a CUDA device: run with -m gpu --device cuda on the GPU machine")
-    with caplog.at_level("INFO", logger="capsulert.engine.engine"):
+    with caplog.at_level("INFO", logger="capsulert.engine"):
         make_engine(device="cuda", slots=1, cuda_graphs=False).close()
     assert f"prefill_chunk={MOE_PREFILL_CHUNK}" in caplog.text
     caplog.clear()
-    with caplog.at_level("INFO", logger="capsulert.engine.engine"):
+    with caplog.at_level("INFO", logger="capsulert.engine"):
         make_engine(device="cuda", slots=1, max_seq=MOE_PREFILL_CHUNK, prefill_chunk=MOE_PREFILL_CHUNK,
                     cuda_graphs=False).close()
     assert "on an MoE model" not in caplog.text

@@ -165,8 +165,8 @@ def test_sessions_crossing_a_grid_point_in_one_step_rederive_together_bitwise_as
         solo.append((list(s.generate(80, NOEOS)), state_of(eng, s)))
         s.close()
     calls = []
-    rederive = eng._rederive_grid_points
-    eng._rederive_grid_points = lambda ss: (calls.append(len(ss)), rederive(ss))[1]
+    rederive = eng.table.rederive_grid_points
+    eng.table.rederive_grid_points = lambda ss: (calls.append(len(ss)), rederive(ss))[1]
     sessions = [eng.open() for _ in prompts]
     for s, p in zip(sessions, prompts):
         s.append(p)
@@ -216,10 +216,11 @@ def test_a_cpu_piece_runs_on_whole_row_multiples(make_engine, monkeypatch):
     prefill piece is padded to whole cpu_piece_rows (the first of 8/16/32/64 at which this machine's BLAS keeps
     a row's bits: 8 on most, 16 on a 16-thread Xeon), the padding writing no state (valid)."""
     from capsulert.engine.numerics import cpu_piece_rows
+    from capsulert.engine.runner import probe_weight
 
     eng = make_engine(device="cpu", prefill_chunk=128)
-    p = eng.cpu_piece_rows
-    assert p == cpu_piece_rows(eng.probe_weight(eng.model_weights, eng.model_cfg))
+    p = eng.runner.cpu_piece_rows
+    assert p == cpu_piece_rows(probe_weight(eng.model_weights, eng.model_cfg))
     shapes = []
     forward = eng.model.forward
     monkeypatch.setattr(eng.model, "forward", lambda *a, **k: (shapes.append(
@@ -250,9 +251,9 @@ def test_a_cpu_whose_8_row_pieces_change_a_rows_bits_pads_its_pieces_to_16(make_
 
     assert any(m % 16 for _, m in cpu_pieces(8)) and not any(m % 16 for _, m in cpu_pieces(16))
     _gemm_rounding_otherwise(monkeypatch, lambda rows: rows % 16 != 0)
-    with caplog.at_level("INFO", logger="capsulert.engine.engine"):
+    with caplog.at_level("INFO", logger="capsulert.engine"):
         eng = make_engine(device="cpu", prefill_chunk=128)
-    assert eng.cpu_piece_rows == 16 and "whole 16-row multiples" in caplog.text
+    assert eng.runner.cpu_piece_rows == 16 and "whole 16-row multiples" in caplog.text
     rows = []
     forward = eng.model.forward
     monkeypatch.setattr(eng.model, "forward", lambda *a, **k: (rows.append(a[2].shape[1]), forward(*a, **k))[1])

@@ -39,8 +39,8 @@ def test_padded_decode_rows_touch_only_the_scratch_slot(engine, text):
     before = slot_state(engine, bystander)
     ref = engine.open()
     ref.append(text[:300])
-    ref_logits = engine.decode([ref], [7])
-    scratch = engine.scratch_slot
+    ref_logits = engine.table.step([ref], [7])
+    scratch = engine.runner.scratch_slot
     engine.state.pos[scratch] = 0
     dev = engine.device
     slots = torch.tensor([s.slot, scratch, scratch], device=dev)

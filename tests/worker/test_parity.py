@@ -68,7 +68,7 @@ def test_logits_and_greedy_match_hf(name, tmp_path):
     assert rel_err(ours, out.logits[0, -1]) < 1e-4
     cache, tok = out.past_key_values, int(out.logits[0, -1].argmax())
     for _ in range(32):
-        eng.decode([s], [tok])
+        eng.table.step([s], [tok])
         with torch.no_grad():
             out = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
         cache = out.past_key_values

@@ -13,8 +13,8 @@ from capsulert.sessions.local import AsyncEngine
 from capsulert.protocol.sampling import SamplingParams
 from capsulert.protocol.requests import Append, Delete, Generate, Open, Ping, Promote, Request, Restore, Turn
 from capsulert.protocol.results import FinalEvent, TokenEvent
-from capsulert.worker.jobs import Phase
-from capsulert.worker.scheduler import Sink, prefill_steps
+from capsulert.scheduler.jobs import Phase
+from capsulert.scheduler.step_scheduler import Sink, prefill_steps
 
 NOEOS = SamplingParams(ignore_eos=True)
 
@@ -68,6 +68,28 @@ async def test_concurrent_requests_equal_their_solo_runs(make_engine, corpus):
         for g, w in zip(got, want):
             assert g.tokens == w.tokens and g.logprobs == w.logprobs, i
             assert g.stop_reason == w.stop_reason == "length"
+
+
+async def test_concurrent_prefills_share_forwards_and_equal_their_solo_appends(make_engine, corpus):
+    """Four sessions' long appends at once: a step's pieces of every prefilling session run as one batched
+    append, so the forwards are fewer than the pieces, and each session's logits are its solo append's."""
+    eng = make_engine(slots=8, max_seq=1024)
+    prompts = [corpus[i * 11:i * 11 + 40 + 13 * i] for i in range(4)]
+    turns = [corpus[300 + i:300 + i + 500 + 30 * i] for i in range(4)]
+    want = []
+    for p, t in zip(prompts, turns):
+        s = eng.open(p)
+        want.append(s.append(t))
+        s.close()
+    async with AsyncEngine(eng, step_prefill_tokens=4 * 128) as aeng:
+        sessions = [await aeng.open(p) for p in prompts]
+        before = aeng.scheduler.prefill_forwards
+        got = await asyncio.gather(*(aeng.submit(Append(s.id, t, logits=True)) for s, t in zip(sessions, turns)))
+        forwards = aeng.scheduler.prefill_forwards - before
+    pieces = sum(len(prefill_steps(len(p), len(t), 64, 128)) for p, t in zip(prompts, turns))
+    assert forwards <= pieces // 2, (forwards, pieces)
+    for g, w in zip(got, want):
+        assert torch.equal(torch.from_numpy(g.logits), w.cpu())
 
 
 async def test_stream_is_ordered_complete_and_cancellable(make_engine, corpus):
@@ -373,6 +395,21 @@ async def test_a_streaming_turn_equals_append_then_stream(make_engine, corpus):
         assert a.length == b.length == 432
 
 
+async def test_a_turn_naming_no_session_or_capsule_opens_closes_and_equals_open_then_turn(make_engine, corpus):
+    """Turn(None, None, prompt, ...) is open + turn + close in one request: the same tokens, no session left."""
+    params = SamplingParams(temperature=0.8, seed=5, ignore_eos=True)
+    async with AsyncEngine(make_engine(slots=2)) as aeng:
+        s = await aeng.open()
+        want = await s.turn(corpus[:130], 10, params)
+        await s.close()
+        got = await aeng.submit(Turn(None, None, corpus[:130], 10, params, close=True))
+        assert list(got) == list(want) and got.logprobs == want.logprobs and got.length == 140
+        assert got.session is None and aeng.scheduler.session_count == 0
+        with pytest.raises(SequenceTooLongError):  # a refused prompt leaves no session behind
+            await aeng.submit(Turn(None, None, corpus[:1] * 100_000, 1, params, close=True))
+        assert aeng.scheduler.session_count == 0
+
+
 async def test_token_events_carry_the_top_logprobs_of_the_logits(make_engine, corpus):
     engine = make_engine()
     k = 4
@@ -393,7 +430,7 @@ async def test_token_events_carry_the_top_logprobs_of_the_logits(make_engine, co
         assert [lp[t].item() for t in ids] == pytest.approx(values, abs=1e-6)
         assert ev.logprob == values[0] == pytest.approx(lp[ev.token].item(), abs=1e-6)  # greedy: a best one
         with engine.lock:
-            logits = engine.decode([ref], [ev.token])[0].clone()
+            logits = engine.table.step([ref], [ev.token])[0].clone()
     ref.close()
     async with AsyncEngine(engine) as aeng:  # without logprobs asked for, events carry none
         s = await aeng.open(corpus[:20])
@@ -496,7 +533,7 @@ async def test_a_job_goes_through_its_typed_phases_in_order(make_engine, corpus)
 
 def test_the_scheduler_takes_its_bounds_from_the_engine_config(make_engine):
     """EngineConfig.scheduler sets the step scheduler's queue bound and prefill budget; arguments override."""
-    from capsulert.worker.scheduler import StepScheduler
+    from capsulert.scheduler.step_scheduler import StepScheduler
 
     eng = make_engine(slots=1, scheduler={"max_queue": 3, "step_prefill_tokens": 256})
     sch = StepScheduler(eng)

@@ -182,7 +182,7 @@ def test_every_graph_shape_runs_on_the_warm_up_inputs(make_engine):
     from capsulert.engine.graphs import GraphPlans
 
     eng = make_engine(device="cpu", prefill_chunk=256, tail_replay=True)
-    plans = GraphPlans(eng.model, eng.state, eng.scratch_slot, eng.config.max_seq, eng.chunk, (1, 2), eng.grid,
+    plans = GraphPlans(eng.model, eng.state, eng.runner.scratch_slot, eng.config.max_seq, eng.chunk, (1, 2), eng.grid,
                        tail_replay=True)
     plans.warm_inputs()
     keys = plans.shape_keys()
@@ -197,7 +197,7 @@ def test_tail_replay_is_on_by_default_on_the_cpu_and_an_engine_without_it_holds_
     assert make_engine(device="cpu").tail_replay
     eng = make_engine(device="cpu", tail_replay=False)
     assert "tail_in" not in eng.state.buffers and "tail_gates" not in eng.state.buffers
-    plans = GraphPlans(eng.model, eng.state, eng.scratch_slot, eng.config.max_seq, eng.chunk, (1,), eng.grid)
+    plans = GraphPlans(eng.model, eng.state, eng.runner.scratch_slot, eng.config.max_seq, eng.chunk, (1,), eng.grid)
     assert not any(k.replays for k in plans.shape_keys())
 
 

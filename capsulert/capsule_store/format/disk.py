@@ -6,7 +6,7 @@ sha256 over (name, dtype, shape, raw bytes) of the tensors in sorted-name order
 (checksum.py). Writes are crash-safe (staging.py: temp file, fsync, rename, fsync dir). Reads check
 everything before trusting anything, and every refusal is a typed error, never a raw exception.
 
-Format "2" is a capsule cut into prefix blocks (blocks.py): the file holds its own tensors (state, KV
+Format "2" is a capsule cut into prefix blocks (capsule_store/blocks.py): the file holds its own tensors (state, KV
 tail) and `capsulert.blocks`, the BlockRefs JSON naming its blocks; each block is a file of its own in
 the same directory (blockfiles.py). Format "3" also names its grid-state block (the recurrent and conv
 state at its grid point, a block file too; its file then holds only the state computed past the grid

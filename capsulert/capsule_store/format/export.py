@@ -1,5 +1,5 @@
 """A capsule as host bytes for another worker (ExportCapsule / ImportCapsule through the object store):
-its metadata as JSON (format/meta.py) with the checksum filled, the checksum of its tensors (checksum.py),
+its metadata as JSON (meta.py) with the checksum filled, the checksum of its tensors (checksum.py),
 and its tensors as one safetensors blob (never pickle). The importer checks the checksum against the bytes
 it received, so a capsule changed in transit is refused, never stored.
 """

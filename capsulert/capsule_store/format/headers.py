@@ -4,7 +4,7 @@ cut into prefix blocks its block references). No tensor is read here (`capsules 
 
 Formats: "1" a whole capsule (optionally recording the origin of its bytes, `capsulert.origin`: a store of
 that origin loading it shares its blocks again; files without it stay whole); "2" own tensors + KV block
-references; "3" as 2, plus a grid-state block (blocks.py). A build that reads only 1 and 2 refuses a 3 by
+references; "3" as 2, plus a grid-state block (capsule_store/blocks.py). A build that reads only 1 and 2 refuses a 3 by
 its format, never misreads it.
 """
 from __future__ import annotations

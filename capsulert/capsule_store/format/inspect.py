@@ -5,7 +5,7 @@ This is what `capsulert capsules ls|rm` runs on. It relies only on the public di
 (headers.read_header, listing.list_capsule_files, names.capsule_file_name), so it sees exactly the files a
 store's `load` would load, and refuses the same corrupt or foreign files with the same typed errors.
 
-`rm` honours the owner lock (owner.py): a directory a live store or orchestrator owns (its disk_dir, or
+`rm` honours the owner lock (capsule_store/owner.py): a directory a live store or orchestrator owns (its disk_dir, or
 a worker's directory or pinned/ below an orchestrator's) is refused with DiskDirInUseError, since its
 owner indexes the files there; delete through the owner (`store.delete`, the orchestrator's `delete`).
 `rm` holds the directory's lock while it deletes (when it has one), so no owner starts there meanwhile.
@@ -28,6 +28,7 @@ from capsulert.capsule_store.format.names import FILE_SUFFIX, capsule_file_name
 from capsulert.capsule_store.format.staging import fsync_dir
 from capsulert.capsule_store.owner import LOCK_NAME, DirLock, check_unowned
 from capsulert.errors import CorruptCapsuleError, InvalidRequestError, UnknownCapsuleError
+from capsulert.protocol.names import DEFAULT_NAMESPACE
 
 #: every capsule in a directory of capsule files is in the disk tier
 TIER = "disk"
@@ -113,7 +114,7 @@ def scan(directory: str | Path, namespace: str | None = None) -> tuple[list[Disk
     return found, skipped
 
 
-def delete(directory: str | Path, name: str, namespace: str = "default", *, force: bool = False) -> Path:
+def delete(directory: str | Path, name: str, namespace: str = DEFAULT_NAMESPACE, *, force: bool = False) -> Path:
     """Delete the file of capsule (namespace, name) from `directory`; return its path.
 
     The name is validated (never a path) and the file is found by the hash of (namespace, name), so

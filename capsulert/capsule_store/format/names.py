@@ -1,7 +1,7 @@
 """The names of capsule files and block files: the only place a file name on disk is made or recognised.
 
 A capsule file is named by a hash of (namespace, name), never by the name itself (names are not paths); a
-block file by its 64-hex block key (blocks.py chains the keys from the tokens).
+block file by its 64-hex block key (capsule_store/blocks.py chains the keys from the tokens).
 """
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ def decode_manifest(data: bytes) -> tuple[dict, bytes]:
 
 
 def manifest_meta(head: dict, tokens: bytes) -> CapsuleMeta:
-    """The CapsuleMeta a manifest carries, validated as format/meta.py validates one."""
+    """The CapsuleMeta a manifest carries, validated as meta.py validates one."""
     fields = head.get("meta")
     if not isinstance(fields, dict) or set(fields) != _META_FIELDS:  # the sender sends every field
         raise CorruptCapsuleError("a transfer manifest's metadata fields are wrong")

@@ -1,26 +1,24 @@
-"""The step scheduler's starters: the session half of the worker's dispatch (core.py has the whole table).
+"""The step scheduler's starters: the session half of the worker's dispatch (worker/core.py has the whole table).
 
 STARTERS maps each session request type the scheduler runs to its starter, the one function that runs the
 request's immediate part on the loop thread (between decode steps): it answers at once (a capsule copy, a
 close) and returns False, or queues the job's typed phases (jobs.py: Prefill, Decode) and returns True.
-A simple session verb, a request type naming the Engine method that runs it (Request.engine_method), has no
-entry: `starter` gives every one of them the same starter, which calls that method on the request's session
-with the request's other fields as keywords and replies the session's SessionInfo. So adding one needs no
-code here, nor anywhere in worker/.
+A simple session verb (protocol.requests.SessionVerb, which applies itself to its session) has no entry:
+`starter` gives every one of them the same starter, which applies it and replies the session's SessionInfo.
+So adding one needs no code here, nor anywhere in worker/.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import fields
 from typing import Callable
 
 from capsulert.engine.engine import Engine
 from capsulert.errors import InvalidRequestError
 from capsulert.protocol.requests import (
-    SESSION, Append, Close, Delete, Fork, Generate, Open, Rederive, Request, Restore, Snapshot, Turn)
+    Append, Close, Delete, Fork, Generate, Open, Rederive, Request, Restore, SessionVerb, Snapshot, Turn)
 from capsulert.protocol.results import SessionInfo
-from capsulert.worker.jobs import Decode, Job, Prefill
-from capsulert.worker.session_ids import SessionIds
+from capsulert.scheduler.jobs import Decode, Job, Prefill
+from capsulert.scheduler.session_ids import SessionIds
 
 Starter = Callable[[Engine, SessionIds, Job, Request], bool]
 # the request types that make new sessions when they name none: they need free slots to start
@@ -61,6 +59,8 @@ def generate(eng: Engine, sessions: SessionIds, job: Job, r: Generate) -> bool:
 def turn(eng: Engine, sessions: SessionIds, job: Job, r: Turn) -> bool:
     if r.restore is not None:
         restore_into_job(eng, sessions, job, r.restore, r.namespace)
+    elif job.session is None:  # neither a session nor a capsule: a new session of its own
+        job.session, job.opened = sessions.adopt(eng.open(namespace=r.namespace, wait_s=0)), True
     eng.prefix.claim(sessions.get(job.session), r.namespace)  # its prompts are that namespace's
     if r.suffix is not None:
         job.steps.append(Prefill(r.suffix))
@@ -102,11 +102,11 @@ def close(eng: Engine, sessions: SessionIds, job: Job, r: Close) -> bool:
     return False
 
 
-def engine_method(eng: Engine, sessions: SessionIds, job: Job, r: Request) -> bool:
-    """A simple session verb: its Engine method on its session, the request's other fields as keywords."""
-    s = sessions.get(r.target)
-    getattr(eng, r.engine_method)(s, **{f.name: getattr(r, f.name) for f in fields(r) if f.name != "session"})
-    job.sink.done(SessionInfo(r.target, len(s.tokens)))
+def session_verb(eng: Engine, sessions: SessionIds, job: Job, r: SessionVerb) -> bool:
+    """A simple session verb: the request applies itself to its session."""
+    s = sessions.get(r.session)
+    r.apply(eng, s)
+    job.sink.done(SessionInfo(r.session, len(s.tokens)))
     return False
 
 
@@ -131,12 +131,11 @@ STARTERS: dict[type, Starter] = {
 
 
 def starter(request_type: type) -> Starter:
-    """The starter of a session request type: its entry of STARTERS, or, for a simple session verb (one that
-    names its Engine method), the one starter of them all; InvalidRequestError for any other type."""
+    """The starter of a session request type: its entry of STARTERS, or, for a simple session verb, the one
+    starter of them all; InvalidRequestError for any other type."""
     start = STARTERS.get(request_type)
-    if start is None and issubclass(request_type, Request) and request_type.lane == SESSION \
-            and request_type.engine_method is not None:
-        start = engine_method
+    if start is None and issubclass(request_type, SessionVerb) and request_type is not SessionVerb:
+        start = session_verb
     if start is None:
         raise InvalidRequestError(f"the step scheduler does not run {request_type.__name__} requests")
     return start

@@ -123,7 +123,7 @@ async def tree_search(orch, capsule: str, expand: Callable[[Node], Any], score: 
 
     async def grow(parent: Node, name: str, suffix, sampling):
         """One child: a turn from the parent's capsule in a new session, snapshot as `name`, closed."""
-        session, res = await orch.restore_append_generate(parent.name, suffix, max_new, sampling, keep=True)
+        session, res = await orch.restore_branch(parent.name, suffix, max_new, sampling)
         try:
             await session.snapshot(name, mode=node_mode)
             live.append(name)

@@ -19,7 +19,7 @@ the engine and runs steps. Each step:
 Every running generate advances once per step, so a long generate never starves a short one.
 
 A request starts by its type's starter (starters.py: the session half of the worker's dispatch, see
-core.py), which answers at once or queues the job's typed phases (jobs.py: Prefill, then / or Decode). A
+worker/core.py), which answers at once or queues the job's typed phases (jobs.py: Prefill, then / or Decode). A
 Prefill checks the request's tokens once, when it begins, and appends them in pieces through
 Engine.append_checked, which checks them no more.
 
@@ -37,14 +37,14 @@ import torch
 from capsulert.errors import (ExceedsCapacityError, InvalidRequestError, NoFreeSlotError, QueueFullError,
                               SessionClosedError)
 from capsulert.progress import progress_bar
-from capsulert.engine.decoding import DecodeStream, advance
+from capsulert.engine.decoding import DecodeStream, advance, check_generate
 from capsulert.engine.engine import LONG_PREFILL_CHUNKS, Engine
 from capsulert.engine.session import Session
 from capsulert.protocol.requests import SESSION, Request
 from capsulert.protocol.results import GenerateResult, SessionInfo
-from capsulert.worker.jobs import Decode, Job, Phase, Prefill, Sink, queue_sink, stream_item
-from capsulert.worker.session_ids import SessionIds
-from capsulert.worker.starters import starter, takes_slots
+from capsulert.scheduler.jobs import Decode, Job, Phase, Prefill, Sink, queue_sink, stream_item
+from capsulert.scheduler.session_ids import SessionIds
+from capsulert.scheduler.starters import starter, takes_slots
 
 __all__ = ["StepScheduler", "Sink", "queue_sink", "stream_item"]
 
@@ -74,6 +74,7 @@ class StepScheduler:
         self.engine = engine
         self.max_queue = max_queue
         self.budget = step_prefill_tokens or config.step_prefill_tokens or engine.chunk
+        self.batch_prefill = config.batch_prefill
         self._cv = threading.Condition()
         self._incoming: deque[Job] = deque()
         self._waiting: list[Job] = []  # admitted, not started (arrival order)
@@ -81,6 +82,7 @@ class StepScheduler:
         self._sessions = SessionIds(first_id)
         self._stopped = False
         self.steps = 0
+        self.prefill_forwards = 0  # batched appends run (one per round of a step's prefill work)
         # where the loop's time goes (seconds): starting requests and capsule copies, prefill pieces, decode
         # steps (sampling, the batched step, stop rules and the events handed to sinks); read by Stats
         self.busy_s = {"start": 0.0, "prefill": 0.0, "decode": 0.0}
@@ -243,7 +245,7 @@ class StepScheduler:
     def _begin_decode(self, job: Job, s: Session, step: Decode) -> bool:
         """Start the job's generate; False when it has nothing to generate (it finishes now)."""
         eng = self.engine
-        eng.check_generate([s], step.max_new_tokens, [step.sampling])
+        check_generate([s], step.max_new_tokens, [step.sampling])
         if not s.tokens:
             raise InvalidRequestError("the session is empty; append a prompt before generating")
         job.stream = DecodeStream(eng, s, step.max_new_tokens, step.sampling)
@@ -273,28 +275,59 @@ class StepScheduler:
         job.sink.error(e)
 
     def _prefill(self) -> None:
+        """The step's prefill work under its token budget: each round takes the next piece of every prefilling
+        job (arrival order) while budget is left, and runs them as one batched append (Engine.append_checked_many:
+        one forward per round of pieces, each session bitwise what its own append gives)."""
         budget = self.budget
-        for job in [j for j in self._active if j.phase is Phase.PREFILL]:
-            if budget <= 0:
-                break
-            s = self._sessions.find(job.session)
-            try:
-                if s is None:
-                    raise SessionClosedError(f"session {job.session} was closed")
-                while job.prefill and budget > 0:
-                    P = len(s.tokens)
-                    [(end, work)] = prefill_steps(P, len(job.prefill), self.engine.grid, self.engine.chunk)[:1]
-                    piece, job.prefill = job.prefill[:end - P], job.prefill[end - P:]
-                    self.engine.append_checked(s, piece)
-                    budget -= work
-                    job.bar.update()
+        for job in [j for j in self._active if j.phase is Phase.PREFILL and not j.prefill]:
+            self._prefilled(job)  # nothing left to prefill (the prefix cache served it all)
+        while budget > 0:
+            batch: list[tuple[Job, Session, list[int]]] = []
+            for job in [j for j in self._active if j.phase is Phase.PREFILL and j.prefill]:
+                if budget <= 0:
+                    break
+                s = self._sessions.find(job.session)
+                try:
+                    if s is None:
+                        raise SessionClosedError(f"session {job.session} was closed")
+                    s.check_current()  # refused alone, before the batch runs
+                except BaseException as e:
+                    self._fail_prefill(job, e)
+                    continue
+                P = len(s.tokens)
+                [(end, work)] = prefill_steps(P, len(job.prefill), self.engine.grid, self.engine.chunk)[:1]
+                batch.append((job, s, job.prefill[:end - P]))
+                budget -= work
+            if not batch:
+                return
+            for part in [batch] if self.batch_prefill else [[b] for b in batch]:
+                self.prefill_forwards += 1
+                try:
+                    if len(part) == 1:  # alone: the one-session path (it replays a kept tail, where one is)
+                        self.engine.append_checked(part[0][1], part[0][2])
+                    else:
+                        self.engine.append_checked_many([s for _, s, _ in part], [piece for _, _, piece in part])
+                except BaseException as e:
+                    for job, _, _ in part:
+                        self._fail_prefill(job, e)
+                    batch = [b for b in batch if all(b is not x for x in part)]
+            for job, _, piece in batch:
+                job.prefill = job.prefill[len(piece):]
+                job.bar.update()
                 if not job.prefill:
-                    job.prefill = None
-                    job.bar.close()
-                    self._next_phase(job)
-            except BaseException as e:
-                job.bar.close()
-                self._fail(job, e)
+                    self._prefilled(job)
+
+    def _prefilled(self, job: Job) -> None:
+        job.prefill = None
+        job.bar.close()
+        try:
+            self._next_phase(job)
+        except BaseException as e:
+            self._fail(job, e)
+
+    def _fail_prefill(self, job: Job, e: BaseException) -> None:
+        job.bar.close()
+        self._fail(job, e)
 
     def _decode(self) -> None:
         jobs = [j for j in self._active if j.phase is Phase.DECODE and not j.stream.done]

@@ -46,12 +46,12 @@ class Decode:
 @dataclass
 class Sink:
     """Where a request's outcome goes (called on the loop thread)."""
-    done: Callable[[Any], None]
-    error: Callable[[BaseException], None]
-    event: Callable[[TokenEvent], None] | None = None
+    done: Callable[[Any], object]  # what a callback returns is ignored
+    error: Callable[[BaseException], object]
+    event: Callable[[TokenEvent], object] | None = None
 
 
-def queue_sink(put: Callable[[tuple[str, Any]], None]) -> Sink:
+def queue_sink(put: Callable[[tuple[str, Any]], object]) -> Sink:
     """A sink that puts ("event", ev), ("done", result) or ("error", exc) items through `put`."""
     return Sink(done=lambda v: put(("done", v)), error=lambda e: put(("error", e)),
                 event=lambda ev: put(("event", ev)))

@@ -1,6 +1,6 @@
 """RemoteSender: how the sessions a Namespace hands out send their requests, to the one worker (a Ray
-WorkerActor) of the orchestrator's pool that holds them. RemoteSession is the one session class
-(session.py) under the name the orchestrator's users know.
+WorkerActor) of the orchestrator's pool that holds them. The sessions are the one session class
+(sessions/session.py: AsyncSession), holding this sender.
 
 A request travels as it is (a typed request, protocol/requests.py) through the pool (worker_pool.py),
 which turns every failure into a typed error: a dead or silent worker is WorkerLost within the timeout. A
@@ -10,7 +10,7 @@ snapshot holds the router's lock on its name (router.py).
 from __future__ import annotations
 
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncGenerator
 
 from capsulert.protocol.requests import Generate, Request, Turn
 from capsulert.protocol.results import FinalEvent, GenerateResult, TokenEvent
@@ -20,10 +20,6 @@ from capsulert.sessions.session import AsyncSession
 if TYPE_CHECKING:
     from capsulert.orchestrator.router import CapsuleRouter
     from capsulert.orchestrator.worker_pool import WorkerPool
-
-# the orchestrator's sessions are the one session class
-RemoteSession = AsyncSession
-
 
 class RemoteSender(Sender):
     def __init__(self, pool: "WorkerPool", router: "CapsuleRouter", worker: int):
@@ -42,7 +38,7 @@ class RemoteSender(Sender):
     async def result(self, handle: Any, request: Generate | Turn, timeout: float | None = None) -> Any:
         return await self.pool.wait(self.worker, handle, request, timeout)
 
-    async def stream(self, request: Generate | Turn, call_id: int) -> AsyncIterator[TokenEvent | FinalEvent]:
+    async def stream(self, request: Generate | Turn, call_id: int) -> AsyncGenerator[TokenEvent | FinalEvent, None]:
         await self.pool.check(self.worker)
         # closing this closes the pool's stream at once, which interrupts an unfinished generate
         async with aclosing(self.pool.stream(self.worker, request, call_id)) as events:
@@ -68,4 +64,4 @@ class RemoteSender(Sender):
         self.pool.closed_session(session)
 
 
-__all__ = ["GenerateResult", "RemoteSender", "RemoteSession", "next_call_id"]
+__all__ = ["GenerateResult", "RemoteSender", "next_call_id"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from capsulert.worker.scheduler import StepScheduler
+from capsulert.scheduler.step_scheduler import StepScheduler
 
 # interrupts whose call never arrived (it finished first, or was lost): remembered this many at most
 _EARLY_LIMIT = 4096

@@ -1,0 +1,343 @@
+"""ModelRunner: the compute core. Slots and token ids in; state in the state set and logits out.
+
+It is the one owner of the model, the state set's compute use and the captured graphs, and of the weights'
+identity (the fingerprint capsules carry, and its version). It knows no sessions, capsules or policies: the
+session table (session_table.py) says which slot holds which tokens, the capsule verbs (capsules.py) copy a
+slot's bytes in and out. "The graph decides how to compute; the capsule decides which state to compute from."
+
+Canonical grid state on the 64-token grid (GRID, the gated delta rule's chunk): prefill is split-invariant
+(every op gives a row the same bits whatever piece it is computed in, kernels/), and pieces start on the grid,
+so appends split anywhere, prefill pieces of any size and a cold prefill give bitwise the same state at every
+grid point and the same logits. `prefill_chunk` is only the longest piece (speed): a prefill is cut at its
+multiples and at the new grid point. Decode steps several slots at once, each row bitwise what it gets alone
+(batch invariance, model.py).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from capsulert.config.engine import EngineConfig
+from capsulert.config.model import FULL, ModelConfig
+from capsulert.engine.graphs import GraphPlans, decode_buckets
+from capsulert.engine.model import HybridModel, pad_rows
+from capsulert.engine.numerics import (
+    CPU_PIECE_ROWS_CHOICES, check_split_invariant_gemm, configure_cuda, cpu_piece_rows, first_row_variant_gemm)
+from capsulert.engine.state import StateLayout, StateSet
+from capsulert.kernels import ops
+from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK
+from capsulert.kernels.triton_copy import check_copy_pairs
+from capsulert.progress import progress_bar
+
+log = logging.getLogger(__name__)
+
+# sessions per decode step; larger generate calls run several steps per token. On CUDA every dense op of a
+# step runs on exactly this many rows (batch invariance, engine/model.py).
+MAX_DECODE_BATCH = 64
+# a prefill of more chunks than this in one call shows a progress bar (when bars are on)
+LONG_PREFILL_CHUNKS = 4
+# canonical state is kept at every multiple of the gated delta rule's chunk: the finest grid at which the
+# chunked prefill can stop and resume bitwise
+GRID = GATED_DELTA_CHUNK
+# the prefill piece that keeps an MoE model's cold prefill near its compute: shorter pieces re-read the experts
+MOE_PREFILL_CHUNK = 4096
+# a rest padded to its graph's rows may waste this many rows before it is cut in two: below it the extra piece's
+# weight pass (a whole expert set on an MoE model) costs more than the padding rows' compute
+PAD_WASTE_ROWS = 512
+
+
+def prefill_pieces(start: int, end: int, chunk: int, sizes: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """[start, end) in pieces of `chunk` tokens from start (the last one shorter): every piece starts on the grid
+    when start does. The last piece may cross end's last grid point: the model keeps the state and the hidden
+    state there as it runs (HybridModel.forward's grid_at), so an append of up to a chunk is one pass of the
+    weights wherever it starts. That is exact because a row gets the same bits whatever piece it is computed
+    in (split-invariant prefill): the tokens past the grid point get those a piece starting there gives them,
+    which is how a restore there re-runs them.
+
+    `sizes`: the rows a piece is padded to (the captured graphs' token buckets, ascending). A rest that its
+    smallest holding size would pad by more than a quarter of it and PAD_WASTE_ROWS is cut at the largest
+    grid-aligned size that fits it first (2080 tokens under 4096-token pieces: 2048 + 32, not one 4096-row
+    piece)."""
+    bounds = [start, *range(start + chunk, end, chunk)]
+    while sizes:
+        rest = end - bounds[-1]
+        padded = next((t for t in sizes if t >= rest), rest)
+        fit = max((t for t in sizes if t <= rest and t % GRID == 0), default=None)
+        if fit is None or padded - rest <= max(rest // 4, PAD_WASTE_ROWS):
+            break
+        bounds.append(bounds[-1] + fit)
+    bounds.append(end)
+    return list(zip(bounds, bounds[1:]))
+
+
+def grid_point_inside(a: int, b: int, grid: int = GRID) -> int | None:
+    """How far into the piece [a, b) its last grid point lies, when strictly inside it."""
+    g = b // grid * grid
+    return g - a if a < g < b else None
+
+
+def decode_groups(items: list) -> list[list]:
+    """Items split into decode steps of at most MAX_DECODE_BATCH."""
+    return [items[a:a + MAX_DECODE_BATCH] for a in range(0, len(items), MAX_DECODE_BATCH)]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                 fingerprint: str = ""):
+        self.config = config
+        self.model_cfg = model_cfg
+        self.device = next(iter(weights.values())).device
+        self.dtype = weights["model.embed_tokens.weight"].dtype
+        self.model_weights = weights
+        cuda = self.device.type == "cuda"
+        # the whole rows a CPU prefill piece is padded to (numerics.py); CUDA's GEMMs give a row the same bits
+        # at any row count
+        self.cpu_piece_rows: int | None = None
+        if cuda:
+            configure_cuda()  # before the first CUDA GEMM (weights are loaded and generated without one)
+            check_split_invariant_gemm(probe_weight(weights, model_cfg))
+            if model_cfg.is_moe and config.prefill_chunk < MOE_PREFILL_CHUNK:
+                log.info("prefill_chunk=%d on an MoE model: every prefill piece reads the weights of each expert its "
+                         "tokens chose (nearly all of them for a long piece); prefill_chunk=%d makes a long cold "
+                         "prefill up to ~1.5x faster on an H200 (bench/RESULTS.md)", config.prefill_chunk,
+                         MOE_PREFILL_CHUNK)
+        else:
+            self.cpu_piece_rows = cpu_piece_rows(probe_weight(weights, model_cfg))
+            if self.cpu_piece_rows > CPU_PIECE_ROWS_CHOICES[0]:
+                log.info("CPU prefill pieces run on whole %d-row multiples: this machine's BLAS gives a row other "
+                         "bits in shorter pieces", self.cpu_piece_rows)
+        self.model = HybridModel(model_cfg, weights, self._kernels(config),
+                                 decode_rows=MAX_DECODE_BATCH if cuda else None, rowwise=not cuda)
+        if cuda:
+            self.choose_decode_rows()
+        self.fingerprint = fingerprint
+        self.weights_version = 0  # bumped by replace_weights; the fingerprint carries it
+        # keep and replay the rows of prefilled tails (engine/tail_replay.py): on the CPU unless asked otherwise
+        self.tail_replay = config.tail_replay if config.tail_replay is not None else not cuda
+        self.chunk = config.prefill_chunk  # the longest prefill piece
+        self.grid = GRID  # where canonical state is kept (capsules, prefix blocks, re-runs)
+        # one extra scratch slot absorbs the padding rows of captured graphs; KV keeps a chunk of slack
+        # rows because a padded prefill chunk writes (ignored) KV past the last real token
+        self.scratch_slot = config.slots
+        layout = StateLayout.for_model(model_cfg, config.slots + 1, config.max_seq + self.chunk, self.dtype,
+                                       self.device, self.tail_replay)
+        self.state = StateSet(layout)
+        self.prefill_s_per_token = 0.0  # a running mean of prefill cost: capsules record their recompute cost by it
+        self.graphs = None
+        if cuda and config.cuda_graphs:
+            buckets = decode_buckets(config.decode_batches, min(config.slots, MAX_DECODE_BATCH))
+            self.graphs = GraphPlans(self.model, self.state, self.scratch_slot, config.max_seq, self.chunk, buckets,
+                                     self.grid, self.tail_replay)
+            self.graphs.capture(progress=config.progress)
+
+    # ------------------------------------------------------------------ set-up
+    def choose_decode_rows(self) -> None:
+        """Run decode steps on the batch's own rows where every GEMM of this model keeps a row's bits at every
+        row count up to MAX_DECODE_BATCH (model.py: batch invariance); else keep them padded to it, and say so."""
+        variant = first_row_variant_gemm(self.model.gemm_weights(), MAX_DECODE_BATCH)
+        if variant is None:
+            self.model.decode_rows = None
+            return
+        shape, rows = variant
+        log.warning("decode steps run padded to %d rows on %s (%s): a %s GEMM gives a row other bits at %d rows "
+                    "than in a %d-row GEMM, so a step of few sessions pays for %d rows to stay batch-invariant",
+                    MAX_DECODE_BATCH, self.device, self.dtype, "x".join(map(str, shape)), rows, MAX_DECODE_BATCH,
+                    MAX_DECODE_BATCH)
+
+    def _kernels(self, config: EngineConfig):
+        if self.device.type != "cuda" or config.kernels == "reference":
+            return ops.reference_kernels()
+        check_copy_pairs(self.device)  # restores move every capsule byte through it
+        large_moe_tiles = True
+        if self.model_cfg.is_moe:
+            from capsulert.kernels import triton_moe  # triton: a CUDA install's only
+
+            large_moe_tiles = triton_moe.tiles_agree(self.dtype, self.device)
+            if not large_moe_tiles:
+                log.warning("the MoE expert GEMMs give other bits with 64-row tiles than with 16-row tiles on %s "
+                            "(%s): every piece runs 16-row tiles, so long prefills of this MoE model are slower "
+                            "(up to ~2.5x in the expert GEMMs), and exact", torch.cuda.get_device_name(self.device),
+                            self.dtype)
+        return ops.cuda_kernels(use_fla=config.kernels != "triton", large_moe_tiles=large_moe_tiles)
+
+    # ------------------------------------------------------------------ weights
+    def replace_weights(self, new: dict[str, torch.Tensor], fingerprint: str, version: int) -> None:
+        """Copy checked weights into the model's tensors in place (the buffers stay: captured graphs stay
+        valid) and take their identity."""
+        with torch.inference_mode():
+            for name, t in new.items():
+                self.model_weights[name].copy_(t)
+            self.model.refresh_derived()
+        self.weights_version, self.fingerprint = version, fingerprint
+
+    # ------------------------------------------------------------------ slots
+    def slot_ids(self, slots: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(slots), device=self.device)
+
+    def reset_slot(self, slot: int) -> None:
+        """An empty slot: zero recurrent and conv state (live and grid), position 0."""
+        st = self.state
+        for name in ("ssm", "conv", "ssm_grid", "conv_grid"):
+            st.slot_view(name, slot).zero_()
+        st.pos[slot] = 0
+
+    def kv_len(self, end: int) -> int:
+        return min(self.config.max_seq, -(-end // self.chunk) * self.chunk)
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, slot: int, tokens: list[int], start: int, replay: int = 0) -> bool:
+        """Run tokens at positions [start, start+len) in prefill pieces (prefill_pieces); the slot's live state
+        must be at start, or with `replay` at start - replay, whose tokens the linear-attention layers of the
+        first piece replay from the slot's tail buffers (engine/tail_replay.py). The state at the last grid
+        point reached becomes the slot's grid checkpoint, the tokens past it the slot's tail. True when that grid
+        point fell inside the last piece: state.grid_hidden then holds the hidden state before it."""
+        if self.graphs is None:
+            slots = self.slot_ids([slot])
+            ids = torch.tensor(tokens, device=self.device)
+        end = start + len(tokens)
+        pieces = prefill_pieces(start - replay, end, self.chunk,
+                                None if self.graphs is None else self.graphs.prefill_sizes)
+        pieces[0] = (start, pieces[0][1])
+        # a bar only for long prefills: a short one ends before any bar would show
+        bar = progress_bar(len(pieces), "capsulert: prefill", unit="chunk",
+                           progress=self.config.progress if len(pieces) > LONG_PREFILL_CHUNKS else False)
+        # on CUDA the chunks are queued at once: a drawn bar waits for each, or it would fill before the work
+        pace = not bar.disable and self.device.type == "cuda"
+        t0 = time.perf_counter()
+        with bar:
+            for i, (a, b) in enumerate(pieces):
+                # the state at end's last grid point is the slot's checkpoint, kept inside the last piece
+                at = grid_point_inside(a, b, self.grid) if b == end else None
+                r = replay if i == 0 else 0
+                # the last piece's rows past its last grid point (in the linear layers' piece, which starts r
+                # earlier) are the slot's tail
+                tail_from = b // self.grid * self.grid - (a - r) if self.tail_replay and b == end else None
+                if self.graphs is not None:
+                    self.graphs.prefill(slot, tokens[a - start:b - start], grid_at=at, replay=r, tail_from=tail_from)
+                else:
+                    self._forward_piece(slots, ids[a - start:b - start], a, at, r, tail_from)
+                if b % self.grid == 0:
+                    self.state.save_grid(slot)
+                if pace:
+                    torch.cuda.synchronize(self.device)
+                bar.update()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        per_token = (time.perf_counter() - t0) / len(tokens)
+        self.prefill_s_per_token = per_token if not self.prefill_s_per_token else 0.9 * self.prefill_s_per_token + 0.1 * per_token
+        return at is not None
+
+    def _forward_piece(self, slots: torch.Tensor, ids: torch.Tensor, a: int, at: int | None, replay: int,
+                       tail_from: int | None) -> None:
+        """One prefill piece through the model (no graphs); on CPU padded to whole cpu_piece_rows."""
+        n = ids.shape[0]
+        step = self.cpu_piece_rows
+        rows = -(-n // step) * step if step is not None else n
+        extra = dict(grid_at=at, replay=replay or None, tail_from=tail_from)
+        if rows == n:
+            self.model.forward(self.state, slots, ids[None], self.kv_len(a + n), **extra)
+        else:
+            padded = torch.cat([ids, ids.new_zeros(rows - n)])[None]
+            valid = torch.tensor([n], device=self.device)
+            self.model.forward(self.state, slots, padded, self.kv_len(a + rows), valid=valid, **extra)
+
+    def prefill_from_grid(self, runs: list[tuple[int, list[int], int]]) -> list[bool]:
+        """Several slots' prefills in one forward per round of pieces: run (slot, tokens, start) puts tokens at
+        [start, start+len) where start is a grid point and the slot's live state is there. Each run is cut into
+        pieces as `prefill` cuts it (prefill_pieces); round k runs every run's k-th piece together, one row a
+        run, padded to the round's longest (CPU: to whole cpu_piece_rows) with per-row valid lengths, start
+        positions and grid points. Every op gives a row the same bits whatever else the forward holds (GEMM rows
+        are split-invariant; attention, the conv and the gated delta rule run per row), so each slot ends
+        bitwise where `prefill` alone leaves it. Per run: True when its last piece crossed a grid point
+        strictly inside (state.grid_hidden then holds the hidden state before it)."""
+        pieces = [prefill_pieces(start, start + len(tokens), self.chunk) for _, tokens, start in runs]
+        crossed = [False] * len(runs)
+        t0 = time.perf_counter()
+        for k in range(max(len(p) for p in pieces)):
+            rows = [(j, *pieces[j][k]) for j in range(len(runs)) if k < len(pieces[j])]
+            ats = []
+            for j, a, b in rows:
+                slot, tokens, start = runs[j]
+                end = start + len(tokens)
+                at = grid_point_inside(a, b, self.grid) if b == end else None
+                ats.append(at)
+                if b == end:
+                    crossed[j] = at is not None
+            self._forward_rows([(runs[j][0], runs[j][1][a - runs[j][2]:b - runs[j][2]], a) for j, a, b in rows], ats)
+            for j, a, b in rows:
+                if b % self.grid == 0:
+                    self.state.save_grid(runs[j][0])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        per_token = (time.perf_counter() - t0) / sum(len(tokens) for _, tokens, _ in runs)
+        self.prefill_s_per_token = per_token if not self.prefill_s_per_token else 0.9 * self.prefill_s_per_token + 0.1 * per_token
+        return crossed
+
+    def _forward_rows(self, rows: list[tuple[int, list[int], int]], ats: list[int | None]) -> None:
+        """One forward of prefill pieces (slot, tokens, start on the grid) of several slots, each padded to the
+        longest; `ats`: each piece's inner grid point (None: none, as 0: the state where the piece starts,
+        which is the slot's grid checkpoint already)."""
+        n = max(len(tokens) for _, tokens, _ in rows)
+        step = self.cpu_piece_rows
+        T = -(-n // step) * step if step is not None else n
+        ids = torch.zeros(len(rows), T, dtype=torch.long)
+        for r, (_, tokens, _) in enumerate(rows):
+            ids[r, :len(tokens)] = torch.tensor(tokens)
+        dev = self.device
+        valid = torch.tensor([len(tokens) for _, tokens, _ in rows], device=dev)
+        grid_at = None if all(at is None for at in ats) else torch.tensor([at or 0 for at in ats], device=dev)
+        # the rows past a piece's last grid point become its slot's tail (engine/tail_replay.py)
+        tail_from = torch.tensor([(a + len(tokens)) // self.grid * self.grid - a for _, tokens, a in rows],
+                                 device=dev) if self.tail_replay else None
+        self.model.forward(self.state, self.slot_ids([slot for slot, _, _ in rows]), ids.to(dev),
+                           self.kv_len(max(a for _, _, a in rows) + T), valid=valid, grid_at=grid_at,
+                           tail_from=tail_from)
+
+    def prefill_grid_rows(self, slots: list[int], rows: list[list[int]], end: int) -> None:
+        """One batched prefill of GRID tokens for each slot, every slot's live state at its previous grid
+        point (a row's bits do not depend on the other rows: split-invariant prefill); `end`: the furthest
+        position any row reaches."""
+        if self.graphs is not None:
+            self.graphs.prefill_rows(slots, rows)
+        else:
+            ids = torch.tensor(rows, device=self.device)
+            self.model.forward(self.state, self.slot_ids(slots), ids, self.kv_len(end))
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
+        """Feed one token to each slot (one batched step); their next-token logits, row r for slots[r] (the
+        graph's output buffer on CUDA: read or copy before the next step)."""
+        if self.graphs is not None:
+            return self.graphs.decode(slots, tokens)
+        ids = self.slot_ids(slots)
+        # kv_len is a shape: the same for every batch, so attention's launch never depends on the batch
+        self.model.forward(self.state, ids, torch.tensor(tokens, device=self.device)[:, None], self.config.max_seq,
+                           decode=True)
+        return self.model.logits(self.state, ids)
+
+    def logits_rows(self, slots: Sequence[int]) -> list[torch.Tensor]:
+        """Each slot's next-token logits row (fp32 [vocab]) from its last hidden state, computed on the
+        batch-invariant path."""
+        rows = []
+        for group in decode_groups(list(slots)):
+            block = self.model.logits(self.state, self.slot_ids(group))
+            rows += [block[r] for r in range(len(group))]
+        return rows
+
+    def pad_logits(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """Stack logits rows into the fixed-shape block the sampler runs on (batch invariance)."""
+        block = torch.stack(rows)
+        return pad_rows(block, MAX_DECODE_BATCH) if self.device.type == "cuda" else block
+
+
+def probe_weight(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The weight check_split_invariant_gemm probes: an output projection (4096x4096 on the 9B shape), the
+    shape where split-K showed first on the H200 with default cuBLAS settings."""
+    for i, kind in enumerate(cfg.layer_types):
+        name = f"model.layers.{i}.self_attn.o_proj.weight" if kind == FULL else f"model.layers.{i}.linear_attn.out_proj.weight"
+        if name in weights:
+            return weights[name]
+    return weights["model.embed_tokens.weight"]

@@ -1,0 +1,184 @@
+"""SessionTable: which session holds which slot, and what each slot's state was made from.
+
+The one writer of Session fields and of slot ownership. A session's tokens change only here: an append
+(`extend`, through the runner's prefill path from the slot's grid checkpoint), a decode step (`step`, which
+re-derives a grid point through the prefill path when decode reaches one), and the slot being filled from
+elsewhere (`hold`: a capsule or cached prefix written into it, or the slot emptied). Claiming and releasing
+slots waits on the table's condition under the engine's lock, so a verb that holds the lock sees one state.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Sequence
+
+from capsulert.engine.runner import ModelRunner, decode_groups
+from capsulert.engine.session import Session
+from capsulert.errors import ExceedsCapacityError, ForeignSessionError, NoFreeSlotError
+
+
+class SessionTable:
+    def __init__(self, runner: ModelRunner, owner: Any, slots: int):
+        """`owner`: the front door the sessions' verbs call (Engine)."""
+        self.runner = runner
+        self.owner = owner
+        self.slots = slots
+        self._free = list(range(slots))
+        self._sessions: dict[int, Session] = {}
+        self.lock = threading.RLock()
+        self._slot_freed = threading.Condition(self.lock)
+
+    # ------------------------------------------------------------------ slots
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def sessions(self) -> list[Session]:
+        """The open sessions."""
+        return list(self._sessions.values())
+
+    def take(self, n: int, wait_s: float | None = None, reset: bool = True) -> list[Session]:
+        """Claim n slots as new sessions. reset=False when a restore overwrites every state buffer of the slot
+        next. With too few free, waits up to wait_s seconds (default 0) for releases, then NoFreeSlotError."""
+        wait_s = 0.0 if wait_s is None else wait_s
+        if n > self.slots:  # could never start: refused at once, whatever the wait
+            raise ExceedsCapacityError(f"{n} slot(s) needed at once but the engine has {self.slots}; "
+                                       "ask for fewer or raise `slots`")
+        deadline = time.monotonic() + wait_s
+        with self.lock:
+            while n > len(self._free):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise NoFreeSlotError(
+                        f"{n} slot(s) needed, {len(self._free)} free of {self.slots}"
+                        + (f" after waiting {wait_s:g} s" if wait_s else "") + "; close sessions or raise `slots`"
+                    )
+                self._slot_freed.wait(remaining)  # releases the engine lock while it waits
+            sessions = []
+            for _ in range(n):
+                slot = self._free.pop(0)
+                if reset:
+                    self.runner.reset_slot(slot)
+                s = Session(self.owner, slot, self.runner.weights_version)
+                self._sessions[slot] = s
+                sessions.append(s)
+            return sessions
+
+    def release(self, session: Session) -> None:
+        with self.lock:
+            session.closed = True
+            del self._sessions[session.slot]
+            self._free.append(session.slot)
+            self._free.sort()
+            self._slot_freed.notify_all()
+
+    def own(self, session: Session) -> None:
+        """ForeignSessionError for another engine's session, SessionClosedError for a closed one."""
+        if session.engine is not self.owner:
+            raise ForeignSessionError(f"session {session.id} belongs to another engine")
+        session.check_open()
+
+    # ------------------------------------------------------------------ what a slot holds
+    def hold(self, session: Session, tokens: Sequence[int], decoded_from: int | None,
+             tail_end: int | None = None) -> None:
+        """The slot now holds the state of `tokens` under the current weights (a capsule or a cached prefix
+        was written into it, or it was emptied): tokens[:decoded_from] came through the prefill path, and its
+        tail buffers hold the prefilled rows up to tail_end (None: none)."""
+        session.tokens = list(tokens)
+        session.decoded_from, session.tail_end = decoded_from, tail_end
+        session.weights_version = self.runner.weights_version
+
+    def empty(self, session: Session) -> list[int]:
+        """Empty the session's slot under the current weights (rederive, truncate); the tokens it held."""
+        tokens = list(session.tokens)
+        self.runner.reset_slot(session.slot)
+        self.hold(session, [], 0)
+        return tokens
+
+    def starting(self, session: Session) -> None:
+        """A generate starts on the session: no stop reason, no pending interrupt."""
+        session.interrupt_requested = False
+        session.stop_reason = None
+
+    def stopped(self, session: Session, reason: str) -> None:
+        session.stop_reason = reason
+
+    def replayable_end(self, session: Session) -> int:
+        """How far past its grid point G the session's tail buffers hold its prefilled tokens, the tail an
+        append replays (G: none)."""
+        P, grid = len(session.tokens), self.runner.grid
+        G = P // grid * grid
+        t = session.tail_end
+        prefilled = session.decoded_from if session.decoded_from is not None else G
+        if self.runner.tail_replay and t is not None and t // grid * grid == G and G < t <= min(P, prefilled):
+            return t
+        return G
+
+    # ------------------------------------------------------------------ compute on sessions
+    def extend(self, session: Session, new: list[int]) -> bool:
+        """Append `new` (checked ids) from the slot's grid checkpoint, as a cold prefill does: the tail the
+        slot keeps rows for is replayed in the linear-attention layers, the rest since the grid point (decoded,
+        or nothing kept) re-run in full. True when state.grid_hidden holds the hidden state before the new
+        grid point."""
+        runner, P = self.runner, len(session.tokens)
+        G = P // runner.grid * runner.grid
+        E = G
+        if P != G:
+            E = self.replayable_end(session)
+            runner.state.load_grid(session.slot)
+            runner.state.pos[session.slot] = E
+        grid_hidden = runner.prefill(session.slot, session.tokens[E:] + new, E, replay=E - G)
+        session.tokens.extend(new)
+        session.decoded_from = len(session.tokens)
+        session.tail_end = len(session.tokens)
+        return grid_hidden
+
+    def extend_many(self, items: list[tuple[Session, list[int]]]) -> list[bool]:
+        """`extend` for several sessions in one forward per round of pieces (ModelRunner.prefill_from_grid),
+        bitwise what each session's own `extend` gives. Each re-runs the tokens since its grid point in full
+        (no tail replay: replaying a tail is exact, so re-running it gives the same bits)."""
+        runner, runs = self.runner, []
+        for s, new in items:
+            P = len(s.tokens)
+            G = P // runner.grid * runner.grid
+            if P != G:
+                runner.state.load_grid(s.slot)
+                runner.state.pos[s.slot] = G
+            runs.append((s.slot, s.tokens[G:] + new, G))
+        crossed = runner.prefill_from_grid(runs)
+        for s, new in items:
+            s.tokens.extend(new)
+            s.decoded_from = s.tail_end = len(s.tokens)
+        return crossed
+
+    def step(self, sessions: list[Session], tokens: list[int]):
+        """Feed one token to each session (one batched decode step); their next-token logits, row r for
+        sessions[r] (on CUDA the graph's output buffer: read or copy before the next step)."""
+        logits = self.runner.decode([s.slot for s in sessions], tokens)
+        crossed = []
+        for r, (s, t) in enumerate(zip(sessions, tokens)):
+            s.tokens.append(t)
+            if len(s.tokens) % self.runner.grid == 0:
+                crossed.append(r)
+        if crossed:
+            self.rederive_grid_points([sessions[r] for r in crossed])
+            for r, row in zip(crossed, self.runner.logits_rows([sessions[r].slot for r in crossed])):
+                logits[r] = row
+        return logits
+
+    def rederive_grid_points(self, sessions: list[Session]) -> None:
+        """Decode just reached grid point G of each session: re-run [G - GRID, G) through the prefill path from
+        the previous grid checkpoint, so the slot's KV rows, recurrent and conv state and last hidden state at
+        G are bitwise those of a cold prefill of tokens[:G] (canonical grid state). The sessions that cross in
+        one step re-derive together, one batched prefill of GRID tokens each (split-invariant prefill: a row's
+        bits do not depend on the other rows)."""
+        runner, grid = self.runner, self.runner.grid
+        for group in decode_groups(sessions):
+            for s in group:
+                runner.state.load_grid(s.slot)
+                runner.state.pos[s.slot] = len(s.tokens) - grid
+            runner.prefill_grid_rows([s.slot for s in group], [s.tokens[-grid:] for s in group],
+                                     max(len(s.tokens) for s in group))
+            for s in group:
+                runner.state.save_grid(s.slot)
+                s.decoded_from = len(s.tokens)

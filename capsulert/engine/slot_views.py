@@ -1,0 +1,71 @@
+"""The bytes of one slot that make up a capsule or a prefix checkpoint: views into the state set, no copies.
+
+A capsule of a session of length P holds KV rows [0, P), the live recurrent and conv state at P, the last
+hidden state at P and, off the grid (P != G = floor(P / grid) * grid), the grid checkpoint; a grid view holds
+KV rows [0, G) and the state at G. capsules.py and prefix_reuse.py read and write slots through these.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from capsulert.capsule_store.blocks import Parts
+from capsulert.capsule_store.capsule import CapsuleMeta
+from capsulert.engine.state import StateSet
+from capsulert.kernels.triton_copy import Pair
+
+BLOCK_TENSORS = ("kv_k", "kv_v")  # [attn_layers, P, kv_heads, head_dim]: token rows along dim 1
+# the state at the grid point (on the grid: the live state; off it: the grid checkpoint), shared as one block
+GRID_STATE = (("ssm", "ssm_grid"), ("conv", "conv_grid"))
+
+
+def capsule_views(st: StateSet, slot: int, length: int, grid_pos: int) -> dict[str, torch.Tensor]:
+    """The slot's bytes that make up a capsule of `length` tokens."""
+    return {"kv_k": st.kv_k[:, slot, :length], "kv_v": st.kv_v[:, slot, :length],
+            **state_views(st, slot, length != grid_pos)}
+
+
+def tail_views(st: StateSet, slot: int, rows: int) -> dict[str, torch.Tensor]:
+    """The slot's exact-replay rows of the first `rows` tokens past its grid point (engine/tail_replay.py),
+    none for rows = 0."""
+    return {"tail_in": st.tail_in[:, slot, :rows], "tail_gates": st.tail_gates[:, slot, :rows]} if rows else {}
+
+
+def state_views(st: StateSet, slot: int, off_grid: bool) -> dict[str, torch.Tensor]:
+    """`capsule_views` but the KV rows: the live state, the last hidden state and, off the grid (where the
+    live state and the grid checkpoint differ), the grid checkpoint."""
+    views = {"ssm": st.ssm[:, slot], "conv": st.conv[:, slot], "last_hidden": st.last_hidden[slot]}
+    if off_grid:
+        views["ssm_grid"] = st.ssm_grid[:, slot]
+        views["conv_grid"] = st.conv_grid[:, slot]
+    return views
+
+
+def grid_views(st: StateSet, slot: int, grid_pos: int) -> dict[str, torch.Tensor]:
+    """The slot's KV rows [0, grid_pos) and its state at its last grid point."""
+    return {"kv_k": st.kv_k[:, slot, :grid_pos], "kv_v": st.kv_v[:, slot, :grid_pos], **grid_state_views(st, slot)}
+
+
+def grid_state_views(st: StateSet, slot: int) -> dict[str, torch.Tensor]:
+    return {"ssm": st.ssm_grid[:, slot], "conv": st.conv_grid[:, slot]}
+
+
+def stored_grid_state(meta: CapsuleMeta, own: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stored checkpoint's recurrent and conv state at its grid point (the live state of one held on
+    the grid, the grid checkpoint of one held past it)."""
+    return (own["ssm"], own["conv"]) if meta.held == meta.held_grid else (own["ssm_grid"], own["conv_grid"])
+
+
+def kv_pairs(st: StateSet, slot: int, grid: int, parts: Parts, first: int, end: int | None) -> list[Pair]:
+    """(slot rows, piece) of the KV tensors for blocks first.. of a capsule's parts and, when `end` is
+    given, its own rows past its blocks up to `end`. The slot's rows are cut by one split per tensor, not
+    one indexing per block (the views were most of a restore's host time)."""
+    n = len(parts.blocks)
+    sizes = [grid] * (n - first) + ([end - n * grid] if end is not None else [])
+    pairs: list[Pair] = []
+    for k in BLOCK_TENSORS:
+        rows = st.buffers[k][:, slot].narrow(1, first * grid, sum(sizes)).split_with_sizes(sizes, 1)
+        pieces = [b[k] for b in parts.blocks[first:]] + ([parts.own[k]] if end is not None else [])
+        pairs += zip(rows, pieces)
+    return pairs

@@ -1,0 +1,108 @@
+"""Many sessions' appends in one forward (Engine.append_many): each session's next-token logits, every state
+buffer of its slot (grid checkpoint and tail included) and its later tokens are bitwise what its own append
+gives, at mixed lengths, on and off the grid, across pieces longer than a chunk, after decoded tails, after a
+restore and with prefix-cache hits. Runs on the CPU in `make test`; on the GPU with `--device cuda -m ""`."""
+import pytest
+import torch
+
+from capsulert.engine.engine import GRID
+from capsulert.errors import InvalidRequestError, SequenceTooLongError
+from capsulert.protocol.sampling import SamplingParams
+from tests.models import MODELS
+
+SEEDED = SamplingParams(temperature=0.9, top_k=50, seed=11, ignore_eos=True)
+
+
+@pytest.fixture
+def corpus(default_model_dir):
+    from capsulert.engine.default_model import CORPUS_PATH
+    from capsulert.engine.loader import load_tokenizer
+
+    return load_tokenizer(default_model_dir).encode(CORPUS_PATH.read_text()[:20000]).ids
+
+
+def slot_bytes(engine, s):
+    """Every buffer of the slot a later step reads: KV up to its length, live and grid state, last hidden
+    state, position, and the tail rows an append replays."""
+    st, slot, n = engine.state, s.slot, len(s.tokens)
+    out = {k: getattr(st, k)[:, slot].clone() for k in ("ssm", "conv", "ssm_grid", "conv_grid")}
+    out.update(kv_k=st.kv_k[:, slot, :n].clone(), kv_v=st.kv_v[:, slot, :n].clone(),
+               last_hidden=st.last_hidden[slot].clone(), pos=st.pos[slot].clone())
+    t = engine.table.replayable_end(s) - n // GRID * GRID
+    if t:
+        out.update(tail_in=st.tail_in[:, slot, :t].clone(), tail_gates=st.tail_gates[:, slot, :t].clone())
+    return out
+
+
+def assert_same(engine, a, b):
+    assert (a.tokens, a.decoded_from, a.tail_end) == (b.tokens, b.decoded_from, b.tail_end)
+    x, y = slot_bytes(engine, a), slot_bytes(engine, b)
+    assert x.keys() == y.keys()
+    for k in x:
+        assert torch.equal(x[k], y[k]), k
+
+
+# (context, how it was made, the turn appended): on and off the grid, a decoded tail, a piece past a chunk
+CASES = [(0, "append", 40), (64, "append", 32), (100, "append", 28), (150, "append", 300), (130, "decode", 50),
+         (200, "append", 1), (0, "append", 200)]
+
+
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
+def test_a_batched_append_is_bitwise_each_sessions_own(make_engine, corpus):
+    eng = make_engine(slots=2 * len(CASES), max_seq=1024)
+    solo, batch, turns = [], [], []
+    for i, (ctx, how, n) in enumerate(CASES):
+        prompt, turn = corpus[i * 7:i * 7 + ctx], corpus[500 + i:500 + i + n]
+        pair = []
+        for _ in range(2):
+            s = eng.open()
+            if how == "decode":
+                s.append(prompt[:ctx - 20])
+                eng.generate([s], 20, [SamplingParams(ignore_eos=True)])
+            elif prompt:
+                s.append(prompt)
+            pair.append(s)
+        solo.append(pair[0])
+        batch.append(pair[1])
+        turns.append(turn)
+    want = [s.append(t) for s, t in zip(solo, turns)]
+    got = eng.append_many(batch, turns)
+    for a, b, w, g in zip(solo, batch, want, got):
+        assert torch.equal(w, g)
+        assert_same(eng, a, b)
+    # and everything after: a generate (crossing grid points) and another batched append
+    assert [list(r) for r in eng.generate(solo, 70, [SEEDED] * len(solo))] == \
+        [list(r) for r in eng.generate(batch, 70, [SEEDED] * len(batch))]
+    want = [s.append(corpus[900:917]) for s in solo]
+    assert all(torch.equal(w, g) for w, g in zip(want, eng.append_many(batch, [corpus[900:917]] * len(batch))))
+    for a, b in zip(solo, batch):
+        assert_same(eng, a, b)
+
+
+def test_a_batched_append_after_a_restore_and_from_the_prefix_cache(make_engine, corpus):
+    eng = make_engine(slots=6, prefix_cache=True)
+    maker = eng.open()
+    maker.append(corpus[:230])
+    maker.snapshot("ctx")
+    maker.close()  # its last grid checkpoint stays in the prefix cache
+    a, b = eng.restore("ctx"), eng.restore("ctx")
+    c, d = eng.open(), eng.open()
+    want = [a.append(corpus[230:260]), c.append(corpus[:300])]  # c: a prefix-cache hit at 192
+    got = eng.append_many([b, d], [corpus[230:260], corpus[:300]])
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    assert_same(eng, a, b)
+    assert_same(eng, c, d)
+
+
+def test_a_bad_piece_refuses_the_whole_call_and_changes_no_session(engine, corpus):
+    a, b = engine.open(), engine.open()
+    a.append(corpus[:50])
+    before = slot_bytes(engine, a)
+    with pytest.raises(SequenceTooLongError):
+        engine.append_many([a, b], [corpus[:10], corpus[:1] * 5000])
+    assert a.tokens == corpus[:50] and b.tokens == [] and all(
+        torch.equal(v, slot_bytes(engine, a)[k]) for k, v in before.items())
+    with pytest.raises(InvalidRequestError, match="twice"):
+        engine.append_many([a, a], [corpus[:3], corpus[:3]])
+    with pytest.raises(InvalidRequestError, match="one piece"):
+        engine.append_many([a, b], [corpus[:3]])
