@@ -96,10 +96,10 @@ def steady_rate(outs: list[dict]) -> float:
 async def loop_busy(orch) -> dict:
     """The workers' step-loop counters summed: decode steps, decoded tokens and seconds per loop phase."""
     rows = await orch.stats()
-    out = {"decode_steps": 0, "decoded_tokens": 0, "start": 0.0, "prefill": 0.0, "decode": 0.0}
+    out = {"decode_steps": 0, "decoded_tokens": 0, "prefill_forwards": 0, "start": 0.0, "prefill": 0.0, "decode": 0.0}
     for r in rows:
-        out["decode_steps"] += r["decode_steps"]
-        out["decoded_tokens"] += r["decoded_tokens"]
+        for k in ("decode_steps", "decoded_tokens", "prefill_forwards"):
+            out[k] += r[k]
         for k, v in r["loop_busy_s"].items():
             out[k] += v
     return out
@@ -112,6 +112,7 @@ def loop_figures(before: dict, after: dict, wall_s: float, workers: int) -> dict
     steps = max(d["decode_steps"], 1)
     busy = d["start"] + d["prefill"] + d["decode"]
     return {"steps": d["decode_steps"], "rows_per_step": d["decoded_tokens"] / steps,
+            "prefill_forwards": d["prefill_forwards"], "prefill_forwards_per_step": d["prefill_forwards"] / steps,
             "decode_ms_per_step": d["decode"] * 1e3 / steps, "prefill_ms_per_step": d["prefill"] * 1e3 / steps,
             "start_ms_per_step": d["start"] * 1e3 / steps, "busy_share": busy / (wall_s * workers)}
 
@@ -158,7 +159,8 @@ async def run(args) -> list[dict]:
     chunk = args.prefill_chunk
     max_seq = -(-(args.context + args.turn + args.gen + 1) // chunk) * chunk
     n_max = max(args.ns)
-    engine_cfg = dict(model=args.model, device=args.device, slots=n_max + 2, max_seq=max_seq, prefill_chunk=chunk)
+    engine_cfg = dict(model=args.model, device=args.device, slots=n_max + 2, max_seq=max_seq, prefill_chunk=chunk,
+                      scheduler={"batch_prefill": not args.no_batch_prefill})
     ocfg = dict(engine=engine_cfg, num_workers=args.workers, call_timeout_s=3600, torch_threads=args.threads)
     if args.replicate_hot is not None:
         ocfg["replicate_hot"] = args.replicate_hot
@@ -210,6 +212,10 @@ async def run(args) -> list[dict]:
     for r in rows:
         r["throughput_vs_n1"] = r["tokens_per_s"] / base
         r["decode_vs_n1"] = r["decode_tokens_per_s"] / dbase
+        # a crowd against one session: its first tokens and the spread of its streams' token gaps
+        r["ttft_p50_vs_n1"] = r["ttft_p50_ms"] / rows[0]["ttft_p50_ms"]
+        r["ttft_p99_vs_n1"] = r["ttft_p99_ms"] / rows[0]["ttft_p50_ms"]
+        r["itl_p99_over_p50"] = r["itl_p99_ms"] / r["itl_p50_ms"]
         r.update({f"loop_{k}": v for k, v in r["loop"].items()})
     if not args.no_hf:
         log("HF transformers per session")
@@ -218,8 +224,9 @@ async def run(args) -> list[dict]:
             r["hf_tokens_per_s"] = args.gen / hf_s
             r["speedup_vs_hf"] = r["tokens_per_s"] / r["hf_tokens_per_s"]
     cols = ["n", "tokens_per_s", "throughput_vs_n1", "decode_tokens_per_s", "decode_vs_n1", "seq_tokens_per_s",
-            "speedup_vs_sequential", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-            "loop_decode_ms_per_step", "loop_prefill_ms_per_step", "loop_busy_share"] + ([] if args.no_hf else ["hf_tokens_per_s", "speedup_vs_hf"])
+            "speedup_vs_sequential", "ttft_p50_ms", "ttft_p99_ms", "ttft_p50_vs_n1", "ttft_p99_vs_n1", "itl_p50_ms",
+            "itl_p99_ms", "itl_p99_over_p50", "loop_prefill_forwards", "loop_decode_ms_per_step",
+            "loop_prefill_ms_per_step", "loop_busy_share"] + ([] if args.no_hf else ["hf_tokens_per_s", "speedup_vs_hf"])
     print_table(rows, cols)
     tag = f"_w{args.workers}" + ("_skew" if args.skew else "") + ("_rep" if args.replicate_hot else "")
     out = Path(args.out or OUT_DIR)
@@ -256,6 +263,8 @@ def parse_args(argv=None):
     ap.add_argument("--check-all", action="store_true",
                     help="check every session against its solo run (default: those run one after another)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-batch-prefill", action="store_true",
+                    help="one forward per session's prefill piece (the way before batched appends: the baseline)")
     ap.add_argument("--quick", action="store_true", help="CPU-sized: N 1 4 16, 512-token contexts, 32 tokens")
     ap.add_argument("--http", action="store_true",
                     help="compare the async API with the HTTP server (openai client) on the same workload")

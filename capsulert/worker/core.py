@@ -319,6 +319,7 @@ class WorkerCore:
         sch = self.scheduler
         return {"worker": self.index, "free_slots": self.engine.free_slots, "slots": self.engine.config.slots,
                 "sessions": sch.session_count, "queued": sch.queued, "decode_steps": sch.steps,
+                "prefill_forwards": sch.prefill_forwards,
                 "decoded_tokens": sch.decoded_tokens, "loop_busy_s": dict(sch.busy_s),
                 "capsules": len(self.engine.store.list()), "store": self.engine.store.stats()}
 
