@@ -16,7 +16,7 @@ def test_incompatible_restore_moves_nothing(make_engine, text, tmp_path, tier, m
     s = maker.open()
     s.append(text[:300])
     with monkeypatch.context() as m:  # a capsule of weights version 1 (this engine runs version 0)
-        m.setattr(maker, "fingerprint", f"{maker.fingerprint}@w1")
+        m.setattr(maker.runner, "fingerprint", f"{maker.fingerprint}@w1")
         s.snapshot("foreign")
     maker.store.save(tmp_path / "saved")
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from capsulert.engine.engine import GRID
+from capsulert.engine.slot_views import grid_views
 from capsulert.capsule_store import CapsuleMeta
 from capsulert.capsule_store.format.meta import meta_from_json, meta_to_json
 from capsulert.errors import IncompatibleCapsuleError, UnsupportedStateModeError
@@ -76,7 +77,7 @@ def test_a_replay_capsule_restores_bitwise_what_the_session_held(make_engine, hi
     info = eng.store.info("r")
     assert info.meta.replay_from == G and info.meta.boundary == P and info.meta.grid_pos == G and ref.boundary == P
     # it holds the state at G only: no KV row past G, no live state, no last hidden state
-    assert ref.nbytes == sum(t.numel() * t.element_size() for t in eng.capsules._grid_views(s.slot, G).values())
+    assert ref.nbytes == sum(t.numel() * t.element_size() for t in grid_views(eng.state, s.slot, G).values())
     r = eng.restore("r")
     assert r.tokens == s.tokens
     assert_same_state(eng, r, want)

@@ -194,7 +194,7 @@ def test_every_graph_shape_runs_on_the_warm_up_inputs(make_engine):
 def test_tail_replay_is_on_by_default_on_the_cpu_and_an_engine_without_it_holds_no_tail_buffers(make_engine):
     from capsulert.engine.graphs import GraphPlans
 
-    assert make_engine(device="cpu").tail_replay
+    assert make_engine(device="cpu").runner.tail_replay
     eng = make_engine(device="cpu", tail_replay=False)
     assert "tail_in" not in eng.state.buffers and "tail_gates" not in eng.state.buffers
     plans = GraphPlans(eng.model, eng.state, eng.runner.scratch_slot, eng.config.max_seq, eng.chunk, (1,), eng.grid)
