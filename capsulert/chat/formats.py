@@ -2,7 +2,10 @@
 
 - tool_choice "required": the reply is one or more tool calls (one when parallel calls are off), each a
   `<tool_call>` block whose JSON body is {"name": one of the tools, "arguments": that tool's parameters
-  schema}; a named function: exactly one call of it. Enforced by the grammar, not hoped for.
+  schema}; a named function: exactly one call of it. Enforced by the grammar, not hoped for. The parameters
+  schema is closed for decoding (chat/schemas.py: an object schema without `additionalProperties` takes no
+  other keys, as OpenAI's strict mode reads it), so a call ends; a schema the grammar engine cannot compile
+  is an InvalidRequestError (HTTP 400).
 - tool_choice "auto": no constraint; the model decides, and its markup is parsed. "none": no constraint
   and no parsing.
 - response_format {"type": "json_object"}: any JSON object; {"type": "json_schema", "json_schema":
@@ -18,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from capsulert.protocol.messages import NamedToolChoice, ToolChoice, ToolSpec
+from capsulert.chat.schemas import closed, moved_under
 from capsulert.chat.tool_calls import CLOSE, OPEN
 from capsulert.errors import InvalidRequestError
 from capsulert.protocol.constraint import Constraint, schema_text
@@ -95,8 +99,11 @@ def tool_constraint(tools: list[ToolSpec] | None, choice: ToolChoice, parallel: 
         tools, parallel = [t for t in tools if t.function.name == choice.function.name], False
     bodies = " | ".join("%json" + schema_text(_call_schema(t)) for t in tools)
     start = 'call ("\\n" call)*' if parallel else "call"
-    return Constraint(grammar=f"start: {start}\ncall: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
-                              f"body: {bodies}\n")
+    try:
+        return Constraint(grammar=f"start: {start}\ncall: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
+                                  f"body: {bodies}\n")
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"tools: a function's parameters schema cannot be used for decoding: {e}") from None
 
 
 def check_tool_choice(tools: list[ToolSpec] | None, choice: ToolChoice) -> None:
@@ -106,8 +113,10 @@ def check_tool_choice(tools: list[ToolSpec] | None, choice: ToolChoice) -> None:
 
 
 def _call_schema(tool: ToolSpec) -> dict:
+    # the parameters become a subschema: their `#/$defs/...` references are rewritten to match
+    arguments = moved_under(closed(tool.function.arguments_schema), "/properties/arguments")
     return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-            "properties": {"name": {"const": tool.function.name}, "arguments": tool.function.arguments_schema}}
+            "properties": {"name": {"const": tool.function.name}, "arguments": arguments}}
 
 
 def _describe(choice: ToolChoice) -> str:

@@ -358,13 +358,13 @@ class Engine:
             raise ForeignSessionError(f"session {session.id} belongs to another engine")
         session.check_open()
 
-    def chat(self, messages, max_new_tokens: int = 256, sampling: SamplingParams | None = None, *,
+    def chat(self, messages, max_tokens: int | None = None, sampling: SamplingParams | dict | None = None, *,
              namespace: str | None = "default", **chat_args):
         """One chat turn on a session of its own (opened, used, closed): Session.chat's arguments and
         ChatReply. With EngineConfig.prefix_cache, the conversation's cached prefix in `namespace` is reused."""
         session = self.open(namespace=namespace)
         try:
-            return session.chat(messages, max_new_tokens, sampling, **chat_args)
+            return session.chat(messages, max_tokens, sampling, **chat_args)
         finally:
             session.close()
 

@@ -69,7 +69,7 @@ def chat_plan(body: ChatCompletionRequest, limits: Limits, tokens: TokenText, ch
                          tool_choice=body.tool_choice or ("auto" if body.tools else "none"),
                          response_format=body.response_format, parallel_tool_calls=body.parallel_tool_calls,
                          structured_outputs=body.structured_outputs, add_generation_prompt=body.add_generation_prompt,
-                         **(body.chat_template_kwargs or {}))
+                         template_vars=body.chat_template_kwargs)
     prompt = chat.encode(turn.prompt)
     limit = body.token_limit
     max_tokens = limits.max_seq if limit is None else limit  # no limit: until EOS or max_seq
