@@ -2,7 +2,7 @@
 
 - tool_choice "required": the reply is one or more tool calls (one when parallel calls are off), each a
   `<tool_call>` block whose JSON body is {"name": one of the tools, "arguments": that tool's parameters
-  schema}; a named function: exactly one call of it. Enforced by the grammar, not hoped for. The parameters
+  schema}, written as the default chat template writes calls back; a named function: exactly one call of it. Enforced by the grammar, not hoped for. The parameters
   schema is closed for decoding (chat/schemas.py: an object schema without `additionalProperties` takes no
   other keys, as OpenAI's strict mode reads it), so a call ends; a schema the grammar engine cannot compile
   is an InvalidRequestError (HTTP 400).
@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from capsulert.protocol.messages import NamedToolChoice, ToolChoice, ToolSpec
-from capsulert.chat.schemas import closed, moved_under
+from capsulert.chat.schemas import closed
 from capsulert.chat.tool_calls import CLOSE, OPEN
 from capsulert.errors import InvalidRequestError
 from capsulert.protocol.constraint import Constraint, schema_text
@@ -97,7 +97,7 @@ def tool_constraint(tools: list[ToolSpec] | None, choice: ToolChoice, parallel: 
     if isinstance(choice, NamedToolChoice):
         check_tool_choice(tools, choice)
         tools, parallel = [t for t in tools if t.function.name == choice.function.name], False
-    bodies = " | ".join("%json" + schema_text(_call_schema(t)) for t in tools)
+    bodies = " | ".join(_call_body(t) for t in tools)
     start = 'call ("\\n" call)*' if parallel else "call"
     try:
         return Constraint(grammar=f"start: {start}\ncall: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
@@ -112,11 +112,12 @@ def check_tool_choice(tools: list[ToolSpec] | None, choice: ToolChoice) -> None:
         raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
 
 
-def _call_schema(tool: ToolSpec) -> dict:
-    # the parameters become a subschema: their `#/$defs/...` references are rewritten to match
-    arguments = moved_under(closed(tool.function.arguments_schema), "/properties/arguments")
-    return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-            "properties": {"name": {"const": tool.function.name}, "arguments": arguments}}
+def _call_body(tool: ToolSpec) -> str:
+    """A call's body as the chat template writes one back (`{"name": "f", "arguments": ARGS}`), ARGS a
+    value of the closed parameters schema (compact JSON): a reply's calls, rendered again in the next turn's
+    prompt, are the very tokens generated, so that turn can continue the state they left."""
+    head = '{"name": ' + json.dumps(tool.function.name) + ', "arguments": '
+    return f"{json.dumps(head)} %json{schema_text(closed(tool.function.arguments_schema))} \"}}\""
 
 
 def _describe(choice: ToolChoice) -> str:

@@ -39,20 +39,6 @@ def closed(schema: Any) -> Any:
     return out
 
 
-def moved_under(schema: Any, pointer: str) -> Any:
-    """`schema` as a subschema at JSON pointer `pointer` of another: its local references (`#/$defs/X`, as
-    pydantic writes them) rewritten to point where their targets now are."""
-    if isinstance(schema, list):
-        return [moved_under(s, pointer) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: moved_under(v, pointer) for k, v in schema.items()}
-    ref = out.get("$ref")
-    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
-        out["$ref"] = "#" + pointer + ref[1:]
-    return out
-
-
 def _is_object(schema: dict) -> bool:
     kind = schema.get("type")
     return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema

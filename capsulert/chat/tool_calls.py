@@ -2,7 +2,8 @@
 (ToolCallStream).
 
 A call is a `<tool_call>...</tool_call>` block whose body is either
-- JSON, `{"name": ..., "arguments": {...}}` (Qwen3's and capsulert's default template), or
+- JSON, `{"name": ..., "arguments": {...}}` (Qwen3's and capsulert's default template; written as the
+  default template writes it, the arguments' text is kept as written, else re-serialized), or
 - XML, `<function=NAME><parameter=P>VALUE</parameter>...</function>` (Qwen3-Coder's and Qwen3.5's),
   each VALUE read as JSON when it parses as JSON (a number, a bool, an object) and as text otherwise.
 A block that is neither stays in the content, as written. The content is the text outside the calls.
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+# a JSON body as the default template writes it: the arguments object's text is kept as it is
+_RAW_ARGUMENTS = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": (\{.*\})\}', re.S)
 
 
 @dataclass(frozen=True)
@@ -51,12 +54,22 @@ def parse_call(body: str) -> ToolCall | None:
                 return None
         if not isinstance(args, dict):
             return None
+        raw = _RAW_ARGUMENTS.fullmatch(body)
+        if raw is not None and raw.group(1) == json.dumps(value["name"]) and _is_object_text(raw.group(2)):
+            return ToolCall(value["name"], raw.group(2))  # as written: rendered back, the very same tokens
         return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
     match = _FUNCTION.fullmatch(body)
     if match is None:
         return None
     args = {name.strip(): _value(raw) for name, raw in _PARAMETER.findall(match.group(2))}
     return ToolCall(match.group(1).strip(), json.dumps(args, ensure_ascii=False))
+
+
+def _is_object_text(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _value(raw: str):

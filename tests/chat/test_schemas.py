@@ -1,7 +1,7 @@
 """Tool parameter schemas closed for decoding (capsulert/chat/schemas.py)."""
 from __future__ import annotations
 
-from capsulert.chat.schemas import closed, moved_under
+from capsulert.chat.schemas import closed
 
 OPEN = {"type": "object", "required": ["city"], "properties": {
     "city": {"type": "string"},
@@ -25,9 +25,3 @@ def test_every_object_that_says_nothing_is_closed():
     assert props["city"] == {"type": "string"} and props["unit"]["anyOf"][1] == {"type": "null"}
     assert "additionalProperties" not in OPEN  # the argument is not changed
 
-
-def test_local_references_follow_the_schema_moved_under_another():
-    moved = moved_under(closed(OPEN), "/properties/arguments")
-    assert moved["properties"]["unit"]["anyOf"][0] == {"$ref": "#/properties/arguments/$defs/Unit"}
-    assert moved_under({"$ref": "#"}, "/a") == {"$ref": "#/a"}
-    assert moved_under({"$ref": "https://x.org/s.json#/y"}, "/a") == {"$ref": "https://x.org/s.json#/y"}

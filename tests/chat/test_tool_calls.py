@@ -89,3 +89,10 @@ def test_a_stream_cut_off_drops_the_same_fragment(step):
         content = "".join(p for p in pieces if isinstance(p, str))
         assert "<" not in content and stream.dropped
         assert _calls([p for p in pieces if isinstance(p, ToolCall)]) == _calls(split_reply(text, cut=True)[1])
+
+
+def test_arguments_written_as_the_template_writes_them_are_kept_as_written():
+    _, calls = parse_reply('<tool_call>\n{"name": "f", "arguments": {"a":1,"b":"}"}}\n</tool_call>')
+    assert calls[0].arguments == '{"a":1,"b":"}"}'  # rendered back by the template: the same text
+    _, calls = parse_reply('<tool_call>\n{"name":"f","arguments":{"a":1}}\n</tool_call>')
+    assert calls[0].arguments == '{"a": 1}'  # another layout: re-serialized
