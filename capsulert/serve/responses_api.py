@@ -103,7 +103,8 @@ def response_plan(body: ResponsesRequest, limits: Limits, tokens: "TokenText", c
             and rendered[:len(previous.tokens)] == previous.tokens:
         capsule, prompt = previous.capsule, rendered[len(previous.tokens):]
     sampling = dict(temperature=1.0 if body.temperature is None else body.temperature,
-                    top_p=1.0 if body.top_p is None else body.top_p, constraint=turn.sampling.constraint)
+                    top_p=1.0 if body.top_p is None else body.top_p, stop=body.stops,
+                    constraint=turn.sampling.constraint)
     plan = Plan.of((prompt,), 1, limits.token_limit(body.max_output_tokens), sampling, body.seed, capsule=capsule,
                    snapshot_as=CAPSULE_PREFIX + response_id if body.store else None, parse_tools=turn.parse_tools)
     return ResponsePlan(plan, rendered, items, turn.parse_tools)

@@ -7,16 +7,16 @@ model made: call_id, name, arguments) and `function_call_output` items (its resu
 accepted and left out (the template is given no reasoning). `instructions` become the first, system message.
 Tools are function tools ({"type": "function", "name", "parameters", ...}); `tool_choice` is "auto", "none",
 "required" or {"type": "function", "name"}; `text.format` is text, json_object or json_schema, as
-response_format is for chat completions. Fields the API has that capsulert does not use (`metadata`,
+response_format is for chat completions. Extensions (as chat completions take them): `seed`, `stop`. Fields the API has that capsulert does not use (`metadata`,
 `include`, `truncation`, `reasoning`, `user`, ...) are accepted and ignored, as chat completions' are.
 """
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from capsulert.serve.protocol import warn_unknown_fields
+from capsulert.serve.protocol import MAX_STOPS, warn_unknown_fields
 
 _EXTRA = ConfigDict(extra="allow", strict=True, frozen=True)
 
@@ -121,7 +121,9 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None  # an extension, as chat completions take it
+    # extensions, as chat completions take them
+    seed: int | None = None
+    stop: str | list[str] | None = None
     stream: bool = False
     store: bool = True
     text: TextOptions | None = None
@@ -134,6 +136,18 @@ class ResponsesRequest(BaseModel):
         if self.model_extra:
             warn_unknown_fields(self.model_extra)
         return self
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise ValueError(f"stop takes at most {MAX_STOPS} non-empty strings")
+        return v
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     @property
     def items(self) -> list[InputItem]:
@@ -152,7 +166,12 @@ class ResponsesRequest(BaseModel):
 
     @property
     def response_format(self) -> dict | None:
-        return None if self.text is None or self.text.format is None else self.text.format.as_response_format()
+        """text.format as a chat response_format; none where tool_choice forces a call: the reply is calls,
+        no text to format (an agent with an output type sends both on its tool turns)."""
+        if self.text is None or self.text.format is None or self.tool_choice in ("required",) \
+                or isinstance(self.tool_choice, NamedFunction):
+            return None
+        return self.text.format.as_response_format()
 
 
 def chat_messages(items: list[InputItem]) -> list[dict]:
