@@ -239,6 +239,8 @@ class Engine:
             raise ConfigError(f"invalid engine config: {e.error_count()} error(s): "
                               + "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
         device = config.torch_device()
+        if device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         dtype = config.torch_dtype(device)
         if config.model.startswith(RANDOM_PREFIX):
             return cls._random(config, device, dtype)

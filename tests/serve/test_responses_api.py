@@ -114,3 +114,8 @@ def test_unknown_or_foreign_previous_responses_are_404(acme, globex):
             client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, previous_response_id=rid)
     with pytest.raises(openai.BadRequestError):
         acme.responses.create(model=MODEL, input=[], max_output_tokens=2)
+
+
+def test_seed_minus_one_is_no_seed(acme):  # as vLLM reads it
+    r = acme.chat.completions.create(model=MODEL, messages=_messages("Hi"), max_tokens=3, seed=-1)
+    assert r.usage.completion_tokens > 0
