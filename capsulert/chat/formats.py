@@ -2,8 +2,8 @@
 
 - tool_choice "required": the reply is one or more tool calls (one when parallel calls are off), each a
   `<tool_call>` block whose JSON body is {"name": one of the tools, "arguments": that tool's parameters
-  schema}, written as the default chat template writes calls back; a named function: exactly one call of it. Enforced by the grammar, not hoped for. The parameters
-  schema is closed for decoding (chat/schemas.py: an object schema without `additionalProperties` takes no
+  schema}, written as the default chat template writes calls back; a named function: exactly one call of
+  it. Enforced by the grammar, not hoped for. The parameters schema is closed for decoding (chat/schemas.py: an object schema without `additionalProperties` takes no
   other keys, as OpenAI's strict mode reads it), so a call ends; a schema the grammar engine cannot compile
   is an InvalidRequestError (HTTP 400).
 - tool_choice "auto": no constraint; the model decides, and its markup is parsed. "none": no constraint
@@ -99,9 +99,9 @@ def tool_constraint(tools: list[ToolSpec] | None, choice: ToolChoice, parallel: 
         tools, parallel = [t for t in tools if t.function.name == choice.function.name], False
     bodies = " | ".join(_call_body(t) for t in tools)
     start = 'call ("\\n" call)*' if parallel else "call"
+    call = f"{json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}"
     try:
-        return Constraint(grammar=f"start: {start}\ncall: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
-                                  f"body: {bodies}\n")
+        return Constraint(grammar=f"start: {start}\ncall: {call}\nbody: {bodies}\n")
     except InvalidRequestError as e:
         raise InvalidRequestError(f"tools: a function's parameters schema cannot be used for decoding: {e}") from None
 

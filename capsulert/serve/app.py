@@ -33,7 +33,8 @@ from capsulert.errors import CapsuleRTError, DuplicateCapsuleError, QueueFullErr
 from capsulert.chat.prompt import ChatRenderer
 from capsulert.serve.generation import RESERVED_PREFIX, Plan, Run
 from capsulert.serve.lane import GenerationLane, GenerationRoute
-from capsulert.serve.http_errors import INVALID, MODEL_NOT_FOUND, ApiError, ErrorKind, describe, error_body, retry_headers
+from capsulert.serve.http_errors import (INVALID, MODEL_NOT_FOUND, ApiError, ErrorKind, describe, error_body,
+                                         retry_headers)
 from capsulert.serve.metrics import CONTENT_TYPE, CountRequests, ServerMetrics, request_namespace, stream_failed
 from capsulert.serve.plans import Limits, chat_logprobs, chat_plan, completion_logprobs, completion_plan, model_card
 from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -174,8 +175,8 @@ async def _check_new_name(ns: "Namespace", name: str) -> None:
                                     "delete it first or choose another name")
 
 
-async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, shape: Shape, stream: bool,
-                   include_usage: bool, t0: float) -> Response:
+async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, shape: Shape | ResponseShape,
+                   stream: bool, include_usage: bool, t0: float) -> Response:
     if stream:
         events = _events(state, route, ns, plan, shape, include_usage, t0)
         # run the stream up to its first byte here (every choice's first token): a refusal until then (no
@@ -201,8 +202,8 @@ async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, 
     return JSONResponse(shape.body(choices, usage, capsule))
 
 
-async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, shape: Shape, include_usage: bool,
-                  t0: float) -> AsyncIterator[bytes]:
+async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, shape: Shape | ResponseShape,
+                  include_usage: bool, t0: float) -> AsyncIterator[bytes]:
     """A streamed response. Its first item is b"" once the sessions are ready (the route takes it)."""
     run = Run(ns, plan, state.metrics)
     finals, entered, started = [], False, False

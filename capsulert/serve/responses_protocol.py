@@ -7,8 +7,9 @@ model made: call_id, name, arguments) and `function_call_output` items (its resu
 accepted and left out (the template is given no reasoning). `instructions` become the first, system message.
 Tools are function tools ({"type": "function", "name", "parameters", ...}); `tool_choice` is "auto", "none",
 "required" or {"type": "function", "name"}; `text.format` is text, json_object or json_schema, as
-response_format is for chat completions. Extensions (as chat completions take them): `seed`, `stop`. Fields the API has that capsulert does not use (`metadata`,
-`include`, `truncation`, `reasoning`, `user`, ...) are accepted and ignored, as chat completions' are.
+response_format is for chat completions. Extensions (as chat completions take them): `seed`, `stop`. Fields
+the API has that capsulert does not use (`metadata`, `include`, `truncation`, `reasoning`, `user`, ...) are
+accepted and ignored, as chat completions' are.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class MessageItem(BaseModel):
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return _joined(self.content)
 
 
 class FunctionCallItem(BaseModel):
@@ -54,7 +55,11 @@ class FunctionCallOutputItem(BaseModel):
 
     @property
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return _joined(self.output)
+
+
+def _joined(content: str | list[TextContent]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
 class ReasoningItem(BaseModel):
