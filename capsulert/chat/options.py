@@ -25,7 +25,7 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "logprobs", "top_log
 
 class ChatOptions(BaseModel):
     """The OpenAI arguments of one Python chat turn (besides messages, tools and the formats)."""
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     max_tokens: StrictInt | None = Field(None, ge=0)
     temperature: float | None = None
     top_p: float | None = None

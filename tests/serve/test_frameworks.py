@@ -5,7 +5,8 @@ openai-agents (on the Responses and the chat completions models), LangChain's Ch
 and use_responses_api) and pydantic-ai. The frameworks send no max_tokens: the server's --max-tokens bounds
 every reply. Tool parameters and output fields are bounded, as the model's free strings never end; forced
 tool turns make one call (parallel_tool_calls off), else the noise model calls on until max_tokens.
-Agent prompts (tool schemas, instructions) are longer than the other modules' max_seq: this server has more."""
+Agent prompts (tool schemas, instructions) are longer than the other modules' max_seq: this server (shared
+with test_responses_api.py) has more."""
 from __future__ import annotations
 
 from typing import Annotated
@@ -14,9 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.serve.conftest import KEYS, MODEL, running_server
-
-MAX_TOKENS = 160
+from tests.serve.conftest import KEYS, MODEL
 
 
 class City(BaseModel):
@@ -27,10 +26,8 @@ class City(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
-    with running_server(default_model_dir, tmp_path_factory.mktemp("serve"), "--max-tokens", str(MAX_TOKENS),
-                        "--max-seq", "2048") as srv:
-        yield srv
+def server(agent_server):  # --max-tokens bounds the frameworks' replies; their prompts need a longer max_seq
+    return agent_server
 
 
 @pytest.fixture

@@ -9,18 +9,17 @@ import openai
 import pytest
 
 from capsulert.protocol.conversation import ChatPrompt
-from tests.serve.conftest import MODEL, running_server
+from tests.serve.conftest import AGENT_MAX_SEQ, AGENT_MAX_TOKENS, MODEL
 
-MAX_TOKENS = 64
+MAX_TOKENS = AGENT_MAX_TOKENS
 INSTRUCTIONS = "You answer briefly."
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather of a city",
            "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"enum": ["Oslo", "Lima"]}}}}
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
-    with running_server(default_model_dir, tmp_path_factory.mktemp("serve"), "--max-tokens", str(MAX_TOKENS)) as srv:
-        yield srv
+def server(agent_server):  # --max-tokens 160 (shared with test_frameworks.py)
+    return agent_server
 
 
 def _messages(*turns: str) -> list[dict]:
@@ -29,7 +28,7 @@ def _messages(*turns: str) -> list[dict]:
 
 def test_models_list_the_bounds_and_answer_by_id(server):
     card = server.http("GET", "/v1/models").json()["data"][0]
-    assert card["id"] == MODEL and card["max_tokens"] == MAX_TOKENS and card["max_model_len"] == 512
+    assert card["id"] == MODEL and card["max_tokens"] == MAX_TOKENS and card["max_model_len"] == AGENT_MAX_SEQ
     assert server.http("GET", f"/v1/models/{MODEL}").json() == card
     missing = server.http("GET", "/v1/models/gpt-9")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
@@ -39,7 +38,7 @@ def test_max_tokens_is_the_default_and_the_cap(server, acme):
     r = acme.chat.completions.create(model=MODEL, messages=_messages("Hi"), temperature=0,
                                      extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == MAX_TOKENS and r.choices[0].finish_reason == "length"
-    with pytest.raises(openai.BadRequestError, match="limit of 64"):
+    with pytest.raises(openai.BadRequestError, match=f"limit of {MAX_TOKENS}"):
         acme.chat.completions.create(model=MODEL, messages=_messages("Hi"), max_tokens=MAX_TOKENS + 1)
 
 
