@@ -88,8 +88,10 @@ def format_constraint(response_format: Any = None, structured: Any = None) -> Co
     return Constraint(grammar="start: " + " | ".join(json.dumps(c) for c in ext.choice))
 
 
-def tool_constraint(tools: list[ToolSpec] | None, choice: ToolChoice, parallel: bool = True) -> Constraint | None:
-    """The grammar tool_choice "required" or a named function imposes; None for "auto" and "none"."""
+def tool_constraint(tools: list[ToolSpec] | None, choice: ToolChoice, parallel: bool = True,
+                    call_format: str = "json") -> Constraint | None:
+    """The grammar tool_choice "required" or a named function imposes; None for "auto" and "none". Calls
+    are written in the checkpoint template's `call_format` (ChatTemplate.call_format)."""
     if choice in ("auto", "none"):
         return None
     if not tools:
@@ -97,7 +99,7 @@ def tool_constraint(tools: list[ToolSpec] | None, choice: ToolChoice, parallel: 
     if isinstance(choice, NamedToolChoice):
         check_tool_choice(tools, choice)
         tools, parallel = [t for t in tools if t.function.name == choice.function.name], False
-    bodies = " | ".join(_call_body(t) for t in tools)
+    bodies = " | ".join((_xml_call_body if call_format == "xml" else _call_body)(t) for t in tools)
     start = 'call ("\\n" call)*' if parallel else "call"
     call = f"{json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}"
     try:
@@ -118,6 +120,30 @@ def _call_body(tool: ToolSpec) -> str:
     prompt, are the very tokens generated, so that turn can continue the state they left."""
     head = '{"name": ' + json.dumps(tool.function.name) + ', "arguments": '
     return f"{json.dumps(head)} %json{schema_text(closed(tool.function.arguments_schema))} \"}}\""
+
+
+def _xml_call_body(tool: ToolSpec) -> str:
+    """A call's body as Qwen3.5's (and Qwen3-Coder's) template writes one back: `<function=NAME>` then a
+    `<parameter=P>` block per argument, in the schema's order (the required ones always, the others
+    optional), its value the text of a string (one line, no `<` in it) and compact JSON of anything else."""
+    schema = closed(tool.function.arguments_schema)
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # what `$ref`s in a value point at
+    required = set(schema.get("required", ()))
+    parts, end = [], json.dumps("\n</parameter>\n")
+    for name, sub in (schema.get("properties") or {}).items():
+        block = " ".join((json.dumps("<parameter=" + name + ">\n"), _xml_value(sub, defs), end))
+        parts.append(block if name in required else f"({block})?")
+    head = json.dumps(f"<function={tool.function.name}>\n")
+    return f"{head} {' '.join(parts)} \"</function>\""
+
+
+def _xml_value(sub: dict, defs: dict) -> str:
+    if isinstance(sub.get("enum"), list) and sub["enum"] and all(isinstance(v, str) for v in sub["enum"]):
+        return "(" + " | ".join(json.dumps(v) for v in sub["enum"]) + ")"
+    if sub.get("type") == "string" and not ({"pattern", "format", "const", "enum"} & set(sub)):
+        low, high = sub.get("minLength", 0), sub.get("maxLength")
+        return f"/[^<\\n]{{{low},{'' if high is None else high}}}/"
+    return "%json" + schema_text({**sub, **defs})
 
 
 def _describe(choice: ToolChoice) -> str:

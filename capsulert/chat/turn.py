@@ -70,18 +70,20 @@ class ChatTurn:
     @classmethod
     def plan(cls, messages, sampling: Any = None, *, tools=None, tool_choice: Any = "auto",
              response_format: Any = None, parallel_tool_calls: bool = True, structured_outputs: Any = None,
-             add_generation_prompt: bool = True, template_vars: dict | None = None, **options) -> "ChatTurn":
+             add_generation_prompt: bool = True, template_vars: dict | None = None, call_format: str = "json",
+             **options) -> "ChatTurn":
         """Check a turn's arguments and decide its constraint: tool_choice "required" or a named function
         (a grammar of tool calls), or response_format / structured_outputs (a JSON schema, any JSON
         object, a regex, a grammar); not both. `sampling` (SamplingParams or a dict of its fields) or the
         OpenAI arguments in `options` (max_tokens, temperature, top_p, n, stop, seed, logprobs,
         top_logprobs: chat/options.py) say how to draw; `template_vars` are the chat template's own
-        variables. InvalidRequestError names what is wrong, an unknown argument included."""
+        variables; `call_format` is the markup a forced call is written in (the template's: ChatRenderer.
+        call_format). InvalidRequestError names what is wrong, an unknown argument included."""
         opts = ChatOptions.of(sampling=sampling, **options)
         specs = tools_arg(tools)
         choice = tool_choice_arg(tool_choice)
         check_tool_choice(specs, choice)
-        from_tools = tool_constraint(specs, choice, parallel_tool_calls)
+        from_tools = tool_constraint(specs, choice, parallel_tool_calls, call_format)
         from_format = format_constraint(response_format, structured_outputs)
         if from_tools is not None and from_format is not None:
             raise InvalidRequestError("tool_choice 'required' or a named function cannot be combined with a "

@@ -104,7 +104,8 @@ class Session:
         (capsulert/chat/formats.py)."""
         from capsulert.chat.turn import ChatTurn
 
-        turn = ChatTurn.plan(messages, sampling, max_tokens=max_tokens, **options)
+        turn = ChatTurn.plan(messages, sampling, max_tokens=max_tokens, call_format=self.engine.codec.chat.call_format,
+                             **options)
         self.append(turn.prompt)
         return turn.reply(self.generate(turn.max_tokens, turn.sampling))
 

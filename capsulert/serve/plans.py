@@ -86,7 +86,7 @@ def chat_plan(body: ChatCompletionRequest, limits: Limits, tokens: TokenText, ch
                          tool_choice=body.tool_choice or ("auto" if body.tools else "none"),
                          response_format=body.response_format, parallel_tool_calls=body.parallel_tool_calls,
                          structured_outputs=body.structured_outputs, add_generation_prompt=body.add_generation_prompt,
-                         template_vars=body.chat_template_kwargs)
+                         template_vars=body.chat_template_kwargs, call_format=chat.call_format)
     prompt = chat.encode(turn.prompt)
     max_tokens = limits.token_limit(body.token_limit)
     return _plan(body, [prompt], max_tokens, (body.top_logprobs or 0) if body.logprobs else 0,

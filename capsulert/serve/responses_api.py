@@ -96,7 +96,8 @@ def response_plan(body: ResponsesRequest, limits: Limits, tokens: "TokenText", c
     if not messages:
         raise InvalidRequestError("input: no message to answer (only reasoning items)")
     turn = ChatTurn.plan(messages, tools=body.chat_tools, tool_choice=body.chat_tool_choice,
-                         response_format=body.response_format, parallel_tool_calls=body.parallel_tool_calls)
+                         response_format=body.response_format, parallel_tool_calls=body.parallel_tool_calls,
+                         call_format=chat.call_format)
     rendered = tuple(chat.encode(turn.prompt))
     capsule, prompt = None, rendered
     if use_capsule and previous is not None and len(rendered) > len(previous.tokens) \

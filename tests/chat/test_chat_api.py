@@ -204,3 +204,44 @@ def test_arguments_it_cannot_honour_are_refused_by_name(eng, args, match):
     with pytest.raises(InvalidRequestError, match=match):
         eng.chat(CHAT, **args)
     assert eng.free_slots == free
+
+
+# a checkpoint template that writes calls as Qwen3.5's and Qwen3-Coder's do (`<function=...><parameter=...>`)
+XML_TEMPLATE = """{%- for message in messages %}
+{{- '<|' + message['role'] + '|>\\n' + (message['content'] or '') }}
+{%- for call in message.get('tool_calls') or [] %}
+{%- set call = call['function'] %}
+{{- '<tool_call>\\n<function=' + call['name'] + '>\\n' }}
+{%- for name, value in call['arguments'] | items %}
+{{- '<parameter=' + name + '>\\n' + (value if value is string else value | tojson) + '\\n</parameter>\\n' }}
+{%- endfor %}
+{{- '</function>\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|endoftext|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def xml_eng(default_model_dir, tmp_path_factory):
+    from capsulert.engine.engine import Engine
+
+    model = tmp_path_factory.mktemp("xml-model")
+    for f in default_model_dir.iterdir():
+        (model / f.name).symlink_to(f)
+    (model / "chat_template.jinja").write_text(XML_TEMPLATE, encoding="utf-8")
+    e = Engine.from_config(dict(model=str(model), device="cpu", slots=2, max_seq=1024, prefill_chunk=128))
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "plan"}}])
+def test_a_template_that_writes_xml_calls_gets_xml_calls(xml_eng, choice):
+    assert xml_eng.codec.chat.call_format == "xml"
+    tool = {"type": "function", "function": {"name": "plan", "parameters": _Trip.model_json_schema()}}
+    reply = xml_eng.chat(CHAT, 200, tools=[WEATHER, tool] if choice == "required" else [tool], tool_choice=choice,
+                         parallel_tool_calls=False)
+    assert reply.result.text.startswith("<tool_call>\n<function=") and reply.finish_reason == "tool_calls"
+    call, = reply.tool_calls
+    schema = (WEATHER["function"] if call.name == "get_weather" else tool["function"])["parameters"]
+    jsonschema.validate(json.loads(call.arguments), schema)
