@@ -137,6 +137,9 @@ def _add_serve(sub) -> None:
                     help="generation requests in flight, running or queued for sessions; more are refused with 429 "
                          "and Retry-After (default: %(default)s)")
     sv.add_argument("--max-n", type=int, help="largest n per request (default: --slots)")
+    sv.add_argument("--max-tokens", type=int,
+                    help="tokens a reply may generate: the default of a chat request that gives none, and the most "
+                         "any request may ask for (default: 1024); a reply also ends where it reaches --max-seq")
     sv.add_argument("--torch-threads", type=int, help="torch threads per worker")
     sv.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     sv.add_argument("--ray-metrics-port", type=int,
@@ -172,7 +175,8 @@ def _serve(args: argparse.Namespace) -> int:
     opts = ServerOptions.build(
         orchestrator=orchestrator, served_model_name=args.served_model_name, host=args.host, port=args.port,
         keys_file=args.keys, max_n=args.max_n, ray_metrics_port=args.ray_metrics_port, log_level=args.log_level,
-        access_log=args.access_log, direct_ingress=not args.serve_proxy)
+        access_log=args.access_log, direct_ingress=not args.serve_proxy,
+        **({} if args.max_tokens is None else {"max_tokens": args.max_tokens}))
     return serve_forever(opts)
 
 

@@ -2,7 +2,10 @@
 
 - tool_choice "required": the reply is one or more tool calls (one when parallel calls are off), each a
   `<tool_call>` block whose JSON body is {"name": one of the tools, "arguments": that tool's parameters
-  schema}; a named function: exactly one call of it. Enforced by the grammar, not hoped for.
+  schema}, written as the default chat template writes calls back; a named function: exactly one call of
+  it. Enforced by the grammar, not hoped for. The parameters schema is closed for decoding (chat/schemas.py: an object schema without `additionalProperties` takes no
+  other keys, as OpenAI's strict mode reads it), so a call ends; a schema the grammar engine cannot compile
+  is an InvalidRequestError (HTTP 400).
 - tool_choice "auto": no constraint; the model decides, and its markup is parsed. "none": no constraint
   and no parsing.
 - response_format {"type": "json_object"}: any JSON object; {"type": "json_schema", "json_schema":
@@ -18,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from capsulert.protocol.messages import NamedToolChoice, ToolChoice, ToolSpec
+from capsulert.chat.schemas import closed
 from capsulert.chat.tool_calls import CLOSE, OPEN
 from capsulert.errors import InvalidRequestError
 from capsulert.protocol.constraint import Constraint, schema_text
@@ -84,8 +88,10 @@ def format_constraint(response_format: Any = None, structured: Any = None) -> Co
     return Constraint(grammar="start: " + " | ".join(json.dumps(c) for c in ext.choice))
 
 
-def tool_constraint(tools: list[ToolSpec] | None, choice: ToolChoice, parallel: bool = True) -> Constraint | None:
-    """The grammar tool_choice "required" or a named function imposes; None for "auto" and "none"."""
+def tool_constraint(tools: list[ToolSpec] | None, choice: ToolChoice, parallel: bool = True,
+                    call_format: str = "json") -> Constraint | None:
+    """The grammar tool_choice "required" or a named function imposes; None for "auto" and "none". Calls
+    are written in the checkpoint template's `call_format` (ChatTemplate.call_format)."""
     if choice in ("auto", "none"):
         return None
     if not tools:
@@ -93,10 +99,13 @@ def tool_constraint(tools: list[ToolSpec] | None, choice: ToolChoice, parallel: 
     if isinstance(choice, NamedToolChoice):
         check_tool_choice(tools, choice)
         tools, parallel = [t for t in tools if t.function.name == choice.function.name], False
-    bodies = " | ".join("%json" + schema_text(_call_schema(t)) for t in tools)
+    bodies = " | ".join((_xml_call_body if call_format == "xml" else _call_body)(t) for t in tools)
     start = 'call ("\\n" call)*' if parallel else "call"
-    return Constraint(grammar=f"start: {start}\ncall: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
-                              f"body: {bodies}\n")
+    call = f"{json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}"
+    try:
+        return Constraint(grammar=f"start: {start}\ncall: {call}\nbody: {bodies}\n")
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"tools: a function's parameters schema cannot be used for decoding: {e}") from None
 
 
 def check_tool_choice(tools: list[ToolSpec] | None, choice: ToolChoice) -> None:
@@ -105,9 +114,36 @@ def check_tool_choice(tools: list[ToolSpec] | None, choice: ToolChoice) -> None:
         raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
 
 
-def _call_schema(tool: ToolSpec) -> dict:
-    return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-            "properties": {"name": {"const": tool.function.name}, "arguments": tool.function.arguments_schema}}
+def _call_body(tool: ToolSpec) -> str:
+    """A call's body as the chat template writes one back (`{"name": "f", "arguments": ARGS}`), ARGS a
+    value of the closed parameters schema (compact JSON): a reply's calls, rendered again in the next turn's
+    prompt, are the very tokens generated, so that turn can continue the state they left."""
+    head = '{"name": ' + json.dumps(tool.function.name) + ', "arguments": '
+    return f"{json.dumps(head)} %json{schema_text(closed(tool.function.arguments_schema))} \"}}\""
+
+
+def _xml_call_body(tool: ToolSpec) -> str:
+    """A call's body as Qwen3.5's (and Qwen3-Coder's) template writes one back: `<function=NAME>` then a
+    `<parameter=P>` block per argument, in the schema's order (the required ones always, the others
+    optional), its value the text of a string (one line, no `<` in it) and compact JSON of anything else."""
+    schema = closed(tool.function.arguments_schema)
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # what `$ref`s in a value point at
+    required = set(schema.get("required", ()))
+    parts, end = [], json.dumps("\n</parameter>\n")
+    for name, sub in (schema.get("properties") or {}).items():
+        block = " ".join((json.dumps("<parameter=" + name + ">\n"), _xml_value(sub, defs), end))
+        parts.append(block if name in required else f"({block})?")
+    head = json.dumps(f"<function={tool.function.name}>\n")
+    return f"{head} {' '.join(parts)} \"</function>\""
+
+
+def _xml_value(sub: dict, defs: dict) -> str:
+    if isinstance(sub.get("enum"), list) and sub["enum"] and all(isinstance(v, str) for v in sub["enum"]):
+        return "(" + " | ".join(json.dumps(v) for v in sub["enum"]) + ")"
+    if sub.get("type") == "string" and not ({"pattern", "format", "const", "enum"} & set(sub)):
+        low, high = sub.get("minLength", 0), sub.get("maxLength")
+        return f"/[^<\\n]{{{low},{'' if high is None else high}}}/"
+    return "%json" + schema_text({**sub, **defs})
 
 
 def _describe(choice: ToolChoice) -> str:

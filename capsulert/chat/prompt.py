@@ -26,6 +26,11 @@ class ChatRenderer:
             self._template = ChatTemplate.for_model(self.model_dir, self.eos_token)
         return self._template
 
+    @property
+    def call_format(self) -> str:
+        """The tool-call markup the template writes: "xml" or "json" (ChatTemplate.call_format)."""
+        return self.template.call_format
+
     def text(self, prompt: ChatPrompt) -> str:
         variables = dict(prompt.template_kwargs)
         if prompt.tools is not None:

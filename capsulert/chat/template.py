@@ -86,6 +86,12 @@ class ChatTemplate:
             raise InvalidRequestError(f"the chat template of {self.origin} does not compile: {e}") from None
         object.__setattr__(self, "compiled", compiled)  # frozen: compiled once, here
 
+    @property
+    def call_format(self) -> str:
+        """How the template writes an assistant's tool calls back: "xml" (`<function=NAME><parameter=P>`,
+        Qwen3.5's and Qwen3-Coder's) or "json" (`{"name": ..., "arguments": ...}`, Qwen3's and the default)."""
+        return "xml" if "<function=" in self.source else "json"
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **variables: Any) -> str:
         """The prompt text of a conversation; a template that refuses it (raise_exception, a missing
         variable it requires) is an InvalidRequestError carrying the template's message."""

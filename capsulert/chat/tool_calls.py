@@ -2,10 +2,14 @@
 (ToolCallStream).
 
 A call is a `<tool_call>...</tool_call>` block whose body is either
-- JSON, `{"name": ..., "arguments": {...}}` (Qwen3's and capsulert's default template), or
+- JSON, `{"name": ..., "arguments": {...}}` (Qwen3's and capsulert's default template; written as the
+  default template writes it, the arguments' text is kept as written, else re-serialized), or
 - XML, `<function=NAME><parameter=P>VALUE</parameter>...</function>` (Qwen3-Coder's and Qwen3.5's),
   each VALUE read as JSON when it parses as JSON (a number, a bool, an object) and as text otherwise.
 A block that is neither stays in the content, as written. The content is the text outside the calls.
+
+A call is complete or absent: a reply cut off (by max_tokens or max_seq) inside a `<tool_call>` block, or
+inside the marker itself, drops that fragment (`cut=True`); it is neither a call nor content.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from dataclasses import dataclass, field
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+# a JSON body as the default template writes it: the arguments object's text is kept as it is
+_RAW_ARGUMENTS = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": (\{.*\})\}', re.S)
 
 
 @dataclass(frozen=True)
@@ -48,12 +54,22 @@ def parse_call(body: str) -> ToolCall | None:
                 return None
         if not isinstance(args, dict):
             return None
+        raw = _RAW_ARGUMENTS.fullmatch(body)
+        if raw is not None and raw.group(1) == json.dumps(value["name"]) and _is_object_text(raw.group(2)):
+            return ToolCall(value["name"], raw.group(2))  # as written: rendered back, the very same tokens
         return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
     match = _FUNCTION.fullmatch(body)
     if match is None:
         return None
     args = {name.strip(): _value(raw) for name, raw in _PARAMETER.findall(match.group(2))}
     return ToolCall(match.group(1).strip(), json.dumps(args, ensure_ascii=False))
+
+
+def _is_object_text(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _value(raw: str):
@@ -64,28 +80,36 @@ def _value(raw: str):
         return text
 
 
-def parse_reply(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_reply(text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole reply: the content is the text outside the parsed calls, stripped
-    (None when the reply is only calls); no calls: the text as it is."""
+    (None when the reply is only calls); no calls: the text as it is (less a fragment of a call it was
+    cut in, when `cut`)."""
+    content, calls, _ = split_reply(text, cut)
+    return content, calls
+
+
+def split_reply(text: str, cut: bool = False) -> tuple[str | None, list[ToolCall], bool]:
+    """parse_reply's (content, calls), and whether a fragment of a call was dropped (`cut` only)."""
     stream = ToolCallStream()
-    pieces = stream.push(text) + stream.finish()
+    pieces = stream.push(text) + stream.finish(cut)
     calls = [p for p in pieces if isinstance(p, ToolCall)]
+    content = "".join(p for p in pieces if isinstance(p, str))
     if not calls:
-        return text, []
-    content = "".join(p for p in pieces if isinstance(p, str)).strip()
-    return content or None, calls
+        return content, [], stream.dropped
+    return content.strip() or None, calls, stream.dropped
 
 
 class ToolCallStream:
     """Tool calls found in a reply as its text arrives. `push(delta)` returns what can be said now, in
     order: content text (str) and complete calls (ToolCall). Text that may be the start of `<tool_call>`
     is held back until the next delta decides; a call is returned once its block closes; `finish()`
-    releases the rest (an unclosed block is content)."""
+    releases the rest (an unclosed block is content), or drops it when the reply was cut there."""
 
     def __init__(self):
         self._buf = ""
         self._in_call = False
         self.calls = 0
+        self.dropped = False  # finish(cut=True) dropped a fragment of a call
 
     def push(self, delta: str) -> list[str | ToolCall]:
         self._buf += delta
@@ -113,8 +137,13 @@ class ToolCallStream:
                 self.calls += 1
                 out.append(call)
 
-    def finish(self) -> list[str | ToolCall]:
+    def finish(self, cut: bool = False) -> list[str | ToolCall]:
+        """The text held back. `cut`: the reply ended at a token limit, so an unclosed block or a partial
+        marker is a call cut off: dropped (`dropped` says so), not content."""
         rest, self._buf, self._in_call = self._buf, "", False
+        if cut and rest:
+            self.dropped = True
+            return []
         return [rest] if rest else []
 
 

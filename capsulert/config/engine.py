@@ -34,6 +34,12 @@ class EngineConfig(BaseModel):
     max_seq: int = Field(4096, ge=64)
     prefill_chunk: int = Field(256, ge=GATED_DELTA_CHUNK)
     cache_dir: str | None = None
+    cpu_threads: int | None = Field(1, ge=1, description=(
+        "torch's intra-op threads (torch.set_num_threads, process-wide) an engine on the CPU sets when it starts; "
+        "None: leave torch's setting (a thread per core). 1 by default: the default model's small GEMMs gain "
+        "little from more, and a thread per core waits on any core another process holds (8 sessions x 12 "
+        "tokens on the 2-core box under load: 40 s with 2 threads, 1.0 s with 1). An orchestrator worker's "
+        "torch_threads (capsulert serve --torch-threads) overrides it"))
     capsule_budgets: TierBudgets = TierBudgets()
     disk_dir: str | None = None
     policy: str = "pinned_lru"

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from capsulert.config.engine import RANDOM_PREFIX, EngineConfig
 from capsulert.config.orchestrator import OrchestratorConfig
 from capsulert.errors import ConfigError
+from capsulert.protocol.sampling import DEFAULT_MAX_TOKENS
 
 # where a server's orchestrator defaults differ from a library caller's (config/orchestrator.py):
 # - engine.prefix_cache: clients resend their conversations, so a server reuses the longest cached prefix of every
@@ -36,6 +37,10 @@ class ServerOptions(BaseModel):
     port: int = Field(8000, ge=1, le=65535)
     keys_file: str | None = Field(None, description="YAML mapping API keys to namespaces; None: no auth, one namespace")
     max_n: int | None = Field(None, ge=1, description="largest n (choices per prompt); default: engine.slots")
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, description=(
+        "the tokens a reply may generate: a chat or responses request that gives no max_tokens gets this many, and "
+        "one that asks for more is refused (400). A reply also ends where its session reaches engine.max_seq "
+        "(finish_reason 'length'), whichever comes first"))
     ray_metrics_port: int | None = Field(None, ge=0, le=65535, description=(
         "export Ray's and Ray Serve's own metrics from Ray's metrics agent on this port (a local Ray only); None: "
         "Ray's metrics agent collects and exports none, and the server's GET /metrics has capsulert's. (Ray's "

@@ -102,6 +102,8 @@ class Engine:
             raise ConfigError(f"invalid engine config: {e.error_count()} error(s): "
                               + "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
         device = config.torch_device()
+        if device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         dtype = config.torch_dtype(device)
         if config.model.startswith(RANDOM_PREFIX):
             return cls._random(config, device, dtype)
@@ -177,13 +179,13 @@ class Engine:
             self.prefix.closing(session)  # may keep its last grid checkpoint (prefix cache)
             self.table.release(session)
 
-    def chat(self, messages, max_new_tokens: int = 256, sampling: SamplingParams | None = None, *,
+    def chat(self, messages, max_tokens: int | None = None, sampling: SamplingParams | dict | None = None, *,
              namespace: str | None = DEFAULT_NAMESPACE, **chat_args):
         """One chat turn on a session of its own (opened, used, closed): Session.chat's arguments and
         ChatReply. With EngineConfig.prefix_cache, the conversation's cached prefix in `namespace` is reused."""
         session = self.open(namespace=namespace)
         try:
-            return session.chat(messages, max_new_tokens, sampling, **chat_args)
+            return session.chat(messages, max_tokens, sampling, **chat_args)
         finally:
             session.close()
 

@@ -92,18 +92,20 @@ class Session:
         session the whole conversation, or a session that holds the earlier turns only the new ones."""
         return self.append(ChatPrompt.of(messages, tools, add_generation_prompt, **template_kwargs))
 
-    def chat(self, messages, max_new_tokens: int = 256, sampling: SamplingParams | None = None, *, tools=None,
-             tool_choice="auto", response_format=None, parallel_tool_calls: bool = True,
-             **template_kwargs) -> ChatReply:
+    def chat(self, messages, max_tokens: int | None = None, sampling: SamplingParams | dict | None = None,
+             **options) -> ChatReply:
         """One chat turn: append_chat(messages, tools), then generate the assistant's reply and parse it
-        (ChatReply: content, tool_calls, finish_reason, result). tool_choice "required" or a named
-        function, and response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema":
-        {"schema": ...}}), constrain the reply by grammar (capsulert/chat/formats.py)."""
-        turn = ChatTurn.plan(messages, sampling, tools=tools, tool_choice=tool_choice,
-                             response_format=response_format, parallel_tool_calls=parallel_tool_calls,
-                             **template_kwargs)
+        (ChatReply: content, tool_calls, finish_reason, result). Takes OpenAI's arguments (tools,
+        tool_choice, parallel_tool_calls, response_format, temperature, top_p, n, stop, seed, logprobs,
+        top_logprobs; chat/options.py has their defaults), or `sampling` whole; chat-template variables go
+        in `template_vars`. An argument it cannot honour is an InvalidRequestError naming it. tool_choice
+        "required" or a named function, and response_format ({"type": "json_object"} or {"type":
+        "json_schema", "json_schema": {"schema": ...}}), constrain the reply by grammar
+        (capsulert/chat/formats.py)."""
+        turn = ChatTurn.plan(messages, sampling, max_tokens=max_tokens, call_format=self.engine.codec.chat.call_format,
+                             **options)
         self.append(turn.prompt)
-        return turn.reply(self.generate(max_new_tokens, turn.sampling))
+        return turn.reply(self.generate(turn.max_tokens, turn.sampling))
 
     def generate(self, max_new_tokens: int, sampling: SamplingParams | None = None) -> GenerateResult:
         """Sample up to max_new_tokens; each produced token is committed to the state before the next.

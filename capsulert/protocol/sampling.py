@@ -11,12 +11,17 @@ MAX_TOP_K = (1 << 31) - 1
 # temperatures below this are treated as greedy: dividing logits by them overflows to inf (vLLM: 1e-5)
 GREEDY_BELOW = 1e-5
 _MASK64 = (1 << 64) - 1
+# a chat turn's (and a server request's) max_tokens when it gives none: the Python chat API's default and
+# `capsulert serve --max-tokens`'s (chat/options.py, config/server.py)
+DEFAULT_MAX_TOKENS = 1024
+# seed -1 is "no seed" (a fresh random one), as vLLM reads it
+NO_SEED = -1
 
 
 class SamplingParams(BaseModel):
     """temperature 0 (or below 1e-5) means greedy (argmax); otherwise sample from the temperature-scaled,
-    top-k / top-p filtered distribution. `seed` fixes the session's random stream (None: a fresh random
-    seed per generate call).
+    top-k / top-p filtered distribution. `seed` fixes the session's random stream (None, or -1 as vLLM
+    takes it: a fresh random seed per generate call).
 
     Stops: every EOS id of the model's config.json / generation_config.json stops a generate unless
     `ignore_eos`; so does any id in `stop_token_ids`, and any string in `stop` once it appears in the
@@ -40,6 +45,8 @@ class SamplingParams(BaseModel):
         for key in ("temperature", "top_p"):
             if isinstance(data.get(key), bool):
                 raise InvalidRequestError(f"invalid SamplingParams: {key}: expected a number, got a bool")
+        if type(data.get("seed")) is int and data["seed"] == NO_SEED:
+            data = {**data, "seed": None}
         try:
             super().__init__(**data)
         except ValidationError as e:

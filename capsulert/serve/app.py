@@ -1,8 +1,11 @@
 """The FastAPI application: OpenAI-compatible routes in front of an Orchestrator, plus the capsule routes.
 
-    GET    /v1/models                 the served model
+    GET    /v1/models                 the served model, with its bounds (max_model_len, max_tokens)
+    GET    /v1/models/{id}            the same model card; 404 for any other id
     POST   /v1/completions            text completions (streamed with stream=true)
     POST   /v1/chat/completions       chat completions, through the model's chat template
+    POST   /v1/responses              the Responses API on the same path; a stored response is a capsule
+                                      (responses_api.py)
     GET    /v1/capsules               the capsules of the caller's namespace
     DELETE /v1/capsules/{name}        delete one of them
     GET    /metrics                   the capsulert Prometheus metrics (metrics.py)
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -30,11 +33,14 @@ from capsulert.errors import CapsuleRTError, DuplicateCapsuleError, QueueFullErr
 from capsulert.chat.prompt import ChatRenderer
 from capsulert.serve.generation import RESERVED_PREFIX, Plan, Run
 from capsulert.serve.lane import GenerationLane, GenerationRoute
-from capsulert.serve.http_errors import INVALID, ApiError, ErrorKind, describe, error_body, retry_headers
+from capsulert.serve.http_errors import (INVALID, MODEL_NOT_FOUND, ApiError, ErrorKind, describe, error_body,
+                                         retry_headers)
 from capsulert.serve.metrics import CONTENT_TYPE, CountRequests, ServerMetrics, request_namespace, stream_failed
-from capsulert.serve.plans import Limits, chat_logprobs, chat_plan, completion_logprobs, completion_plan
+from capsulert.serve.plans import Limits, chat_logprobs, chat_plan, completion_logprobs, completion_plan, model_card
 from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest
 from capsulert.serve.responses import Shape
+from capsulert.serve.responses_api import ResponseShape, StoredResponses, response_plan
+from capsulert.serve.responses_protocol import ResponsesRequest
 from capsulert.serve.streaming import DONE, EventStream, sse
 from capsulert.serve.tenants import Tenants
 from capsulert.serve.token_text import TokenText
@@ -79,6 +85,7 @@ class ServerState:
     admission: Admission
     metrics: ServerMetrics
     exposition: Callable[[], bytes] | None = None  # the metrics as Prometheus text (GET /metrics); None: no metrics
+    responses: StoredResponses = field(default_factory=StoredResponses)  # for previous_response_id
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -113,10 +120,20 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(GenerationLane, routes=generation, namespace=namespace, refusal=refusal)
     app.add_middleware(CountRequests, metrics=state.metrics)  # outside the lane: every request, refusals included
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, ns: "Namespace" = Depends(tenant)) -> Response:
+        return await _respond_response(state, ns, body)
+
     @app.get("/v1/models")
     async def models(ns: "Namespace" = Depends(tenant)) -> dict:
-        return {"object": "list", "data": [{"id": state.limits.model_name, "object": "model", "created": 0,
-                                            "owned_by": "capsulert"}]}
+        return {"object": "list", "data": [model_card(state.limits)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, ns: "Namespace" = Depends(tenant)) -> dict:
+        if model_id != state.limits.model_name:
+            raise ApiError(MODEL_NOT_FOUND, f"model {model_id!r} is not served here; this server serves "
+                                            f"{state.limits.model_name!r}", "model")
+        return model_card(state.limits)
 
     @app.get("/v1/capsules")
     async def list_capsules(ns: "Namespace" = Depends(tenant)) -> dict:
@@ -158,8 +175,8 @@ async def _check_new_name(ns: "Namespace", name: str) -> None:
                                     "delete it first or choose another name")
 
 
-async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, shape: Shape, stream: bool,
-                   include_usage: bool, t0: float) -> Response:
+async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, shape: Shape | ResponseShape,
+                   stream: bool, include_usage: bool, t0: float) -> Response:
     if stream:
         events = _events(state, route, ns, plan, shape, include_usage, t0)
         # run the stream up to its first byte here (every choice's first token): a refusal until then (no
@@ -185,8 +202,8 @@ async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, 
     return JSONResponse(shape.body(choices, usage, capsule))
 
 
-async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, shape: Shape, include_usage: bool,
-                  t0: float) -> AsyncIterator[bytes]:
+async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, shape: Shape | ResponseShape,
+                  include_usage: bool, t0: float) -> AsyncIterator[bytes]:
     """A streamed response. Its first item is b"" once the sessions are ready (the route takes it)."""
     run = Run(ns, plan, state.metrics)
     finals, entered, started = [], False, False
@@ -225,6 +242,34 @@ async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, s
             state.metrics.ttft(route, run.first_token_at - t0)
         usage = run.usage(finals)
         state.metrics.tokens(route, usage.prompt_tokens, sum(len(c.tokens) for c in finals), usage.cached_tokens)
+
+
+async def _respond_response(state: ServerState, ns: "Namespace", body: ResponsesRequest) -> Response:
+    """POST /v1/responses: planned by responses_api.py, run and answered by _respond as chat completions are.
+    A previous response whose capsule is gone (evicted) is served by prefilling its conversation whole."""
+    t0 = time.perf_counter()
+    for gone in state.responses.forgotten():
+        await _drop_quietly(state.orchestrator.namespace(gone.namespace), gone.capsule)
+    previous = None
+    if body.previous_response_id is not None:
+        previous = state.responses.get(body.previous_response_id, ns.ns)
+    response_id = "resp_" + uuid.uuid4().hex
+    for use_capsule in (True, False):
+        planned = response_plan(body, state.limits, state.tokens, state.chat, previous, response_id, use_capsule)
+        shape = ResponseShape(response_id, body, planned, state.responses, ns.ns)
+        try:
+            return await _respond(state, "responses", ns, planned.plan, shape, body.stream, True, t0)
+        except UnknownCapsuleError:
+            if planned.plan.capsule is None:
+                raise
+    raise AssertionError("unreachable: the second plan restores no capsule")
+
+
+async def _drop_quietly(ns: "Namespace", name: str) -> None:
+    try:
+        await ns.delete(name)
+    except CapsuleRTError as e:  # evicted already, or its worker gone: nothing holds it
+        log.debug("could not delete capsule %s: %s", name, e)
 
 
 # ---------------------------------------------------------------------------------------------- errors

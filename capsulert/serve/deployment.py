@@ -106,7 +106,7 @@ def server_state(opts: ServerOptions, orchestrator: "Orchestrator", tenants: "Te
     metrics = Deferred(prom)
     return ServerState(
         orchestrator=orchestrator, tenants=tenants or Tenants.load(opts.keys_file),
-        limits=Limits(opts.model_name, opts.engine.max_seq, opts.largest_n), tokens=tokens,
+        limits=Limits(opts.model_name, opts.engine.max_seq, opts.largest_n, opts.max_tokens), tokens=tokens,
         chat=ChatRenderer(path, tokens.tokenizer, _eos_text(path, tokens)),
         admission=Admission(opts.max_inflight, metrics, orchestrator.retry_after_s),
         metrics=metrics, exposition=prom.exposition)

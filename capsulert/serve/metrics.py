@@ -3,7 +3,7 @@
 
 Every series is `capsulert_*` with labels of ours only: `model` (the served model's name) and, where they
 apply, `namespace` (the caller's, from its API key; empty for a request refused before its key was read),
-`route` (completions, chat, models, capsules, metrics, other), `status` (the HTTP status; a capsule lookup's
+`route` (completions, chat, responses, models, capsules, metrics, other), `status` (the HTTP status; a capsule lookup's
 hit or miss) and `tier`. A namespace is a tenant's label chosen by the operator in the keys file, never the
 key.
 
@@ -42,13 +42,15 @@ LATENCY_BOUNDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 PREFIX = "capsulert_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 CLIENT_GONE = 499  # nginx's "client closed request": the client went away before its status line
-_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/models": "models",
-           "/v1/capsules": "capsules", "/metrics": "metrics"}
+_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/responses": "responses",
+           "/v1/models": "models", "/v1/capsules": "capsules", "/metrics": "metrics"}
 
 
 def route_of(path: str) -> str:
     """The `route` label of a request path: one of a few fixed names, whatever the path (no label per path)."""
-    return _ROUTES.get(path) or ("capsules" if path.startswith("/v1/capsules/") else "other")
+    if path in _ROUTES:
+        return _ROUTES[path]
+    return "capsules" if path.startswith("/v1/capsules/") else "models" if path.startswith("/v1/models/") else "other"
 
 
 class RequestLabels:

@@ -9,6 +9,7 @@ from capsulert.chat.formats import format_constraint
 from capsulert.chat.prompt import ChatRenderer
 from capsulert.chat.turn import ChatTurn
 from capsulert.errors import InvalidRequestError, UnknownCapsuleError
+from capsulert.protocol.sampling import DEFAULT_MAX_TOKENS
 from capsulert.serve.generation import RESERVED_PREFIX, Plan, check_client_name
 from capsulert.serve.http_errors import MODEL_NOT_FOUND, ApiError
 from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest, _GenerationRequest
@@ -20,6 +21,22 @@ class Limits:
     model_name: str
     max_seq: int
     largest_n: int
+    max_tokens: int = DEFAULT_MAX_TOKENS  # a reply's generated tokens: the default, and the most a request may ask
+
+    def token_limit(self, asked: int | None) -> int:
+        """A request's max_tokens: `asked`, else the server's; more than the server's is a 400."""
+        if asked is not None and asked > self.max_tokens:
+            raise InvalidRequestError(f"max_tokens = {asked} is more than this server's limit of {self.max_tokens} "
+                                      "(capsulert serve --max-tokens)")
+        return self.max_tokens if asked is None else asked
+
+
+def model_card(limits: Limits) -> dict:
+    """The served model as /v1/models lists it, with the server's bounds: `max_model_len` (tokens a session
+    holds, prompt and reply: engine.max_seq) and `max_tokens` (a reply's generated tokens: the default and
+    the cap, `capsulert serve --max-tokens`)."""
+    return {"id": limits.model_name, "object": "model", "created": 0, "owned_by": "capsulert",
+            "max_model_len": limits.max_seq, "max_tokens": limits.max_tokens}
 
 
 def _check(body: _GenerationRequest, limits: Limits) -> None:
@@ -55,7 +72,7 @@ def completion_plan(body: CompletionRequest, limits: Limits, tokens: TokenText) 
                [] if isinstance(p, str) else tokens.check_ids(list(p)) for p in body.prompts]
     if body.snapshot_as is not None and len(prompts) > 1:
         raise InvalidRequestError("snapshot_as keeps the end state of one choice: send one prompt")
-    max_tokens = limits.max_seq if body.max_tokens is None else body.max_tokens
+    max_tokens = limits.token_limit(body.max_tokens)  # not given: OpenAI's 16 (protocol.py); null: the server's
     return _plan(body, prompts, max_tokens, body.logprobs or 0, format_constraint(None, body.structured_outputs))
 
 
@@ -69,10 +86,9 @@ def chat_plan(body: ChatCompletionRequest, limits: Limits, tokens: TokenText, ch
                          tool_choice=body.tool_choice or ("auto" if body.tools else "none"),
                          response_format=body.response_format, parallel_tool_calls=body.parallel_tool_calls,
                          structured_outputs=body.structured_outputs, add_generation_prompt=body.add_generation_prompt,
-                         **(body.chat_template_kwargs or {}))
+                         template_vars=body.chat_template_kwargs, call_format=chat.call_format)
     prompt = chat.encode(turn.prompt)
-    limit = body.token_limit
-    max_tokens = limits.max_seq if limit is None else limit  # no limit: until EOS or max_seq
+    max_tokens = limits.token_limit(body.token_limit)
     return _plan(body, [prompt], max_tokens, (body.top_logprobs or 0) if body.logprobs else 0,
                  turn.sampling.constraint, turn.parse_tools)
 

@@ -8,7 +8,8 @@ Tool calls (chat with tools, tool_choice not "none"): the reply's `<tool_call>` 
 (capsulert/chat/tool_calls.py) into `message.tool_calls`, the rest is `message.content` (null when the
 reply is only calls). Streamed, content deltas carry the text outside calls as it arrives (text that may
 open a call is held back until decided) and each call comes as one `tool_calls` delta (index, id, name
-and its whole arguments) once its block closes.
+and its whole arguments) once its block closes. A call is complete or absent: one cut off by max_tokens
+(or max_seq) is dropped, never sent as content, and the finish_reason is then "length".
 
 Logprobs are the raw model's (log_softmax of the logits, before temperature and top-k / top-p). In a
 stream each chunk carries the logprobs of its own tokens, with their top-k alternatives when asked for
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
-from capsulert.chat.tool_calls import ToolCall, ToolCallStream, parse_reply
-from capsulert.chat.turn import FINISH_REASON
+from capsulert.chat.tool_calls import ToolCall, ToolCallStream
+from capsulert.chat.turn import FINISH_REASON, cut_off, finish_reason, read_reply
 from capsulert.serve.generation import Choice, Chunk, Made, Usage
 from capsulert.serve.streaming import sse
 from capsulert.serve.token_text import TokenText
@@ -82,11 +83,10 @@ class Shape:
         if self.chat:
             message = {"role": "assistant", "content": c.text}
             if self.tools:
-                content, calls = parse_reply(c.text)
+                content, calls, finish = read_reply(c.text, c.stop_reason)
                 message["content"] = content
                 if calls:
                     message["tool_calls"] = [call.to_openai() for call in calls]
-                    finish = "tool_calls"
             d = {"index": c.index, "message": message, "logprobs": lp}
         else:
             d = {"index": c.index, "text": c.text, "logprobs": lp}
@@ -150,7 +150,7 @@ class Shape:
         the calls its text completed as tool_calls deltas."""
         stream = self._tool_streams.setdefault(ch.index, ToolCallStream())
         before = stream.calls
-        pieces = stream.push(ch.text) + (stream.finish() if ch.final is not None else [])
+        pieces = stream.push(ch.text) + (stream.finish(cut_off(ch.final.stop_reason)) if ch.final is not None else [])
         content = "".join(p for p in pieces if isinstance(p, str))
         calls = [p for p in pieces if isinstance(p, ToolCall)]
         if stream.calls and content.isspace():
@@ -160,8 +160,8 @@ class Shape:
         d["delta"]["content"] = content if content or not calls else None
         if calls:
             d["delta"]["tool_calls"] = [{"index": before + k, **call.to_openai()} for k, call in enumerate(calls)]
-        if ch.final is not None and stream.calls:
-            d["finish_reason"] = "tool_calls"
+        if ch.final is not None:
+            d["finish_reason"] = finish_reason(ch.final.stop_reason, stream.calls, stream.dropped)
         return out
 
     def tail_chunk(self, usage: Usage | None, capsule: Made | None) -> dict:

@@ -118,6 +118,9 @@ def start(opts: ServerOptions) -> None:
         _check_port(opts.host, opts.port)
         if not opts.ray_address:  # a local Ray has this machine's GPUs
             _check_gpus(opts, _local_gpus(), "this machine")
+        notice = random_weights_notice(opts.engine.model)
+        if notice:  # said once the refusals are past, before Ray's own start-up lines (again in the serving line)
+            log.warning("note: %s", notice)
         step(f"preparing model {opts.model_name}")
         model_dir(opts.engine)  # the default model is generated once, here, not by every worker
         vocab_size(opts.engine)  # a checkpoint without a readable config.json is refused here

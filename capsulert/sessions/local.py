@@ -123,12 +123,12 @@ class AsyncEngine:
         infos = await self.submit(Fork(name, n, namespace))
         return [AsyncSession(self.sender(namespace), i.session, i.length, i.restored_from) for i in infos]
 
-    async def chat(self, messages, max_new_tokens: int = 256, sampling=None, *,
+    async def chat(self, messages, max_tokens: int | None = None, sampling=None, *,
                    namespace: str | None = Open.namespace, **chat_args) -> ChatReply:
         """One chat turn on a session of its own (Session.chat's arguments; the session is closed after)."""
         session = await self.open(namespace=namespace)
         try:
-            return await session.chat(messages, max_new_tokens, sampling, **chat_args)
+            return await session.chat(messages, max_tokens, sampling, **chat_args)
         finally:
             await session.close()
 

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator
 from capsulert.protocol.conversation import ChatPrompt
 from capsulert.chat.turn import ChatReply, ChatTurn
 from capsulert.errors import SessionClosedError, WorkerLost
-from capsulert.protocol.checks import sampling_params
 from capsulert.protocol.requests import (
     Append, Close, Detokenize, Generate, Interrupt, ReadTokens, Rederive, Request, Restore, Snapshot, Truncate, Turn)
 from capsulert.protocol.results import FinalEvent, GenerateResult, TokenEvent
@@ -196,12 +195,12 @@ class AsyncSession:
             await self.sender.placing(restore)
         return request
 
-    async def chat(self, messages, max_new_tokens: int = 256, sampling=None, *, timeout: float | None = None,
+    async def chat(self, messages, max_tokens: int | None = None, sampling=None, *, timeout: float | None = None,
                    **chat_args) -> ChatReply:
         """One chat turn in one request: append the rendered messages, generate the reply (constrained by
         tool_choice / response_format as Session.chat is) and parse its tool calls: a ChatReply."""
-        turn = ChatTurn.plan(messages, sampling_params(sampling), **chat_args)
-        return turn.reply(await self.turn(turn.prompt, max_new_tokens, turn.sampling, timeout=timeout))
+        turn = ChatTurn.plan(messages, sampling, max_tokens=max_tokens, **chat_args)
+        return turn.reply(await self.turn(turn.prompt, turn.max_tokens, turn.sampling, timeout=timeout))
 
     async def append_generate(self, tokens_or_text, max_new_tokens: int, sampling=None, *,
                               timeout: float | None = None) -> GenerateResult:

@@ -73,12 +73,12 @@ class WorkerCore:
     def __init__(self, engine_config: dict, persist_dir: str | None = None, torch_threads: int | None = None,
                  worker_index: int = 0, node: str | None = None, lifeline: tuple[str, int] | None = None):
         t0 = time.perf_counter()
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
         self.index = worker_index
         self.node = node  # the Ray node id (None in-process)
         self.lifeline = lifeline  # where the process's lifeline listens (worker/lifeline.py; None in-process)
         self.engine = Engine.from_config(dict(engine_config))
+        if torch_threads:  # after the engine's own EngineConfig.cpu_threads: the worker's setting wins
+            torch.set_num_threads(torch_threads)
         # ids never reused by a restarted actor: a session of the old process is unknown to the new one
         self.scheduler = StepScheduler(self.engine, first_id=random.getrandbits(40) << 20)
         self.calls = RunningCalls(self.scheduler)

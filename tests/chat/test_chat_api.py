@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
+from pydantic import BaseModel, Field
 
 from capsulert.protocol.conversation import ChatPrompt
 from capsulert.chat.template import ChatTemplate
@@ -117,3 +119,129 @@ async def test_async_forms_equal_the_sync_ones(eng):
     assert list(got.result) == list(want.result)
     assert [(c.name, c.arguments) for c in got.tool_calls] == [(c.name, c.arguments) for c in want.tool_calls]
     assert length == want.result.length - len(want.result)  # the prompt Engine.chat appended
+
+
+class _Stop(BaseModel):
+    name: str = Field(max_length=12)
+    minutes: int | None = Field(None, ge=0, le=600)
+
+
+class _Trip(BaseModel):  # a pydantic model's schema, as frameworks send it: $defs, anyOf null, no additionalProperties
+    city: str = Field(max_length=12)
+    stops: list[_Stop] = Field(max_length=2)
+
+
+# no additionalProperties anywhere; their leaves bounded (a random-weights model's free string or number never ends)
+PLAIN = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                          "days": {"type": "integer", "minimum": 0, "maximum": 99}},
+         "required": ["city", "days"]}
+OPEN_SCHEMAS = [PLAIN, {"type": "object", "properties": {"where": {"type": "object", "properties": {
+    "lat": {"enum": [1.5, 2.5]}}}}}, _Trip.model_json_schema(), {"type": "object"}]
+
+
+@pytest.mark.parametrize("schema", OPEN_SCHEMAS, ids=["plain", "nested", "pydantic", "bare"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "plan"}}],
+                         ids=["required", "named"])
+def test_any_object_schema_gives_a_complete_call(eng, schema, choice):
+    tool = {"type": "function", "function": {"name": "plan", "parameters": schema}}
+    reply = eng.chat(CHAT, 64, tools=[tool], tool_choice=choice, parallel_tool_calls=False)
+    assert reply.finish_reason == "tool_calls" and reply.result.stop_reason == "grammar_end"
+    assert reply.content is None and [c.name for c in reply.tool_calls] == ["plan"]
+    jsonschema.validate(json.loads(reply.tool_calls[0].arguments), schema)
+
+
+def test_a_schema_that_cannot_be_compiled_is_refused(eng):
+    tool = {"type": "function", "function": {"name": "plan", "parameters": {
+        "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}
+    with pytest.raises(InvalidRequestError, match="parameters schema cannot be used for decoding"):
+        eng.chat(CHAT, 8, tools=[tool], tool_choice="required")
+
+
+def test_a_call_cut_by_max_tokens_is_dropped(eng):
+    one = eng.chat(CHAT, 120, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    # parallel calls on: greedy, the same first call, then a second one that max_tokens cuts
+    reply = eng.chat(CHAT, len(one.result) + 4, tools=[WEATHER], tool_choice="required")
+    fragment = reply.result.text.split("</tool_call>", 1)[1].strip()
+    assert reply.result.stop_reason == "length" and fragment.startswith("<tool")
+    assert reply.finish_reason == "length" and reply.content is None
+    assert [(c.name, c.arguments) for c in reply.tool_calls] == [(c.name, c.arguments) for c in one.tool_calls]
+    assert "<" not in reply.message()["content"]
+
+
+def test_openai_arguments_are_honoured(eng):
+    want = eng.chat(CHAT, 6, SamplingParams(temperature=0.7, seed=3, top_p=0.9, stop=["zz"], logprobs=2))
+    got = eng.chat(CHAT, max_tokens=6, temperature=0.7, seed=3, top_p=0.9, stop="zz", logprobs=True, top_logprobs=2)
+    as_dict = eng.chat(CHAT, 6, {"temperature": 0.7, "seed": 3, "top_p": 0.9, "stop": ["zz"], "logprobs": 2})
+    assert list(got.result) == list(want.result) == list(as_dict.result) and len(got.result) == 6
+    assert got.result.top_logprobs == want.result.top_logprobs and len(got.result.top_logprobs[0]) == 2
+    assert list(eng.chat(CHAT, 6, temperature=0.7, seed=-1).result) != []  # -1: a fresh random seed, as vLLM
+    first = eng.chat(CHAT, 12).result.text
+    cut = eng.chat(CHAT, 12, stop=first[3:5]).result
+    assert cut.stop_reason == "stop_string" and cut.text == first[:first.index(first[3:5])]
+
+
+def test_template_vars_reach_the_template(eng):
+    s = eng.open()
+    s.chat(CHAT, 1, template_vars={"eos_token": "<|END|>"})
+    rendered = eng.codec.chat.text(ChatPrompt.of(CHAT, eos_token="<|END|>"))
+    assert "<|END|>" in rendered and s.tokens[:-1] == eng.tokenizer.encode(rendered, add_special_tokens=False).ids
+    s.close()
+    with pytest.raises(InvalidRequestError, match=r"template_vars cannot set \['tools'\]"):
+        eng.chat(CHAT, 1, template_vars={"tools": None})
+
+
+@pytest.mark.parametrize("args, match", [
+    (dict(temprature=0.7), "unknown chat argument 'temprature'.*template_vars"),
+    (dict(n=2), "n: .*one reply"),
+    (dict(sampling={"temperature": 0.5}, temperature=0.7), r"give sampling or \['temperature'\]"),
+    (dict(top_logprobs=3), "top_logprobs needs logprobs"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(max_tokens="10"), "max_tokens"),
+    (dict(sampling={"temprature": 1}), "temprature"),
+])
+def test_arguments_it_cannot_honour_are_refused_by_name(eng, args, match):
+    free = eng.free_slots
+    with pytest.raises(InvalidRequestError, match=match):
+        eng.chat(CHAT, **args)
+    assert eng.free_slots == free
+
+
+# a checkpoint template that writes calls as Qwen3.5's and Qwen3-Coder's do (`<function=...><parameter=...>`)
+XML_TEMPLATE = """{%- for message in messages %}
+{{- '<|' + message['role'] + '|>\\n' + (message['content'] or '') }}
+{%- for call in message.get('tool_calls') or [] %}
+{%- set call = call['function'] %}
+{{- '<tool_call>\\n<function=' + call['name'] + '>\\n' }}
+{%- for name, value in call['arguments'] | items %}
+{{- '<parameter=' + name + '>\\n' + (value if value is string else value | tojson) + '\\n</parameter>\\n' }}
+{%- endfor %}
+{{- '</function>\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|endoftext|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def xml_eng(default_model_dir, tmp_path_factory):
+    from capsulert.engine.engine import Engine
+
+    model = tmp_path_factory.mktemp("xml-model")
+    for f in default_model_dir.iterdir():
+        (model / f.name).symlink_to(f)
+    (model / "chat_template.jinja").write_text(XML_TEMPLATE, encoding="utf-8")
+    e = Engine.from_config(dict(model=str(model), device="cpu", slots=2, max_seq=1024, prefill_chunk=128))
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "plan"}}])
+def test_a_template_that_writes_xml_calls_gets_xml_calls(xml_eng, choice):
+    assert xml_eng.codec.chat.call_format == "xml"
+    tool = {"type": "function", "function": {"name": "plan", "parameters": _Trip.model_json_schema()}}
+    reply = xml_eng.chat(CHAT, 200, tools=[WEATHER, tool] if choice == "required" else [tool], tool_choice=choice,
+                         parallel_tool_calls=False)
+    assert reply.result.text.startswith("<tool_call>\n<function=") and reply.finish_reason == "tool_calls"
+    call, = reply.tool_calls
+    schema = (WEATHER["function"] if call.name == "get_weather" else tool["function"])["parameters"]
+    jsonschema.validate(json.loads(call.arguments), schema)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from capsulert.chat.tool_calls import ToolCall, ToolCallStream, parse_reply
+from capsulert.chat.tool_calls import ToolCall, ToolCallStream, parse_reply, split_reply
 
 JSON_CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
               '</tool_call>\n<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>')
@@ -64,3 +64,35 @@ def test_a_stream_holds_back_only_what_may_open_a_call():
     assert stream.push("<tool_call>{\"name\": \"f\", \"arguments\": {}}") == []
     out = stream.push("</tool_call>")
     assert len(out) == 1 and out[0].name == "f" and stream.calls == 1
+
+
+CUT = [JSON_CALLS.rsplit("<tool_call>", 1)[0] + '<tool_call>\n{"name": "clo', JSON_CALLS.rsplit("<tool_call>", 1)[0] + "<",
+       JSON_CALLS.rsplit("<tool_call>", 1)[0] + "<tool_ca"]
+
+
+@pytest.mark.parametrize("text", CUT)
+def test_a_call_cut_off_is_dropped_not_content(text):
+    content, calls, dropped = split_reply(text, cut=True)
+    assert content == "Let me check." and _calls(calls) == [("get_weather", {"city": "Paris", "days": 2})]
+    assert dropped
+    # not cut (a stop string, EOS): the unclosed text stays content
+    assert split_reply(text)[0].endswith(text.rsplit("</tool_call>", 1)[1].strip())
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_a_stream_cut_off_drops_the_same_fragment(step):
+    for text in CUT + ['<tool_call>\n{"name": "f", "argu']:
+        stream, pieces = ToolCallStream(), []
+        for i in range(0, len(text), step):
+            pieces += stream.push(text[i:i + step])
+        pieces += stream.finish(cut=True)
+        content = "".join(p for p in pieces if isinstance(p, str))
+        assert "<" not in content and stream.dropped
+        assert _calls([p for p in pieces if isinstance(p, ToolCall)]) == _calls(split_reply(text, cut=True)[1])
+
+
+def test_arguments_written_as_the_template_writes_them_are_kept_as_written():
+    _, calls = parse_reply('<tool_call>\n{"name": "f", "arguments": {"a":1,"b":"}"}}\n</tool_call>')
+    assert calls[0].arguments == '{"a":1,"b":"}"}'  # rendered back by the template: the same text
+    _, calls = parse_reply('<tool_call>\n{"name":"f","arguments":{"a":1}}\n</tool_call>')
+    assert calls[0].arguments == '{"a": 1}'  # another layout: re-serialized

@@ -89,6 +89,19 @@ def server(default_model_dir, tmp_path_factory):
         yield srv
 
 
+# the server agent frameworks meet (test_frameworks.py, test_responses_api.py): they send no max_tokens, so
+# --max-tokens bounds their replies; their prompts (tool schemas, instructions) need more than ENGINE's max_seq
+AGENT_MAX_TOKENS, AGENT_MAX_SEQ = 160, 2048
+
+
+@pytest.fixture(scope="session")
+def agent_server(default_model_dir, tmp_path_factory):
+    """One server for the modules that run agent frameworks and the Responses API (started once)."""
+    with running_server(default_model_dir, tmp_path_factory.mktemp("agents"), "--max-tokens", str(AGENT_MAX_TOKENS),
+                        "--max-seq", str(AGENT_MAX_SEQ)) as srv:
+        yield srv
+
+
 def _wait_ready(srv: Server, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -28,7 +28,7 @@ def test_each_choice_samples_with_its_own_seed():
 
 @pytest.mark.parametrize("n, seed, sampling", [
     (3, (1 << 63) - 2, SAMPLING),  # the last choice's seed is past the range
-    (1, -1, SAMPLING),
+    (1, -2, SAMPLING),  # -1 is no seed (as vLLM reads it); other negative seeds are refused
     (1, 0, {**SAMPLING, "temperature": -1.0}),
 ])
 def test_a_plan_with_a_bad_sampling_value_is_refused_when_made(n, seed, sampling):

@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from capsulert.config.server import ServerOptions
 from capsulert.serve.runner import serving_line
 from capsulert.serve.tenants import Tenants
@@ -56,3 +58,18 @@ def test_the_startup_line_says_when_the_weights_are_random(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # a checkpoint directory: its weights are what they are
     line = serving_line(ServerOptions.build(orchestrator={"engine": {"model": str(tmp_path)}}), Tenants.load(None))
     assert "random" not in line and "--model" not in line
+
+
+def test_the_noise_notice_comes_before_ray_starts(monkeypatch, caplog, default_model_dir):
+    import ray
+
+    from capsulert.serve.runner import start
+
+    def no_ray(**kw):
+        raise RuntimeError("Ray would start here")
+    monkeypatch.setattr(ray, "init", no_ray)
+    opts = ServerOptions.build(orchestrator={"engine": {"model": "default", "cache_dir": str(default_model_dir)}},
+                               port=free_port())
+    with pytest.raises(RuntimeError, match="Ray would start here"):
+        start(opts)
+    assert "note: the embedded default model has random weights" in caplog.text

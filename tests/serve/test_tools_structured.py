@@ -84,6 +84,33 @@ def test_named_tool_choice_is_that_function(acme):
     jsonschema.validate(arguments, WEATHER["function"]["parameters"])
 
 
+def test_a_call_cut_by_max_tokens_is_dropped_whole_and_streamed(acme, oracle):
+    one = oracle.chat(CHAT, 120, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    limit = len(one.result) + 4  # parallel calls on (the default): the same first call, then one cut off
+    assert oracle.chat(CHAT, limit, tools=TOOLS, tool_choice="required").result.text.endswith("<tool")
+    args = dict(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice="required", max_tokens=limit, temperature=0)
+    choice = acme.chat.completions.create(**args).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert _calls(choice.message.tool_calls) == _calls([_Openai(c) for c in one.tool_calls])
+    content, calls, finish = _streamed(acme.chat.completions.create(**args, stream=True))
+    assert content == "" and finish == ["length"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == _calls(choice.message.tool_calls)
+
+
+def test_open_schemas_give_a_call(acme):
+    """A schema as LangChain's bind_tools sends it (no additionalProperties): closed for decoding."""
+    plain = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city", "days"],
+        "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "maximum": 9,
+                                                                          "minimum": 0}}}}}
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = acme.chat.completions.create(model=MODEL, messages=CHAT, tools=[plain], tool_choice=choice,
+                                         parallel_tool_calls=False, max_tokens=64, temperature=0)
+        (name, arguments), = _calls(r.choices[0].message.tool_calls)
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        assert set(arguments) == {"city", "days"}
+
+
 def test_tool_results_go_back_in(acme, oracle):
     first = acme.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice="required",
                                          parallel_tool_calls=False, max_tokens=120, temperature=0)
@@ -144,6 +171,8 @@ def test_unknown_fields_are_accepted(acme):
     dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
     dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
     dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+    dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}], tool_choice="required"),
 ])
 def test_bad_tool_and_format_requests_are_400(acme, args):
     with pytest.raises(openai.BadRequestError):
