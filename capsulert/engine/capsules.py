@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 
 from capsulert.capsule_store.blocks import BlockLayout, Parts
-from capsulert.capsule_store.capsule import CapsuleMeta, CapsuleRef, TensorSpec, model_of, weights_version_of
+from capsulert.capsule_store.capsule import (
+    CapsuleMeta, CapsuleRef, TensorSpec, model_of, weights_identity_of, weights_version_of)
 from capsulert.capsule_store.prefix_index import PrefixMatch
 from capsulert.capsule_store.store import CapsuleStore
 from capsulert.errors import CapsuleError, IncompatibleCapsuleError, StaleCapsuleError, UnknownCapsuleError, UnsupportedStateModeError
@@ -72,6 +73,11 @@ def numerics_origin(engine: "Engine") -> str:
         return (f"cuda:{torch.cuda.get_device_name(dev)}:torch-{torch.__version__}:{engine.config.kernels}:"
                 f"bits-{CUDA_KERNEL_BITS}")
     return f"{dev.type}:{platform.machine()}:torch-{torch.__version__}:{engine.config.kernels}"
+
+
+def _named(identity: str) -> str:
+    """", identity X" for a fingerprint's weights identity, nothing for the loaded weights."""
+    return f", identity {identity}" if identity else ""
 
 
 class CapsuleVerbs:
@@ -200,8 +206,10 @@ class CapsuleVerbs:
         eng = self.engine
         if meta.fingerprint != eng.fingerprint and model_of(meta.fingerprint) == model_of(eng.fingerprint):
             raise StaleCapsuleError(
-                f"capsule {meta.name!r} was made under weights version {weights_version_of(meta.fingerprint)}; "
-                f"the engine runs version {eng.weights_version}: rebuild it (engine.rebuild({meta.name!r}))")
+                f"capsule {meta.name!r} was made under other weights (weights version "
+                f"{weights_version_of(meta.fingerprint)}{_named(weights_identity_of(meta.fingerprint))}); the "
+                f"engine runs version {eng.weights_version}{_named(eng.weights_identity)}: rebuild it "
+                f"(engine.rebuild({meta.name!r}))")
         if meta.fingerprint != eng.fingerprint:
             raise IncompatibleCapsuleError(
                 f"capsule {meta.name!r} was made by model {meta.fingerprint[:16]}…, this engine runs {eng.fingerprint[:16]}…"

@@ -610,15 +610,19 @@ class Engine:
                 s.decoded_from = len(s.tokens)
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, weights, *, rebuild_pinned: bool = False, version: int | None = None) -> int:
+    def update_weights(self, weights, *, rebuild_pinned: bool = False, version: int | None = None,
+                       identity: str | None = None) -> int:
         """Replace the model's weights in place (a mapping of HF names to tensors, or a checkpoint
         directory); returns the new weights version. Checked in full before the first byte is copied
         (WeightUpdateError, engine unchanged); the buffers stay the same, so captured graphs stay valid.
-        Capsules made before are stale (StaleCapsuleError on restore) until rebuilt; rebuild_pinned=True
-        rebuilds the pinned ones now (RL start capsules). `version` sets the new version instead of the
+        Capsules made under other weights (by this process or any other) are stale (StaleCapsuleError on
+        restore) until rebuilt: the fingerprint names the weights by `identity` (engine/weights.py:
+        update_identity; default a digest of a checkpoint directory, random for tensors), never by the
+        counter alone. rebuild_pinned=True rebuilds the pinned ones now (RL start capsules); it needs a free
+        slot, checked before anything changes (NoFreeSlotError). `version` sets the new version instead of the
         next one (a restarted worker catching up with its peers); it must be above the current one."""
-        from capsulert.capsule_store.capsule import WEIGHTS_MARK, model_of
-        from capsulert.engine.weights import check_update, read_update
+        from capsulert.capsule_store.capsule import weights_fingerprint
+        from capsulert.engine.weights import check_update, read_update, update_identity
 
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)
                                     or version <= self.weights_version):
@@ -626,18 +630,29 @@ class Engine:
                                     f"{self.weights_version}, got {version!r}")
         new = check_update(self.model_weights, read_update(weights, self.model_cfg, self.dtype, self.config.progress),
                            self.model_cfg.tie_word_embeddings)
+        identity = update_identity(weights, identity)
         with self._lock:
+            if rebuild_pinned and not self._free and any(i.pinned for i in self.store.list()):
+                raise NoFreeSlotError("rebuild_pinned needs a free slot to re-derive the pinned capsules and every "
+                                      f"one of the {self.config.slots} is held; the weights are unchanged")
             with torch.inference_mode():
                 for name, t in new.items():
                     self.model_weights[name].copy_(t)
                 self.model.refresh_derived()
             self.weights_version = self.weights_version + 1 if version is None else version
-            self.fingerprint = f"{model_of(self.fingerprint)}{WEIGHTS_MARK}{self.weights_version}"
+            self.fingerprint = weights_fingerprint(self.fingerprint, identity, self.weights_version)
             if rebuild_pinned:
                 for info in self.store.list():
                     if info.pinned:
                         self.rebuild(info.name, info.namespace)
             return self.weights_version
+
+    @property
+    def weights_identity(self) -> str:
+        """The identity of the weights the engine runs ("" for those it loaded)."""
+        from capsulert.capsule_store.capsule import weights_identity_of
+
+        return weights_identity_of(self.fingerprint)
 
     def rederive(self, session: Session) -> int:
         """Recompute a session's state from its tokens under the current weights (a stale one, open across

@@ -34,7 +34,8 @@ from capsulert.sessions.remote import RemoteSession
 from capsulert.worker.actor import WorkerActor
 from capsulert.orchestrator.worker_pool import WorkerPool, WorkerRecord
 from capsulert.protocol.results import GenerateResult
-from capsulert.protocol.requests import Ping, Request, Stats, UpdateWeights
+from capsulert.protocol.requests import Ping, Request, Stats
+from capsulert.orchestrator.weight_updates import broadcast_update
 
 
 # Ray settings of a local Ray the orchestrator (or `capsulert serve`) starts. A call in flight on a worker
@@ -194,10 +195,7 @@ class Orchestrator:
         else:
             raise InvalidRequestError("update_weights takes a checkpoint path or a dict of tensors, "
                                       f"got {type(weights).__name__}")
-        request = UpdateWeights(payload, rebuild_pinned)
-        versions = list(await asyncio.gather(*(self.pool.call(w, request) for w in self.pool.alive())))
-        self.pool.weights = UpdateWeights(payload, version=max(versions))
-        return versions
+        return await broadcast_update(self.pool, payload, rebuild_pinned)
 
     def retry_after_s(self) -> float:
         """When a request refused for a full admission queue is likely to find room (seconds, an estimate

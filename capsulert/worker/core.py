@@ -263,7 +263,8 @@ class WorkerCore:
         from safetensors.torch import load as st_load  # model weights sent as bytes (not a capsule)
 
         source = st_load(bytes(r.source)) if isinstance(r.source, (bytes, bytearray)) else r.source
-        version = self.engine.update_weights(source, rebuild_pinned=r.rebuild_pinned, version=r.version)
+        version = self.engine.update_weights(source, rebuild_pinned=r.rebuild_pinned, version=r.version,
+                                             identity=r.identity)
         if r.rebuild_pinned:
             for info in self.engine.store.list():
                 if info.pinned:
@@ -313,7 +314,8 @@ class WorkerCore:
         dev = self.engine.device
         gpu = str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else None
         return {"worker": self.index, "pid": os.getpid(), "node": self.node, "device": dev.type, "gpu": gpu,
-                "weights_version": self.engine.weights_version, "reloaded": list(self.reloaded),
+                "weights_version": self.engine.weights_version, "weights_identity": self.engine.weights_identity,
+                "reloaded": list(self.reloaded),
                 "reindexed": self.engine.store.reindexed, "quarantined": [q.to_dict() for q in self.quarantined],
                 "started_s": self.started_s, "lifeline": self.lifeline}
 
