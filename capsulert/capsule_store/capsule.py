@@ -223,6 +223,9 @@ class CapsuleInfo:
     last_used: float
     own_nbytes: int | None = None  # None: held whole (meta.nbytes)
     blocks: int = 0
+    # its file is in disk_dir: a disk-tier capsule, or one promoted out of disk (promotion copies; the file,
+    # counted in the disk tier's bytes, stays until a delete, a drop or disk budget pressure removes it)
+    on_disk: bool = False
 
     @property
     def name(self) -> str:
