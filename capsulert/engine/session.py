@@ -57,6 +57,13 @@ class Session:
         """Whether the slot holds state computed under older weights than the engine runs now."""
         return bool(self.tokens) and self.weights_version != self.engine.weights_version
 
+    def forget_state(self, tokens: list[int]) -> None:
+        """A stale session's token list set to `tokens` (a prefill an update landed in, undone): its state is
+        not read again before rederive, restore or close replaces all of it."""
+        if not self.stale:
+            raise StaleSessionError(f"session {self.id} is current; only a stale session's tokens are reset")
+        self.tokens, self.decoded_from, self.tail_end = list(tokens), None, None
+
     def check_current(self) -> None:
         """StaleSessionError when the session is stale. An empty one computed nothing: it just moves on to
         the current weights."""

@@ -43,6 +43,7 @@ from capsulert.engine.session import Session
 from capsulert.protocol.requests import SESSION, Request
 from capsulert.protocol.results import GenerateResult, SessionInfo
 from capsulert.worker.jobs import Decode, Job, Phase, Prefill, Sink, queue_sink, stream_item
+from capsulert.worker.prefill_undo import roll_back
 from capsulert.worker.session_ids import SessionIds
 from capsulert.worker.starters import starter, takes_slots
 
@@ -233,6 +234,7 @@ class StepScheduler:
         # the one check of the request's tokens: from here they go to the slot as they are (Engine.append_checked)
         tokens = eng.codec.validate(step.tokens, eng.config.max_seq - len(s.tokens))
         held = len(s.tokens)
+        job.undo = list(s.tokens) if job.undo is None else job.undo
         job.prefill = eng.reuse_prefix(s, tokens)  # a cached prefix: only the rest is prefilled
         job.cached_tokens += len(s.tokens) - held
         pieces = len(prefill_steps(len(s.tokens), len(job.prefill), eng.grid, eng.chunk))
@@ -294,6 +296,8 @@ class StepScheduler:
                     self._next_phase(job)
             except BaseException as e:
                 job.bar.close()
+                if s is not None and job.undo is not None:
+                    roll_back(self.engine, s, job.undo)  # all or nothing (prefill_undo.py)
                 self._fail(job, e)
 
     def _decode(self) -> None:

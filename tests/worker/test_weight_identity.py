@@ -106,3 +106,38 @@ def test_rebuild_pinned_without_a_free_slot_changes_nothing(make_engine, text):
     r = eng.restore("pinned")
     ref = cold(eng, r.tokens)
     assert torch.equal(r.logits(), ref.logits())
+
+
+@pytest.mark.parametrize("verb", ["append", "rederive"])
+async def test_an_append_an_update_lands_in_leaves_the_session_as_it_was(make_engine, text, verb):
+    """The step scheduler prefills in budgeted pieces; an update between two of them made the next piece
+    fail with StaleSessionError and left the pieces before it in the session (a client that re-derived and
+    resent its prompt duplicated them). Now the session holds what it held before the call."""
+    from capsulert.errors import StaleSessionError
+    from capsulert.sessions.local import AsyncEngine
+
+    eng = make_engine()
+    prompt, more = eng.tokenize(text)[:200], eng.tokenize(text * 2)[:700]
+    new = nudged(eng)
+    pieces = []
+    original = eng.append_checked
+
+    def append_then_update(session, ids):  # the update lands between the call's first and second pieces
+        original(session, ids)
+        pieces.append(len(ids))
+        if len(pieces) == 1:
+            eng.update_weights(new)
+    async with AsyncEngine(eng, step_prefill_tokens=128) as aeng:
+        s = await aeng.open(prompt)
+        before = await s.tokens()
+        if verb == "rederive":
+            eng.update_weights(nudged(eng, seed=9))  # stale: its rederive re-prefills in pieces
+        eng.append_checked = append_then_update
+        with pytest.raises(StaleSessionError):
+            await (s.append(more) if verb == "append" else s.rederive())
+        eng.append_checked = original
+        assert pieces[0] > 0 and await s.tokens() == before  # nothing of the failed call stayed
+        assert await s.rederive() == len(before)
+        got = await s.generate(8, NOEOS)
+    ref = cold(eng, before)
+    assert got == ref.generate(8, NOEOS)
