@@ -757,6 +757,8 @@ class Engine:
                 for s in sessions:
                     self.release(s)
                 raise
+            for s, (tier, _) in zip(sessions, read):
+                s.restored_from = tier
             return Restored(sessions, read[0][0])
 
     def _replay(self, items: list[tuple[Session, Replay]]) -> None:

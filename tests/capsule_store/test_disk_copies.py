@@ -49,3 +49,14 @@ def test_disk_budget_pressure_drops_copies_before_capsules(make_engine, text, tm
     assert {i.name: (i.tier, i.on_disk) for i in eng.store.list()} == {"a": ("gpu", False), "b": ("disk", True)}
     assert eng.store.stats()["dropped"] == 0
     assert {p.name for p in list_capsule_files(tmp_path / "disk")} == {capsule_file_name("default", "b")}
+
+
+def test_every_session_a_restore_makes_says_where_the_capsule_was(make_engine, text, tmp_path):
+    eng = make_engine(disk_dir=str(tmp_path / "disk"))
+    s = eng.open()
+    s.append(text[:200])
+    s.snapshot("c", tier="disk")
+    assert s.restored_from is None  # opened, not restored
+    first = eng.restore("c")
+    assert first.restored_from == "disk"
+    assert [b.restored_from for b in eng.fork("c", 2)] == ["gpu", "gpu"]  # promoted by the first read
