@@ -212,6 +212,7 @@ class Orchestrator:
         out = await self.pool.each(Ping())
         for h, w in zip(out, self.pool.workers):
             h["last_restart_s"] = w.last_restart_s
+            h.pop("lifeline_token", None)  # the lifeline's secret stays between the pool and the process
         return out
 
 

@@ -319,7 +319,8 @@ class WorkerPool:
             return
         if worker.process is not None:
             worker.process.close()
-        worker.process = ProcessWatch(w, pong["pid"], tuple(address), self._process_exited)
+        worker.process = ProcessWatch(w, pong["pid"], tuple(address), self._process_exited,
+                                      bytes.fromhex(pong["lifeline_token"]))
 
     def _process_exited(self, w: int, pid: int) -> None:
         """The lifeline of worker w's process `pid` ended: the process is gone, whatever Ray says yet."""

@@ -72,13 +72,15 @@ class WorkerCore:
     """The actor's body (a plain class, so it is usable and testable in-process too)."""
 
     def __init__(self, engine_config: dict, persist_dir: str | None = None, torch_threads: int | None = None,
-                 worker_index: int = 0, node: str | None = None, lifeline: tuple[str, int] | None = None):
+                 worker_index: int = 0, node: str | None = None, lifeline: tuple[str, int] | None = None,
+                 lifeline_token: str | None = None):
         t0 = time.perf_counter()
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.index = worker_index
         self.node = node  # the Ray node id (None in-process)
         self.lifeline = lifeline  # where the process's lifeline listens (worker/lifeline.py; None in-process)
+        self.lifeline_token = lifeline_token  # the secret a connection to it sends first (hex)
         self.engine = Engine.from_config(dict(engine_config))
         # ids never reused by a restarted actor: a session of the old process is unknown to the new one
         self.scheduler = StepScheduler(self.engine, first_id=random.getrandbits(40) << 20)
@@ -317,7 +319,7 @@ class WorkerCore:
                 "weights_version": self.engine.weights_version, "weights_identity": self.engine.weights_identity,
                 "reloaded": list(self.reloaded),
                 "reindexed": self.engine.store.reindexed, "quarantined": [q.to_dict() for q in self.quarantined],
-                "started_s": self.started_s, "lifeline": self.lifeline}
+                "started_s": self.started_s, "lifeline": self.lifeline, "lifeline_token": self.lifeline_token}
 
     def _stats(self, r: Stats, call_id) -> dict:
         sch = self.scheduler
