@@ -29,6 +29,7 @@ from capsulert.capsule_store import validate_name
 from capsulert.errors import CapsuleRTError, DuplicateCapsuleError, QueueFullError, UnknownCapsuleError
 from capsulert.chat.prompt import ChatRenderer
 from capsulert.serve.generation import RESERVED_PREFIX, Plan, Run
+from capsulert.serve.edge import EdgeGuard, EdgeLimits, check_capsule_quota
 from capsulert.serve.lane import GenerationLane, GenerationRoute
 from capsulert.serve.http_errors import INVALID, ApiError, ErrorKind, describe, error_body, retry_headers
 from capsulert.serve.metrics import CONTENT_TYPE, CountRequests, ServerMetrics, request_namespace, stream_failed
@@ -79,6 +80,7 @@ class ServerState:
     admission: Admission
     metrics: ServerMetrics
     exposition: Callable[[], bytes] | None = None  # the metrics as Prometheus text (GET /metrics); None: no metrics
+    edge: EdgeLimits = EdgeLimits()  # body size and capsule quotas (edge.py)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -111,6 +113,7 @@ def build_app(state: ServerState) -> FastAPI:
     for path, route in generation.items():
         app.post(path)(route.endpoint)
     app.add_middleware(GenerationLane, routes=generation, namespace=namespace, refusal=refusal)
+    app.add_middleware(EdgeGuard, tenants=state.tenants, max_body_bytes=state.edge.max_body_bytes)  # key, then size
     app.add_middleware(CountRequests, metrics=state.metrics)  # outside the lane: every request, refusals included
 
     @app.get("/v1/models")
@@ -151,9 +154,12 @@ def _shape(state: ServerState, chat: bool, logprobs: int | None, token_ids: bool
                  logprobs, token_ids, tools)
 
 
-async def _check_new_name(ns: "Namespace", name: str) -> None:
-    """Refuse a snapshot_as that exists before generating, not after (the generated text would be lost)."""
-    if any(c["name"] == name for c in await ns.capsules()):
+async def _check_new_name(ns: "Namespace", name: str, limits: EdgeLimits) -> None:
+    """Refuse a snapshot_as that exists, or that the tenant's capsule quotas leave no room for, before
+    generating, not after (the generated text would be lost)."""
+    rows = await ns.capsules()
+    check_capsule_quota(rows, limits, lambda n: not n.startswith(RESERVED_PREFIX))
+    if any(c["name"] == name for c in rows):
         raise DuplicateCapsuleError(f"capsule {name!r} already exists in this namespace; capsules are immutable: "
                                     "delete it first or choose another name")
 
@@ -170,7 +176,7 @@ async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, 
     entered = False
     try:
         if plan.snapshot_as is not None:
-            await _check_new_name(ns, plan.snapshot_as)
+            await _check_new_name(ns, plan.snapshot_as, state.edge)
         state.admission.enter()
         entered = True
         # every session the request will hold is reserved first (a queue, not a refusal; orchestrator/admission.py)
@@ -193,7 +199,7 @@ async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, s
     sent: dict[int, int] = {}  # choice index -> characters sent
     try:
         if plan.snapshot_as is not None:
-            await _check_new_name(ns, plan.snapshot_as)
+            await _check_new_name(ns, plan.snapshot_as, state.edge)
         state.admission.enter()
         entered = True
         async with ns.admitted(plan.sessions, together=plan.n), run:  # queued for sessions before the status line
