@@ -30,6 +30,7 @@ from capsulert.errors import CapsuleRTError, DuplicateCapsuleError, QueueFullErr
 from capsulert.chat.prompt import ChatRenderer
 from capsulert.serve.generation import RESERVED_PREFIX, Plan, Run
 from capsulert.serve.edge import EdgeGuard, EdgeLimits, check_capsule_quota
+from capsulert.serve.grammar_budget import build_plan
 from capsulert.serve.lane import GenerationLane, GenerationRoute
 from capsulert.serve.http_errors import INVALID, ApiError, ErrorKind, describe, error_body, retry_headers
 from capsulert.serve.metrics import CONTENT_TYPE, CountRequests, ServerMetrics, request_namespace, stream_failed
@@ -97,13 +98,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def completions(body: CompletionRequest, ns: "Namespace" = Depends(tenant)) -> Response:
         t0 = time.perf_counter()
-        plan = completion_plan(body, state.limits, state.tokens)
+        plan = await build_plan(completion_plan, body, state.limits, state.tokens)  # a grammar: off the loop
         shape = _shape(state, False, completion_logprobs(body), body.return_token_ids)
         return await _respond(state, "completions", ns, plan, shape, body.stream, body.include_usage, t0)
 
     async def chat_completions(body: ChatCompletionRequest, ns: "Namespace" = Depends(tenant)) -> Response:
         t0 = time.perf_counter()
-        plan = chat_plan(body, state.limits, state.tokens, state.chat)
+        plan = await build_plan(chat_plan, body, state.limits, state.tokens, state.chat)
         shape = _shape(state, True, chat_logprobs(body), body.return_token_ids, plan.parse_tools)
         return await _respond(state, "chat", ns, plan, shape, body.stream, body.include_usage, t0)
 

@@ -68,7 +68,7 @@ def make_app(default_model_dir, tenant, **limits):
     m = NoMetrics()
     state = ServerState(Orchestrator(tenant), Tenants.from_keys({KEY: "acme"}), Limits("m", 512, 4), tokens,
                         ChatRenderer(default_model_dir, tokens.tokenizer), Admission(8, m), m,
-                        edge=EdgeLimits(LIMIT, **limits))
+                        edge=EdgeLimits(**{"max_body_bytes": LIMIT, **limits}))
     return build_app(state)
 
 
