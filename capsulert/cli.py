@@ -140,6 +140,16 @@ def _add_serve(sub) -> None:
     sv.add_argument("--max-tokens", type=int,
                     help="tokens a reply may generate: the default of a chat request that gives none, and the most "
                          "any request may ask for (default: 1024); a reply also ends where it reaches --max-seq")
+    sv.add_argument("--max-body-mb", type=float, default=8.0,
+                    help="largest request body in MB; a larger one is refused with 413 (default: %(default)s)")
+    sv.add_argument("--capsule-quota", type=int, default=1000,
+                    help="capsules per tenant; a request past it is refused with 403 (default: %(default)s; -1: none)")
+    sv.add_argument("--capsule-quota-mb", type=int, default=-1,
+                    help="MB of capsules per tenant (default: -1, none)")
+    for flag, default in (("device", "4096"), ("host", "16384"), ("disk", "65536")):  # config/server.py's
+        sv.add_argument(f"--{flag}-budget-mb", type=int,
+                        help=f"capsule budget of the {flag} tier in MB, per worker (default: {default}; 0: tier off; "
+                             "-1: unlimited)")
     sv.add_argument("--torch-threads", type=int, help="torch threads per worker")
     sv.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     sv.add_argument("--ray-metrics-port", type=int,
@@ -150,6 +160,11 @@ def _add_serve(sub) -> None:
     sv.add_argument("--serve-proxy", action="store_true",
                     help="listen through Ray Serve's HTTP proxy instead of the replica's own HTTP server (one more "
                          "process and Ray round trip per request; for setups built around Serve's proxy)")
+
+
+def _unless_negative(value: int, shift: int = 0) -> int | None:
+    """A flag's value (times 2**shift: MB to bytes), None (no limit) for a negative one."""
+    return None if value < 0 else value << shift
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -163,19 +178,24 @@ def _serve(args: argparse.Namespace) -> int:
 
         raise ConfigError(f"`capsulert serve` needs the serve extra ({e.name} is not installed): "
                           "pip install 'capsulert[serve]'") from None
-    from capsulert.config.server import ServerOptions
+    from capsulert.config.server import SERVER_TIER_BUDGETS_MB, ServerOptions
     from capsulert.serve.runner import serve_forever
+
+    budgets_mb = {t: getattr(args, f"{f}_budget_mb") for t, f in (("gpu", "device"), ("host", "host"), ("disk", "disk"))}
+    budgets_mb = {t: SERVER_TIER_BUDGETS_MB[t] if mb is None else mb for t, mb in budgets_mb.items()}
 
     engine = dict(model=args.model, device=args.device, dtype=args.dtype, slots=args.slots, max_seq=args.max_seq,
                   prefill_chunk=args.prefill_chunk, disk_dir=args.disk_dir, cache_dir=args.cache_dir,
                   slot_wait_s=args.slot_wait, prefix_cache=args.prefix_cache,
-                  prefix_cache_bytes=args.prefix_cache_mb << 20)
+                  prefix_cache_bytes=args.prefix_cache_mb << 20,
+                  capsule_budgets={t: _unless_negative(mb, 20) for t, mb in budgets_mb.items()})
     orchestrator = dict(engine=engine, num_workers=args.num_workers, torch_threads=args.torch_threads,
                         max_queued=args.max_inflight, address=args.ray_address)
     opts = ServerOptions.build(
         orchestrator=orchestrator, served_model_name=args.served_model_name, host=args.host, port=args.port,
         keys_file=args.keys, max_n=args.max_n, ray_metrics_port=args.ray_metrics_port, log_level=args.log_level,
-        access_log=args.access_log, direct_ingress=not args.serve_proxy,
+        access_log=args.access_log, direct_ingress=not args.serve_proxy, max_body_mb=args.max_body_mb,
+        capsule_quota=_unless_negative(args.capsule_quota), capsule_quota_mb=_unless_negative(args.capsule_quota_mb),
         **({} if args.max_tokens is None else {"max_tokens": args.max_tokens}))
     return serve_forever(opts)
 

@@ -3,8 +3,9 @@
 One engine on the default model with a disk_dir; the rules open, append, snapshot, restore, restore in
 place, fork and close sessions, and delete, pin, unpin, promote, demote, prefetch, set budgets (random, a
 few capsules wide, so the gpu -> host -> disk -> dropped cascade and its background disk writes run),
-flush, save, load, update the weights (two weight sets in turn, a new version each time), re-derive
-stale sessions, rebuild stale capsules, and crash. A crash closes the store without flushing (its
+flush, save, load, update the weights (one of three weight sets, named by the caller or not: the same
+bytes may come back under a new version, and after a crash other bytes under an old version number),
+re-derive stale sessions, rebuild stale capsules, and crash. A crash closes the store without flushing (its
 background writes are cancelled, as a dead process's would be), leaves a temp file of a dead writer
 behind, sometimes damages one capsule file of the disk tier, and starts a new engine on the same disk_dir
 (its configured weights, version 0), whose store indexes what is there at start.
@@ -19,8 +20,9 @@ Invariants, after every step:
 - listing == files on disk == what restores: every capsule file is a disk-tier capsule, after a flush the
   disk tier is exactly the files, and every restore (and every capsule's bytes) equals, bitwise, what was
   snapshotted;
-- weight versions never mix: a capsule restores only under the weights version that made it (else
-  StaleCapsuleError, changing nothing), a session open across an update is refused (StaleSessionError)
+- weight versions never mix: a capsule restores only under the weights that made it: a fingerprint the
+  engine runs names those very weights (the ground truth: which weight set computed it), across crashes
+  whatever the version counter says, and any other capsule is StaleCapsuleError, changing nothing; a session open across an update is refused (StaleSessionError)
   until re-derived, and a re-derived session or a rebuilt capsule equals a cold prefill of its tokens
   under the current weights, bitwise; across a restart a damaged file is set aside with a typed record,
   never indexed, and every other durable capsule comes back.
@@ -66,15 +68,20 @@ def dead_pid() -> int:
     return p.pid
 
 
+WEIGHT_SETS = ("configured", "A", "B")
+
+
 @dataclass(frozen=True)
 class Expect:
-    """What a capsule must restore to: its tokens, the next-token logits and its tensors' checksum, and
-    the weights version that made it (only that version restores it)."""
+    """What a capsule must restore to: its tokens, the next-token logits and its tensors' checksum; the
+    fingerprint it was made under (only an engine running that one restores it) and the weight set that
+    computed it (an engine whose fingerprint matches must run that set)."""
 
     tokens: tuple[int, ...]
     logits: torch.Tensor
     checksum: str
-    version: int = 0
+    fingerprint: str
+    weights: str
 
 
 class CapsuleMachine(RuleBasedStateMachine):
@@ -91,10 +98,10 @@ class CapsuleMachine(RuleBasedStateMachine):
         self.pinned: set[str] = set()
         self.saves: list[tuple[Path, dict[str, Expect]]] = []
         self.dropped = self.engine.store.stats()["dropped"]
-        # the engine's weights now, and the other set: the configured weights at even versions, a nudged copy
-        # of them at odd ones (so a version names the same weights before and after a restart)
-        self.configured = {k: v.clone() for k, v in self.engine.model_weights.items()}
-        self.weights = [self.configured, None]
+        # three weight sets (the configured ones and two nudged copies, made on first use) and the one the
+        # engine runs now: the ground truth a capsule's fingerprint is checked against
+        self.weight_sets = {"configured": {k: v.clone() for k, v in self.engine.model_weights.items()}}
+        self.running = "configured"
         s = self.engine.open()
         s.append(list(range(1, 41)))
         self.unit = s.snapshot("probe", tier="host").nbytes  # a typical capsule's bytes: budgets are multiples
@@ -147,7 +154,7 @@ class CapsuleMachine(RuleBasedStateMachine):
 
     def _expect_from(self, session, name: str) -> Expect:
         checksum = tensors_checksum(self.store.get(name)[1])
-        return Expect(tuple(session.tokens), session.logits().clone(), checksum, self.engine.weights_version)
+        return Expect(tuple(session.tokens), session.logits().clone(), checksum, self.engine.fingerprint, self.running)
 
     def _free_slot(self, keep=None) -> None:
         """Close a session (never `keep`) when every slot is taken."""
@@ -167,12 +174,17 @@ class CapsuleMachine(RuleBasedStateMachine):
             s.close()
 
     def _current(self, name: str) -> bool:
-        return self.model[name].version == self.engine.weights_version
+        exp = self.model[name]
+        if exp.fingerprint != self.engine.fingerprint:
+            return False
+        assert exp.weights == self.running, (f"capsule {name} of weights {exp.weights} has the fingerprint of the "
+                                             f"running weights {self.running}: it would restore as theirs")
+        return True
 
     def _check_restore(self, name: str) -> None:
         if not self._current(name):  # made under other weights: refused, and nothing changes
             ok, _ = self._try(self.engine.restore, name)
-            assert not ok, f"stale capsule {name} restored under weights version {self.engine.weights_version}"
+            assert not ok, f"stale capsule {name} restored under {self.engine.fingerprint}"
             FIGURES["stale_refused"] += 1
             return
         ok, r = self._try(self.engine.restore, name)
@@ -189,7 +201,8 @@ class CapsuleMachine(RuleBasedStateMachine):
         FIGURES["restores_checked"] += 1
 
     def _check_files(self, exact: bool) -> None:
-        disk_tier = {capsule_file_name(i.namespace, i.name) for i in self.store.list() if i.tier == "disk"}
+        # the disk tier's capsules, and the files kept of those promoted out of it (promotion copies)
+        disk_tier = {capsule_file_name(i.namespace, i.name) for i in self.store.list() if i.on_disk}
         files = {p.name for p in list_capsule_files(self.disk)}
         assert files <= disk_tier, f"capsule files the index does not hold: {files - disk_tier}"
         if exact:
@@ -328,18 +341,20 @@ class CapsuleMachine(RuleBasedStateMachine):
             self.model.update(saved)
 
     # -- weights ------------------------------------------------------------------------------------------
-    @rule(roll=st.integers(0, 1))
-    def update_weights(self, roll):
-        """New weights in place (the other of two sets: every update is a real change), a new version."""
+    @rule(roll=st.integers(0, 1), which=st.sampled_from(WEIGHT_SETS), named=st.booleans())
+    def update_weights(self, roll, which, named):
+        """New weights in place, a new version: one of three sets (the running one again, too), named by the
+        caller (the same name for the same set, as an orchestrator re-applying an update does) or not."""
         if roll:
             return
         FIGURES["operations"] += 1
-        if self.weights[1] is None:
-            g = torch.Generator().manual_seed(3)
-            self.weights[1] = {k: v + 0.05 * v.abs().mean() * torch.randn(v.shape, generator=g)
-                               for k, v in self.weights[0].items()}
-        version = self.engine.update_weights(self.weights[1])
-        self.weights.reverse()
+        if which not in self.weight_sets:
+            g = torch.Generator().manual_seed(WEIGHT_SETS.index(which))
+            base = self.weight_sets["configured"]
+            self.weight_sets[which] = {k: v + 0.05 * v.abs().mean() * torch.randn(v.shape, generator=g)
+                                       for k, v in base.items()}
+        version = self.engine.update_weights(self.weight_sets[which], identity=f"set-{which}" if named else None)
+        self.running = which
         assert version == self.engine.weights_version and all(s.stale for s in self.sessions if s.tokens)
         FIGURES["weight_updates"] += 1
 
@@ -368,7 +383,8 @@ class CapsuleMachine(RuleBasedStateMachine):
         if ref is not None:
             tokens = self.model[name].tokens
             checksum = tensors_checksum(self.store.get(name)[1])
-            self.model[name] = Expect(tokens, self._cold_logits(tokens), checksum, self.engine.weights_version)
+            self.model[name] = Expect(tokens, self._cold_logits(tokens), checksum, self.engine.fingerprint,
+                                      self.running)
             self._check_restore(name)  # a cold prefill under the current weights, bitwise
             FIGURES["rebuilt"] += 1
 
@@ -390,7 +406,7 @@ class CapsuleMachine(RuleBasedStateMachine):
             self._try(self.store.demote, sorted(self.model)[0], "disk")
         if flushed:
             self.store.flush()
-        on_disk = {i.name for i in self.store.list() if i.tier == "disk"}
+        on_disk = {i.name for i in self.store.list() if i.on_disk}
         stray = self.disk / f".{capsule_file_name('default', 'z')}.tmp-{self.dead_pid}@{host_id()}-{'ab' * 8}"
         stray.write_bytes(b"half a capsule")  # a writer killed mid-write
         self.store.close(flush=False)
@@ -417,12 +433,18 @@ class CapsuleMachine(RuleBasedStateMachine):
         assert ok and n == 0
         self.model = {name: self.model[name] for name in back}
         self.pinned = set()
-        if self.weights[0] is not self.configured:  # the new process runs its configured weights, version 0
-            self.weights.reverse()
+        self.running = "configured"  # the new process runs its configured weights, version 0
         self.dropped = self.store.stats()["dropped"]
         FIGURES["crashes_survived"] += 1
         FIGURES["crashes_with_disk_capsules"] += bool(durable)
         FIGURES["damaged_files_set_aside"] += bool(damaged)
+
+    @rule(which=st.sampled_from(WEIGHT_SETS), named=st.booleans(), damage=st.integers(0, 1))
+    def restart_and_update(self, which, named, damage):
+        """An RL job restarting from a checkpoint: the process dies after its writes are durable, and the
+        new one takes weights at once, often other ones under the version number the old capsules carry."""
+        self.crash(True, 0, 1 + damage)  # flushed, never skipped, not damaged
+        self.update_weights(0, which, named)
 
     # -- invariants -------------------------------------------------------------------------------------------
     @invariant()

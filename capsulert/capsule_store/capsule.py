@@ -51,17 +51,34 @@ def _is_num(v: object) -> bool:
         return False
 
 
-WEIGHTS_MARK = "@w"  # fingerprint = "<model>" for the loaded weights, "<model>@w<N>" after N weight updates
+# fingerprint = "<model>" for the loaded weights, "<model>@w<identity>.<N>" after weight updates: the identity
+# names the update (random per update, or the one an orchestrator gave every worker), so capsules of other
+# weights are stale whatever the counter N says, across processes and restarts (counters start at 0 in each)
+WEIGHTS_MARK = "@w"
 
 
 def model_of(fingerprint: str) -> str:
-    """The model part of a fingerprint (which weights version made it aside)."""
+    """The model part of a fingerprint (which weights made it aside)."""
     return fingerprint.split(WEIGHTS_MARK, 1)[0]
 
 
+def weights_fingerprint(model: str, identity: str, version: int) -> str:
+    """The fingerprint of weights `identity` (version `version` of this process) of `model`."""
+    return f"{model_of(model)}{WEIGHTS_MARK}{identity}.{version}"
+
+
 def weights_version_of(fingerprint: str) -> int:
+    """The weights version a fingerprint names (0: the loaded weights); files of the old "<model>@w<N>"
+    form read as N."""
     _, _, v = fingerprint.partition(WEIGHTS_MARK)
+    v = v.rpartition(".")[2]
     return int(v) if v.isdigit() else 0
+
+
+def weights_identity_of(fingerprint: str) -> str:
+    """The weights identity a fingerprint names ("" for the loaded weights)."""
+    _, _, v = fingerprint.partition(WEIGHTS_MARK)
+    return v.rpartition(".")[0]
 
 
 @dataclass(frozen=True)
@@ -206,6 +223,9 @@ class CapsuleInfo:
     last_used: float
     own_nbytes: int | None = None  # None: held whole (meta.nbytes)
     blocks: int = 0
+    # its file is in disk_dir: a disk-tier capsule, or one promoted out of disk (promotion copies; the file,
+    # counted in the disk tier's bytes, stays until a delete, a drop or disk budget pressure removes it)
+    on_disk: bool = False
 
     @property
     def name(self) -> str:

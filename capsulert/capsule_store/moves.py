@@ -25,7 +25,7 @@ from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.capsule_store.format.blockfiles import stage_block
 from capsulert.capsule_store.format.disk import read_capsule_parts, stage_capsule
 from capsulert.capsule_store.format.staging import StagedWrite, fsync_dir
-from capsulert.capsule_store.plan import Entry, Key, Plan
+from capsulert.capsule_store.plan import DROP_DISK_COPY, Entry, Key, Plan
 from capsulert.capsule_store.tiers import MEMORY_TIERS, RANK, TierBook, pkey
 from capsulert.capsule_store.transfer import Run, copy_tensors
 from capsulert.errors import BudgetExceededError
@@ -214,7 +214,9 @@ class Mover:
         if dest is None:
             self.drop(key, e)
             return
-        if dest == "disk":
+        if dest == "disk" and e.disk_copy:  # its file is there still: the memory copy goes, nothing is written
+            e.tensors, e.event, e.pending, e.held = None, None, None, None
+        elif dest == "disk":
             self._tiers.ref("disk", e)
             try:
                 if staged is not None:  # a write the caller asked for: durable before the verb returns
@@ -232,9 +234,15 @@ class Mover:
                 own, wait, blocks = e.tensors, e.event, self._held_blocks(e)
             self.materialize(e, dest, own, wait, blocks)
             if src == "disk":
-                self._forget_file(e)
+                if e.pending is None and e.path is not None:
+                    # a copy: the durable file stays until a delete or a drop (the disk tier survives restarts)
+                    e.disk_copy = True
+                else:  # its background write had not finished: cancelled, as the capsule is in memory again
+                    self._forget_file(e)
                 e.held = None
         self._tiers.moved(key, e, dest)
+        if dest == "disk":
+            e.disk_copy = False
 
     def have(self, tier: str, e: Entry) -> frozenset:
         """e's blocks that memory tier `tier` holds already (not read from disk again)."""
@@ -242,8 +250,17 @@ class Mover:
 
     def apply(self, plan: Plan, preloaded: dict | None = None, staged: dict | None = None) -> None:
         for key, dest in plan.actions:
-            self._move(key, dest, (preloaded or {}).get(key), (staged or {}).get(key) if dest == "disk" else None)
+            if dest != DROP_DISK_COPY:
+                self._move(key, dest, (preloaded or {}).get(key), (staged or {}).get(key) if dest == "disk" else None)
+        for key, dest in plan.actions:  # after the moves: a capsule the plan promotes out of disk has its copy now
+            if dest == DROP_DISK_COPY:
+                self._drop_disk_copy(self._tiers.entries.get(key))
         self.collect()
+
+    def _drop_disk_copy(self, e: Entry | None) -> None:
+        if e is not None and e.disk_copy:  # (a capsule the plan dropped later took its copy with it)
+            self._forget_file(e)
+            self._tiers.forget_disk_copy(e)
 
     def acquire(self, key: Key, e: Entry) -> tuple[Parts, str]:
         """Device tensors of a capsule for reading (promoting it to gpu when that tier is usable), and the

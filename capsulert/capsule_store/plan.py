@@ -14,6 +14,8 @@ from capsulert.capsule_store.writer import DiskJob
 
 Key = tuple[str, str]  # (namespace, name); an anonymous prefix entry's name starts with ANON (never a valid name)
 ANON = "#"
+# a plan action's destination that removes a capsule's disk copy (Entry.disk_copy) and leaves it where it is
+DROP_DISK_COPY = "drop disk copy"
 
 
 @dataclass(eq=False)  # mutable on purpose: the store updates it in place under its lock as the capsule moves
@@ -31,6 +33,9 @@ class Entry:
     blocks: BlockRefs | None = None  # the prefix blocks it references (None: held whole in `tensors`)
     anonymous: bool = False  # a prefix-cache entry (no name a caller can use; never listed)
     held: dict[str, Any] | None = None  # key -> (tensors, event) of its blocks while its disk write is pending
+    # in a memory tier, its file in disk_dir kept (a promotion out of disk copies, never moves): `path` and
+    # its disk block references stay, counted in the disk tier, until a delete or a drop removes them
+    disk_copy: bool = False
 
     @property
     def own_nbytes(self) -> int:

@@ -179,7 +179,7 @@ class CapsuleStore:
 
     def _info(self, e: Entry) -> CapsuleInfo:
         return CapsuleInfo(e.meta, e.tier, e.pinned, e.last_used, own_nbytes=e.own_nbytes,
-                           blocks=len(e.block_keys))
+                           blocks=len(e.block_keys), on_disk=e.tier == "disk" or e.disk_copy)
 
     def info(self, name: str, namespace: str = DEFAULT_NAMESPACE) -> CapsuleInfo:
         with self._lock:
@@ -233,7 +233,8 @@ class CapsuleStore:
             if e.readers:
                 raise CapsuleInUseError(f"capsule {name!r} is being read; demote it after the restore ends")
             plan = self._tiers.plan_to(key, tier)
-            staged = {key: self._mover.stage_entry(e)} if tier == "disk" else None  # written before any move
+            # written before any move (a capsule promoted out of disk has its file there still)
+            staged = {key: self._mover.stage_entry(e)} if tier == "disk" and not e.disk_copy else None
             try:
                 self._mover.apply(plan, staged=staged)
             except BaseException:

@@ -28,7 +28,7 @@ from pathlib import Path
 from capsulert.capsule_store.block_pool import BlockPool, BlockRecord
 from capsulert.capsule_store.blocks import BlockLayout
 from capsulert.protocol.names import validate_name
-from capsulert.capsule_store.plan import Entry, Key, Plan
+from capsulert.capsule_store.plan import DROP_DISK_COPY, Entry, Key, Plan
 from capsulert.capsule_store.prefix_index import PrefixIndex
 from capsulert.errors import (BudgetExceededError, CapsuleError, ConfigError, DuplicateCapsuleError,
                               UnknownCapsuleError)
@@ -134,11 +134,20 @@ class TierBook:
         self.index.add(key, e)
 
     def forget(self, key: Key, e: Entry) -> None:
-        """Take an entry out of the books (its tier's block references are dropped by the caller)."""
+        """Take an entry out of the books (its tier's block references are dropped by the caller; those of
+        its disk copy here)."""
         del self.entries[key]
         self.used[e.tier] -= e.own_nbytes
+        self.forget_disk_copy(e)
         self.policy_of(e).on_remove(pkey(key))
         self.index.remove(key, e)
+
+    def forget_disk_copy(self, e: Entry) -> None:
+        """Take e's disk copy out of the books (its file is unlinked by the caller)."""
+        if e.disk_copy:
+            self.unref("disk", e)
+            self.used["disk"] -= e.own_nbytes
+            e.disk_copy = False
 
     def ref(self, tier: str, e: Entry) -> None:
         """e references each of its blocks in `tier` (the disk tier records a block it lacks, no file yet)."""
@@ -153,12 +162,16 @@ class TierBook:
             self.used[tier] -= self.pools[tier].unref(k, e.anonymous)
 
     def moved(self, key: Key, e: Entry, dest: str) -> None:
-        """Book e's move from its tier to `dest` (its block references in `dest` are taken already)."""
+        """Book e's move from its tier to `dest` (its block references in `dest` are taken already). With
+        e.disk_copy the disk tier keeps counting it: a promotion out of disk leaves its file there, and a
+        demotion back to disk finds it there."""
         src, n = e.tier, e.own_nbytes
-        self.unref(src, e)
+        if not (src == "disk" and e.disk_copy):
+            self.unref(src, e)
+            self.used[src] -= n
         e.tier = dest
-        self.used[src] -= n
-        self.used[dest] += n
+        if not (dest == "disk" and e.disk_copy):
+            self.used[dest] += n
         self.counters["promotions" if RANK[dest] < RANK[src] else "demotions"] += 1
         self.policy_of(e).on_move(pkey(key), dest)
 
@@ -194,6 +207,8 @@ class TierBook:
         budget = self.budgets[tier]
         if budget is None or plan.used[tier] <= budget:
             return
+        if tier == "disk" and not anon_only and self._drop_disk_copies(plan):
+            return
         for policy in (self.anon_policy,) if anon_only else (self.anon_policy, self.policy):
             if self._evict(plan, tier, protect, policy):
                 return
@@ -226,6 +241,23 @@ class TierBook:
                 if plan.used[tier] <= budget:  # type: ignore[operator]
                     return True
 
+    def _drop_disk_copies(self, plan: Plan) -> bool:
+        """Plan removing the disk copies of capsules held (or promoted by this plan) in memory, unpinned ones
+        first, least recently used first, until the disk tier fits: memory holds the capsule, so nothing is
+        lost but the file that would outlive a restart. Whether it fits."""
+        budget = self.budgets["disk"]
+        dropped = {k for k, d in plan.actions if d == DROP_DISK_COPY}
+        copies = [(e.pinned, e.last_used, key) for key, e in self.entries.items()
+                  if (e.disk_copy or e.tier == "disk") and key not in dropped
+                  and plan.where.get(key, e.tier) in MEMORY_TIERS]
+        for _, _, key in sorted(copies):
+            e = self.entries[key]
+            plan.leave("disk", e.own_nbytes, e.blocks)
+            plan.actions.append((key, DROP_DISK_COPY))
+            if plan.used["disk"] <= budget:  # type: ignore[operator]
+                return True
+        return False
+
     def _plan_victim(self, plan: Plan, key: Key, tier: str, protect: frozenset) -> None:
         e = self.entries[key]
         for dest in () if e.anonymous else TIERS[RANK[tier] + 1:]:
@@ -244,10 +276,17 @@ class TierBook:
         plan.actions.append((key, None))
 
     def _book(self, plan: Plan, key: Key, src: str, dest: str | None) -> None:
+        """Book a move in `plan`. A capsule's file stays in disk_dir while it is anywhere (Entry.disk_copy):
+        leaving disk for memory frees no disk bytes, and going back to disk costs none."""
         e = self.entries[key]
         plan.where[key] = dest
-        plan.leave(src, e.own_nbytes, e.blocks)
-        if dest is not None:
+        copy = e.disk_copy and (key, DROP_DISK_COPY) not in plan.actions
+        has_file = src == "disk" or copy
+        if src != "disk" or dest is None:
+            plan.leave(src, e.own_nbytes, e.blocks)
+        if dest is None and copy:
+            plan.leave("disk", e.own_nbytes, e.blocks)
+        if dest is not None and not (dest == "disk" and has_file):
             plan.enter(dest, e.own_nbytes, e.blocks)
 
     def plan_to(self, key: Key, dest: str) -> Plan:

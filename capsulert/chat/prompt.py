@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from capsulert.chat.special_text import SpecialText
 from capsulert.protocol.conversation import ChatPrompt
 from capsulert.errors import InvalidRequestError
 from capsulert.protocol.tokens import check_text
@@ -17,6 +18,7 @@ class ChatRenderer:
     def __init__(self, model_dir: Path | None, tokenizer, eos_token: str | None = None):
         self.model_dir, self.tokenizer, self.eos_token = model_dir, tokenizer, eos_token
         self._template = None
+        self._special = None
 
     @property
     def template(self):
@@ -42,5 +44,8 @@ class ChatRenderer:
         (a BOS among them, if any), so none is added (as transformers does)."""
         if self.tokenizer is None:
             raise InvalidRequestError("the model has no tokenizer: a chat prompt cannot be encoded")
+        if self._special is None:
+            self._special = SpecialText(self.tokenizer)
+        prompt, hidden = self._special.hide(prompt)  # client text never becomes a special token (special_text.py)
         text = self.text(prompt)
-        return self.tokenizer.encode(check_text(text), add_special_tokens=False).ids if text else []
+        return self._special.encode(check_text(text), hidden) if text else []

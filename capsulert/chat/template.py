@@ -96,7 +96,7 @@ class ChatTemplate:
         """The prompt text of a conversation; a template that refuses it (raise_exception, a missing
         variable it requires) is an InvalidRequestError carrying the template's message."""
         try:
-            context = {**self.special_tokens, **variables}  # a request's variables may override a token
+            context = {**variables, **self.special_tokens}  # the checkpoint's tokens, never a request's
             return self.compiled.render(context, messages=messages, add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template: {e}") from None

@@ -37,7 +37,15 @@ class ToolCall:
 
 
 def parse_call(body: str) -> ToolCall | None:
-    """The call a block's body holds, or None when it is not a call."""
+    """The call a block's body holds, or None when it is not a call (nor is one nested past what json reads
+    without recursing too deep: ~1,200 levels used to raise RecursionError, an HTTP 500)."""
+    try:
+        return _parse_call(body)
+    except RecursionError:
+        return None
+
+
+def _parse_call(body: str) -> ToolCall | None:
     body = body.strip()
     if body.startswith("{"):
         try:

@@ -22,7 +22,12 @@ from capsulert.protocol.sampling import DEFAULT_MAX_TOKENS
 # - max_queued: the generation requests in flight, running or queued for sessions, before one more is refused
 #   with 429 and Retry-After. A request waits in the admission queue for all of its sessions (bounded by this,
 #   not by time), so the engine's slot_wait_s is only a backstop for a worker busier than the rest.
-SERVER_ORCHESTRATOR_DEFAULTS: dict[str, Any] = {"engine": {"prefix_cache": True}, "call_timeout_s": 600.0, "max_queued": 256}
+# - engine.capsule_budgets: clients make capsules; unbounded tiers let one key grow a worker's memory without limit
+#   (150 capsules: 580 -> 1,708 MB), so a server's tiers have budgets (MB; `serve --device-budget-mb` etc.)
+SERVER_TIER_BUDGETS_MB = {"gpu": 4096, "host": 16384, "disk": 65536}
+SERVER_ORCHESTRATOR_DEFAULTS: dict[str, Any] = {
+    "engine": {"prefix_cache": True, "capsule_budgets": {t: mb << 20 for t, mb in SERVER_TIER_BUDGETS_MB.items()}},
+    "call_timeout_s": 600.0, "max_queued": 256}
 
 
 class ServerOptions(BaseModel):
@@ -46,6 +51,9 @@ class ServerOptions(BaseModel):
         "Ray's metrics agent collects and exports none, and the server's GET /metrics has capsulert's. (Ray's "
         "autoscaler and dashboard processes serve a few metrics of their own on ports 44217 and 44227 whenever "
         "prometheus_client is installed, as it is here; Ray has no setting that turns those off)"))
+    max_body_mb: float = Field(8.0, gt=0, description="largest request body (MB); a larger one is refused with 413")
+    capsule_quota: int | None = Field(1000, ge=0, description="capsules per tenant (namespace); None: no quota")
+    capsule_quota_mb: int | None = Field(None, ge=0, description="MB of capsules per tenant; None: no quota")
     stats_interval_s: float = Field(5.0, gt=0, description="how often the queue-depth gauge polls the workers")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     access_log: bool = False
@@ -93,6 +101,10 @@ class ServerOptions(BaseModel):
         if model.startswith(RANDOM_PREFIX):
             return "random-" + Path(model[len(RANDOM_PREFIX):]).stem
         return Path(model).resolve().name
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * (1 << 20))
 
     @property
     def largest_n(self) -> int:

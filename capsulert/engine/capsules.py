@@ -35,7 +35,8 @@ from typing import Mapping, NamedTuple
 import torch
 
 from capsulert.capsule_store.blocks import BlockLayout
-from capsulert.capsule_store.capsule import CapsuleMeta, CapsuleRef, TensorSpec, model_of, weights_version_of
+from capsulert.capsule_store.capsule import (
+    CapsuleMeta, CapsuleRef, TensorSpec, model_of, weights_identity_of, weights_version_of)
 from capsulert.capsule_store.prefix_index import PrefixMatch
 from capsulert.capsule_store.store import CapsuleStore
 from capsulert.engine.prefix_reuse import PrefixCache
@@ -96,6 +97,11 @@ def open_store(runner: ModelRunner) -> CapsuleStore:
         prefix_policy=cfg.prefix_policy,
         prefix_bytes=cfg.prefix_cache_bytes if cfg.prefix_cache else 0,
     )
+
+
+def _named(identity: str) -> str:
+    """", identity X" for a fingerprint's weights identity, nothing for the loaded weights."""
+    return f", identity {identity}" if identity else ""
 
 
 class CapsuleVerbs:
@@ -172,8 +178,10 @@ class CapsuleVerbs:
         runner = self.runner
         if meta.fingerprint != runner.fingerprint and model_of(meta.fingerprint) == model_of(runner.fingerprint):
             raise StaleCapsuleError(
-                f"capsule {meta.name!r} was made under weights version {weights_version_of(meta.fingerprint)}; "
-                f"the engine runs version {runner.weights_version}: rebuild it (engine.rebuild({meta.name!r}))")
+                f"capsule {meta.name!r} was made under other weights (weights version "
+                f"{weights_version_of(meta.fingerprint)}{_named(weights_identity_of(meta.fingerprint))}); the "
+                f"engine runs version {runner.weights_version}{_named(weights_identity_of(runner.fingerprint))}: "
+                f"rebuild it (engine.rebuild({meta.name!r}))")
         if meta.fingerprint != runner.fingerprint:
             raise IncompatibleCapsuleError(
                 f"capsule {meta.name!r} was made by model {meta.fingerprint[:16]}…, this engine runs {runner.fingerprint[:16]}…"
@@ -273,6 +281,8 @@ class CapsuleVerbs:
                 self.prefix.closing(s)
                 self.table.release(s)
             raise
+        for s, (tier, _) in zip(sessions, read):
+            self.table.restored(s, tier)
         return Restored(sessions, read[0][0])
 
     def _replay(self, items: list[tuple[Session, Replay]]) -> None:

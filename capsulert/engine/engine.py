@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 from pydantic import ValidationError
 
-from capsulert.capsule_store.capsule import WEIGHTS_MARK, model_of
+from capsulert.capsule_store.capsule import weights_fingerprint, weights_identity_of
 from capsulert.chat.prompt import ChatRenderer
 from capsulert.config.engine import RANDOM_PREFIX, EngineConfig
 from capsulert.config.model import ModelConfig
@@ -40,8 +40,8 @@ from capsulert.engine.session import Session
 from capsulert.engine.session_table import SessionTable
 from capsulert.engine.stops import eos_ids_from_checkpoint
 from capsulert.engine.token_codec import TokenCodec
-from capsulert.engine.weights import check_update, read_update
-from capsulert.errors import ConfigError, InvalidRequestError, WeightUpdateError
+from capsulert.engine.weights import check_update, read_update, update_identity
+from capsulert.errors import ConfigError, InvalidRequestError, NoFreeSlotError, WeightUpdateError
 from capsulert.progress import progress_bar
 from capsulert.protocol.names import DEFAULT_NAMESPACE
 from capsulert.protocol.requests import Fork, Open, Restore, Snapshot
@@ -291,12 +291,16 @@ class Engine:
             return [st.result for st in streams]
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, weights, *, rebuild_pinned: bool = False, version: int | None = None) -> int:
+    def update_weights(self, weights, *, rebuild_pinned: bool = False, version: int | None = None,
+                       identity: str | None = None) -> int:
         """Replace the model's weights in place (a mapping of HF names to tensors, or a checkpoint
         directory); returns the new weights version. Checked in full before the first byte is copied
         (WeightUpdateError, engine unchanged); the buffers stay the same, so captured graphs stay valid.
-        Capsules made before are stale (StaleCapsuleError on restore) until rebuilt; rebuild_pinned=True
-        rebuilds the pinned ones now (RL start capsules). `version` sets the new version instead of the
+        Capsules made under other weights (by this process or any other) are stale (StaleCapsuleError on
+        restore) until rebuilt: the fingerprint names the weights by `identity` (engine/weights.py:
+        update_identity; default a digest of a checkpoint directory, random for tensors), never by the
+        counter alone. rebuild_pinned=True rebuilds the pinned ones now (RL start capsules); it needs a free
+        slot, checked before anything changes (NoFreeSlotError). `version` sets the new version instead of the
         next one (a restarted worker catching up with its peers); it must be above the current one."""
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)
                                     or version <= self.weights_version):
@@ -304,14 +308,23 @@ class Engine:
                                     f"{self.weights_version}, got {version!r}")
         new = check_update(self.model_weights, read_update(weights, self.model_cfg, self.dtype, self.config.progress),
                            self.model_cfg.tie_word_embeddings)
+        identity = update_identity(weights, identity)
         with self.lock:
+            if rebuild_pinned and not self.table.free_slots and any(i.pinned for i in self.store.list()):
+                raise NoFreeSlotError("rebuild_pinned needs a free slot to re-derive the pinned capsules and every "
+                                      f"one of the {self.config.slots} is held; the weights are unchanged")
             version = self.weights_version + 1 if version is None else version
-            self.runner.replace_weights(new, f"{model_of(self.fingerprint)}{WEIGHTS_MARK}{version}", version)
+            self.runner.replace_weights(new, weights_fingerprint(self.fingerprint, identity, version), version)
             if rebuild_pinned:
                 for info in self.store.list():
                     if info.pinned:
                         self.rebuild(info.name, info.namespace)
             return self.weights_version
+
+    @property
+    def weights_identity(self) -> str:
+        """The identity of the weights the engine runs ("" for those it loaded)."""
+        return weights_identity_of(self.fingerprint)
 
     def rederive(self, session: Session) -> int:
         """Recompute a session's state from its tokens under the current weights (a stale one, open across

@@ -42,6 +42,7 @@ class Session:
         # the weights version the slot's state was computed under: an update_weights makes the session stale
         # (its state mixes nothing: every verb but close, restore and rederive refuses it)
         self.weights_version = weights_version
+        self.restored_from: str | None = None  # the tier a restore or fork that made it read the capsule from
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from capsulert.engine.runner import ModelRunner, decode_groups
 from capsulert.engine.session import Session
-from capsulert.errors import ExceedsCapacityError, ForeignSessionError, NoFreeSlotError
+from capsulert.errors import ExceedsCapacityError, ForeignSessionError, NoFreeSlotError, StaleSessionError
 
 
 class SessionTable:
@@ -87,6 +87,17 @@ class SessionTable:
         session.tokens = list(tokens)
         session.decoded_from, session.tail_end = decoded_from, tail_end
         session.weights_version = self.runner.weights_version
+
+    def restored(self, session: Session, tier: str) -> None:
+        """A new session a restore or fork made: the tier it read the capsule from."""
+        session.restored_from = tier
+
+    def forget_state(self, session: Session, tokens: list[int]) -> None:
+        """A stale session's token list set to `tokens` (a prefill an update landed in, undone): its state is
+        not read again before rederive, restore or close replaces all of it."""
+        if not session.stale:
+            raise StaleSessionError(f"session {session.id} is current; only a stale session's tokens are reset")
+        session.tokens, session.decoded_from, session.tail_end = list(tokens), None, None
 
     def empty(self, session: Session) -> list[int]:
         """Empty the session's slot under the current weights (rederive, truncate); the tokens it held."""

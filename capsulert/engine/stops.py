@@ -16,6 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Callable, Sequence
 
+from capsulert.errors import InvalidRequestError
 from capsulert.protocol.sampling import SamplingParams
 
 # a byte-level BPE token can end inside a UTF-8 character; the decoder shows it as U+FFFD until the rest
@@ -85,7 +86,11 @@ class StopRule:
     """EOS and stop token ids, and the length limit. Stop strings are matched where the stream's text is
     held back (HeldText): the stream tells check whether one matched."""
 
-    def __init__(self, params: SamplingParams, eos_ids: Sequence[int], max_new_tokens: int):
+    def __init__(self, params: SamplingParams, eos_ids: Sequence[int], max_new_tokens: int,
+                 vocab_size: int | None = None):
+        outside = [t for t in params.stop_token_ids if vocab_size is not None and not 0 <= t < vocab_size]
+        if outside:  # a stop id the model can never sample: a mistake, not a rule that never fires
+            raise InvalidRequestError(f"stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab_size})")
         self.ids = {} if params.ignore_eos else {t: "eos" for t in eos_ids}
         self.ids.update({t: "stop_token" for t in params.stop_token_ids if t not in self.ids})
         self.max_new = max_new_tokens

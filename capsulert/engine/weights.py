@@ -1,12 +1,14 @@
 """New weights for a running engine (RL weight sync): checked like a checkpoint load, then copied into the
 buffers the model already reads, so captured CUDA graphs and every data pointer stay valid.
 
-Each update bumps the engine's weights version, which its fingerprint carries ("<model>@w<N>"): capsules
-made under older weights are refused with StaleCapsuleError until rebuilt (Engine.rebuild re-prefills a
-capsule's own tokens under the new weights).
+Each update bumps the engine's weights version and gives the weights an identity (update_identity), which
+its fingerprint carries ("<model>@w<identity>.<N>"): capsules made under other weights, in this process or
+any earlier one, are refused with StaleCapsuleError until rebuilt (Engine.rebuild re-prefills a capsule's
+own tokens under the new weights).
 """
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Mapping
 
@@ -69,3 +71,27 @@ def check_update(current: Mapping[str, torch.Tensor], new: Mapping[str, torch.Te
             raise WeightUpdateError(f"{name} holds {bad} NaN or infinite value(s); a model with them samples "
                                     "garbage (NaN logprobs), so the update is refused")
     return new
+
+
+IDENTITY_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-_")
+MAX_IDENTITY_CHARS = 64
+
+
+def update_identity(source, identity: str | None) -> str:
+    """The identity of the weights an update installs, carried in the engine's fingerprint (and so in every
+    capsule made under them): `identity` when the caller names one (an orchestrator gives every worker the
+    same, and the same again to a restarted one), else the content digest of a checkpoint directory (the
+    checkpoint fingerprint, cached: re-applying a checkpoint after a restart makes its capsules current
+    again, which they are, bitwise), else a random one (tensors in memory: hashing them would cost a copy
+    of every weight per update). Never a counter: counters restart at 0 in every process."""
+    if identity is not None:
+        if not isinstance(identity, str) or not 0 < len(identity) <= MAX_IDENTITY_CHARS \
+                or not set(identity) <= IDENTITY_CHARS:
+            raise WeightUpdateError(f"identity must be 1 to {MAX_IDENTITY_CHARS} letters, digits, '-' or '_', "
+                                    f"got {identity!r:.80}")
+        return identity
+    if isinstance(source, (str, Path)):
+        from capsulert.engine.fingerprint import checkpoint_fingerprint
+
+        return "sha-" + checkpoint_fingerprint(source)[:32]
+    return "rnd-" + secrets.token_hex(12)

@@ -4,7 +4,8 @@ notice can take under load.
 
 A watch belongs to one process (its pid): a restarted worker gets a new watch, and an end seen after the
 worker moved on to a new process is ignored by the pool. A worker whose lifeline cannot be reached (a
-firewall between nodes, say) is still watched by Ray: the watch logs that once and sees nothing.
+firewall between nodes, say) is still watched by Ray: the watch logs that once and sees nothing. The watch
+first sends the process's secret (its Ping's `lifeline_token`): the worker holds only connections that do.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ class ProcessExited(Exception):
 
 
 class ProcessWatch:
-    def __init__(self, worker: int, pid: int, address: tuple[str, int], on_exit: Callable[[int, int], None]):
-        self.worker, self.pid = worker, pid
+    def __init__(self, worker: int, pid: int, address: tuple[str, int], on_exit: Callable[[int, int], None],
+                 token: bytes):
+        self.worker, self.pid, self._token = worker, pid, token
         loop = asyncio.get_running_loop()
         self.connected: asyncio.Future = loop.create_future()  # done once the connection stands
         self.exited: asyncio.Future = loop.create_future()  # done when the process is seen gone
@@ -36,6 +38,11 @@ class ProcessWatch:
             log.warning("worker %d: its lifeline at %s:%d cannot be reached (%s); its death is seen through Ray "
                         "only, which can take a second", self.worker, *address, e)
             return
+        try:
+            writer.write(self._token)
+            await writer.drain()
+        except OSError:
+            pass  # the process is gone already: the read below ends at once
         self.connected.set_result(None)
         try:
             await reader.read()  # the worker never writes: this returns at the end of the stream

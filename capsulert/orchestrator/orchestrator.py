@@ -34,9 +34,10 @@ from capsulert.config.orchestrator import OrchestratorConfig
 from capsulert.sessions.session import AsyncSession
 from capsulert.worker.actor import WorkerActor
 from capsulert.orchestrator.worker_pool import WorkerPool, WorkerRecord
+from capsulert.orchestrator.weight_updates import broadcast_update
 from capsulert.protocol.names import DEFAULT_NAMESPACE
 from capsulert.protocol.results import FinalEvent, GenerateResult, TokenEvent
-from capsulert.protocol.requests import Ping, Request, Stats, UpdateWeights
+from capsulert.protocol.requests import Ping, Request, Stats
 
 
 # Ray settings of a local Ray the orchestrator (or `capsulert serve`) starts. A call in flight on a worker
@@ -262,10 +263,7 @@ class Orchestrator:
         else:
             raise InvalidRequestError("update_weights takes a checkpoint path or a dict of tensors, "
                                       f"got {type(weights).__name__}")
-        request = UpdateWeights(payload, rebuild_pinned)
-        versions = list(await asyncio.gather(*(self.pool.call(w, request) for w in self.pool.alive())))
-        self.pool.weights = UpdateWeights(payload, version=max(versions))
-        return versions
+        return await broadcast_update(self.pool, payload, rebuild_pinned)
 
     def retry_after_s(self) -> float:
         """When a request refused for a full admission queue is likely to find room (seconds, an estimate
@@ -282,6 +280,7 @@ class Orchestrator:
         out = await self.pool.each(Ping())
         for h, w in zip(out, self.pool.workers):
             h["last_restart_s"] = w.last_restart_s
+            h.pop("lifeline_token", None)  # the lifeline's secret stays between the pool and the process
         return out
 
 

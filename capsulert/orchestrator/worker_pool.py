@@ -319,7 +319,8 @@ class WorkerPool:
             return
         if worker.process is not None:
             worker.process.close()
-        worker.process = ProcessWatch(w, pong["pid"], tuple(address), self._process_exited)
+        worker.process = ProcessWatch(w, pong["pid"], tuple(address), self._process_exited,
+                                      bytes.fromhex(pong["lifeline_token"]))
 
     def _process_exited(self, w: int, pid: int) -> None:
         """The lifeline of worker w's process `pid` ended: the process is gone, whatever Ray says yet."""
@@ -357,7 +358,7 @@ class WorkerPool:
             left = deadline - loop.time()
             try:
                 pong = await asyncio.wait_for(send(worker.handle, Ping()), max(left, 0.05))
-                if self.weights is not None and pong["weights_version"] != self.weights.version:
+                if self.weights is not None and pong["weights_identity"] != self.weights.identity:
                     # a restarted process came back with its configured weights: give it the update again
                     log.info("worker %d restarted: re-applying weights version %d", w, self.weights.version)
                     await asyncio.wait_for(send(worker.handle, self.weights), max(deadline - loop.time(), 1.0))

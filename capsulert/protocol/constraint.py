@@ -29,9 +29,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, model_validator
 
 from capsulert.errors import InvalidRequestError
+from capsulert.protocol.schema_shape import check_schema
 
 # compact JSON: a grammar that allowed free whitespace would let a sampler wander in it for ever
 JSON_OPTIONS = {"whitespace_flexible": False}
+# a regex or grammar past this many characters is refused before llguidance compiles it (a `choice` of 100k
+# strings took 82 s to refuse); schemas are bounded by schema_shape.py
+MAX_GRAMMAR_CHARS = 256 << 10
 
 
 class Constraint(BaseModel):
@@ -53,6 +57,12 @@ class Constraint(BaseModel):
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError(f"a constraint takes exactly one of json_schema, json_object, regex, grammar; got {given}")
+        if self.json_schema is not None:
+            check_schema(self.json_schema, "the JSON schema")
+        text = self.regex if self.regex is not None else self.grammar
+        if text is not None and len(text) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the {'regex' if self.regex is not None else 'grammar'} has {len(text)} characters; "
+                             f"at most {MAX_GRAMMAR_CHARS} are compiled")
         error = _llguidance().LLMatcher.validate_grammar(self.llguidance_grammar, None)
         if error:
             raise ValueError(error.strip())

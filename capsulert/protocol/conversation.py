@@ -9,6 +9,13 @@ from typing import Any
 from capsulert.errors import InvalidRequestError
 from capsulert.protocol.messages import messages_arg, tools_arg
 
+# template variables a request cannot set: what the renderer passes itself, the checkpoint's special tokens
+# (an `eos_token` of the client's would let it write turns of its own into the prompt) and the environment's
+# functions
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "add_generation_prompt", "tools", "bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+    "cls_token", "mask_token", "raise_exception", "strftime_now"})
+
 
 @dataclass(frozen=True)
 class ChatPrompt:
@@ -26,7 +33,7 @@ class ChatPrompt:
         specs = tools_arg(tools)
         if not isinstance(add_generation_prompt, bool):
             raise InvalidRequestError(f"add_generation_prompt must be a bool, got {add_generation_prompt!r}")
-        reserved = {"messages", "add_generation_prompt", "tools"} & set(template_kwargs)
+        reserved = RESERVED_TEMPLATE_VARIABLES & set(template_kwargs)
         if reserved:
             raise InvalidRequestError(f"template variables cannot set {sorted(reserved)}")
         return cls(tuple(msgs), None if specs is None else tuple(t.model_dump(exclude_none=True) for t in specs),

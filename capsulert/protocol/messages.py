@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from capsulert.errors import InvalidRequestError
+from capsulert.protocol.schema_shape import check_schema
 
 FUNCTION_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 
@@ -40,6 +41,19 @@ class FunctionSpec(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; None: no arguments
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Arguments are an object: a call forced by tool_choice with a string or array schema was dropped by
+        the parser (no tool_calls, its markup left in the content)."""
+        if schema is None:
+            return None
+        check_schema(schema, "the tool's parameters")
+        if schema.get("type", "object") != "object":
+            raise ValueError(f"a tool's parameters must be a JSON schema of an object (type 'object'), "
+                             f"got type {schema['type']!r}")
+        return schema
 
     @property
     def arguments_schema(self) -> dict[str, Any]:

@@ -393,10 +393,13 @@ class UpdateWeights(StoreRequest):
     """New weights in place: a checkpoint path, or safetensors bytes (or a reference to them in the
     transport's object store); never pickle. The reply is the new weights version: the next one, or
     `version` when given (a restarted worker catching up with the others takes their version, so their
-    capsules are current on it too)."""
+    capsules are current on it too). `identity` names the weights (Engine.update_weights): every worker
+    given the same update takes the same one, so their capsules are each other's and those of earlier
+    weights, made by any process, are stale."""
     source: Any
     rebuild_pinned: bool = False
     version: int | None = None
+    identity: str | None = None
 
 
 # ---------------------------------------------------------------------- worker-to-worker transfers

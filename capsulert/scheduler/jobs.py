@@ -74,6 +74,7 @@ class Job:
     steps: deque[Prefill | Decode] = field(default_factory=deque)  # phases still to run, in order
     phase: Phase | None = None  # the phase it is in (None: not started, or answered)
     prefill: list[int] | None = None  # checked token ids still to append (Phase.PREFILL)
+    undo: list[int] | None = None  # its session's tokens before its prefill began (a failure puts them back)
     stream: DecodeStream | None = None  # its generate (Phase.DECODE)
     cancelled: bool = False
     opened: bool = False  # it made its session (Open): a refusal of its prompt closes it again

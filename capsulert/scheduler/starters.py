@@ -45,6 +45,7 @@ def append(eng: Engine, sessions: SessionIds, job: Job, r: Append) -> bool:
 
 
 def rederive(eng: Engine, sessions: SessionIds, job: Job, r: Rederive) -> bool:
+    job.undo = list(sessions.get(r.session).tokens)  # an update landing mid-way gives it back all of them
     tokens = eng.begin_rederive(sessions.get(r.session))
     if tokens:
         job.steps.append(Prefill(tokens))

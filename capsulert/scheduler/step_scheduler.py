@@ -43,6 +43,7 @@ from capsulert.engine.session import Session
 from capsulert.protocol.requests import SESSION, Request
 from capsulert.protocol.results import GenerateResult, SessionInfo
 from capsulert.scheduler.jobs import Decode, Job, Phase, Prefill, Sink, queue_sink, stream_item
+from capsulert.scheduler.prefill_undo import roll_back
 from capsulert.scheduler.session_ids import SessionIds
 from capsulert.scheduler.starters import starter, takes_slots
 
@@ -235,6 +236,7 @@ class StepScheduler:
         # the one check of the request's tokens: from here they go to the slot as they are (Engine.append_checked)
         tokens = eng.codec.validate(step.tokens, eng.config.max_seq - len(s.tokens))
         held = len(s.tokens)
+        job.undo = list(s.tokens) if job.undo is None else job.undo
         job.prefill = eng.reuse_prefix(s, tokens)  # a cached prefix: only the rest is prefilled
         job.cached_tokens += len(s.tokens) - held
         pieces = len(prefill_steps(len(s.tokens), len(job.prefill), eng.grid, eng.chunk))
@@ -327,6 +329,9 @@ class StepScheduler:
 
     def _fail_prefill(self, job: Job, e: BaseException) -> None:
         job.bar.close()
+        s = self._sessions.find(job.session)
+        if s is not None and job.undo is not None:
+            roll_back(self.engine, s, job.undo)  # all or nothing (prefill_undo.py)
         self._fail(job, e)
 
     def _decode(self) -> None:

@@ -32,6 +32,8 @@ from capsulert.capsule_store import validate_name
 from capsulert.errors import CapsuleRTError, DuplicateCapsuleError, QueueFullError, UnknownCapsuleError
 from capsulert.chat.prompt import ChatRenderer
 from capsulert.serve.generation import RESERVED_PREFIX, Plan, Run
+from capsulert.serve.edge import EdgeGuard, EdgeLimits, check_capsule_quota
+from capsulert.serve.grammar_budget import build_plan
 from capsulert.serve.lane import GenerationLane, GenerationRoute
 from capsulert.serve.http_errors import (INVALID, MODEL_NOT_FOUND, ApiError, ErrorKind, describe, error_body,
                                          retry_headers)
@@ -86,6 +88,7 @@ class ServerState:
     metrics: ServerMetrics
     exposition: Callable[[], bytes] | None = None  # the metrics as Prometheus text (GET /metrics); None: no metrics
     responses: StoredResponses = field(default_factory=StoredResponses)  # for previous_response_id
+    edge: EdgeLimits = EdgeLimits()  # body size and capsule quotas (edge.py)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -102,13 +105,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def completions(body: CompletionRequest, ns: "Namespace" = Depends(tenant)) -> Response:
         t0 = time.perf_counter()
-        plan = completion_plan(body, state.limits, state.tokens)
+        plan = await build_plan(completion_plan, body, state.limits, state.tokens)  # a grammar: off the loop
         shape = _shape(state, False, completion_logprobs(body), body.return_token_ids)
         return await _respond(state, "completions", ns, plan, shape, body.stream, body.include_usage, t0)
 
     async def chat_completions(body: ChatCompletionRequest, ns: "Namespace" = Depends(tenant)) -> Response:
         t0 = time.perf_counter()
-        plan = chat_plan(body, state.limits, state.tokens, state.chat)
+        plan = await build_plan(chat_plan, body, state.limits, state.tokens, state.chat)
         shape = _shape(state, True, chat_logprobs(body), body.return_token_ids, plan.parse_tools)
         return await _respond(state, "chat", ns, plan, shape, body.stream, body.include_usage, t0)
 
@@ -118,6 +121,7 @@ def build_app(state: ServerState) -> FastAPI:
     for path, route in generation.items():
         app.post(path)(route.endpoint)
     app.add_middleware(GenerationLane, routes=generation, namespace=namespace, refusal=refusal)
+    app.add_middleware(EdgeGuard, tenants=state.tenants, max_body_bytes=state.edge.max_body_bytes)  # key, then size
     app.add_middleware(CountRequests, metrics=state.metrics)  # outside the lane: every request, refusals included
 
     @app.post("/v1/responses")
@@ -168,9 +172,12 @@ def _shape(state: ServerState, chat: bool, logprobs: int | None, token_ids: bool
                  logprobs, token_ids, tools)
 
 
-async def _check_new_name(ns: "Namespace", name: str) -> None:
-    """Refuse a snapshot_as that exists before generating, not after (the generated text would be lost)."""
-    if any(c["name"] == name for c in await ns.capsules()):
+async def _check_new_name(ns: "Namespace", name: str, limits: EdgeLimits) -> None:
+    """Refuse a snapshot_as that exists, or that the tenant's capsule quotas leave no room for, before
+    generating, not after (the generated text would be lost)."""
+    rows = await ns.capsules()
+    check_capsule_quota(rows, limits, lambda n: not n.startswith(RESERVED_PREFIX))
+    if any(c["name"] == name for c in rows):
         raise DuplicateCapsuleError(f"capsule {name!r} already exists in this namespace; capsules are immutable: "
                                     "delete it first or choose another name")
 
@@ -187,7 +194,7 @@ async def _respond(state: ServerState, route: str, ns: "Namespace", plan: Plan, 
     entered = False
     try:
         if plan.snapshot_as is not None:
-            await _check_new_name(ns, plan.snapshot_as)
+            await _check_new_name(ns, plan.snapshot_as, state.edge)
         state.admission.enter()
         entered = True
         # every session the request will hold is reserved first (a queue, not a refusal; orchestrator/admission.py)
@@ -210,7 +217,7 @@ async def _events(state: ServerState, route: str, ns: "Namespace", plan: Plan, s
     sent: dict[int, int] = {}  # choice index -> characters sent
     try:
         if plan.snapshot_as is not None:
-            await _check_new_name(ns, plan.snapshot_as)
+            await _check_new_name(ns, plan.snapshot_as, state.edge)
         state.admission.enter()
         entered = True
         async with ns.admitted(plan.sessions, together=plan.n), run:  # queued for sessions before the status line

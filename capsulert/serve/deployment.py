@@ -94,6 +94,7 @@ def server_state(opts: ServerOptions, orchestrator: "Orchestrator", tenants: "Te
     in its own process."""
     from capsulert.chat.prompt import ChatRenderer
     from capsulert.serve.app import Admission, ServerState
+    from capsulert.serve.edge import EdgeLimits
     from capsulert.serve.metrics import Deferred, PromMetrics
     from capsulert.serve.model_files import model_dir, vocab_size
     from capsulert.serve.plans import Limits
@@ -109,7 +110,9 @@ def server_state(opts: ServerOptions, orchestrator: "Orchestrator", tenants: "Te
         limits=Limits(opts.model_name, opts.engine.max_seq, opts.largest_n, opts.max_tokens), tokens=tokens,
         chat=ChatRenderer(path, tokens.tokenizer, _eos_text(path, tokens)),
         admission=Admission(opts.max_inflight, metrics, orchestrator.retry_after_s),
-        metrics=metrics, exposition=prom.exposition)
+        metrics=metrics, exposition=prom.exposition,
+        edge=EdgeLimits(opts.max_body_bytes, opts.capsule_quota,
+                        None if opts.capsule_quota_mb is None else opts.capsule_quota_mb << 20))
 
 
 def _eos_text(path, tokens) -> str | None:

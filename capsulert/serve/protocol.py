@@ -28,6 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from capsulert.chat.formats import ResponseFormat, StructuredOutputs
+from capsulert.protocol.conversation import RESERVED_TEMPLATE_VARIABLES
 from capsulert.protocol.messages import ChatMessage, ToolChoice, ToolSpec
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree")
-        reserved = {"messages", "add_generation_prompt", "tools"} & set(self.chat_template_kwargs or {})
+        reserved = RESERVED_TEMPLATE_VARIABLES & set(self.chat_template_kwargs or {})
         if reserved:
             raise ValueError(f"chat_template_kwargs cannot set {sorted(reserved)}")
         return self

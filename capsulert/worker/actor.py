@@ -57,7 +57,8 @@ class WorkerActorBody:
         self.lifeline = Lifeline(node_address())
         # which Ray node runs this worker (health() shows it): placement on a cluster is Ray's choice
         self.core = WorkerCore(engine_config, persist_dir, torch_threads, worker_index,
-                               node=ray.get_runtime_context().get_node_id(), lifeline=self.lifeline.address)
+                               node=ray.get_runtime_context().get_node_id(), lifeline=self.lifeline.address,
+                               lifeline_token=self.lifeline.token.hex())
 
     @ray.method(concurrency_group=SESSION_GROUP)
     def execute(self, request: Request, call_id=None):

@@ -71,11 +71,13 @@ class WorkerCore:
     """The actor's body (a plain class, so it is usable and testable in-process too)."""
 
     def __init__(self, engine_config: dict, persist_dir: str | None = None, torch_threads: int | None = None,
-                 worker_index: int = 0, node: str | None = None, lifeline: tuple[str, int] | None = None):
+                 worker_index: int = 0, node: str | None = None, lifeline: tuple[str, int] | None = None,
+                 lifeline_token: str | None = None):
         t0 = time.perf_counter()
         self.index = worker_index
         self.node = node  # the Ray node id (None in-process)
         self.lifeline = lifeline  # where the process's lifeline listens (worker/lifeline.py; None in-process)
+        self.lifeline_token = lifeline_token  # the secret a connection to it sends first (hex)
         self.engine = Engine.from_config(dict(engine_config))
         if torch_threads:  # after the engine's own EngineConfig.cpu_threads: the worker's setting wins
             torch.set_num_threads(torch_threads)
@@ -261,7 +263,8 @@ class WorkerCore:
         from safetensors.torch import load as st_load  # model weights sent as bytes (not a capsule)
 
         source = st_load(bytes(r.source)) if isinstance(r.source, (bytes, bytearray)) else r.source
-        version = self.engine.update_weights(source, rebuild_pinned=r.rebuild_pinned, version=r.version)
+        version = self.engine.update_weights(source, rebuild_pinned=r.rebuild_pinned, version=r.version,
+                                             identity=r.identity)
         if r.rebuild_pinned:
             for info in self.engine.store.list():
                 if info.pinned:
@@ -311,9 +314,10 @@ class WorkerCore:
         dev = self.engine.device
         gpu = str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else None
         return {"worker": self.index, "pid": os.getpid(), "node": self.node, "device": dev.type, "gpu": gpu,
-                "weights_version": self.engine.weights_version, "reloaded": list(self.reloaded),
+                "weights_version": self.engine.weights_version, "weights_identity": self.engine.weights_identity,
+                "reloaded": list(self.reloaded),
                 "reindexed": self.engine.store.reindexed, "quarantined": [q.to_dict() for q in self.quarantined],
-                "started_s": self.started_s, "lifeline": self.lifeline}
+                "started_s": self.started_s, "lifeline": self.lifeline, "lifeline_token": self.lifeline_token}
 
     def _stats(self, r: Stats, call_id) -> dict:
         sch = self.scheduler

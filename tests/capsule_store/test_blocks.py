@@ -143,9 +143,12 @@ def test_disk_tier_and_save_hold_each_block_once(tmp_path):
         assert exact(fresh.get(name)[1], t) and exact(s.get(name)[1], t)  # promotions read the block files
     plain = CapsuleStore(device="cpu", fingerprint=FP, layout_version=LAYOUT)  # a store that cuts nothing loads them too
     assert plain.load(tmp_path / "saved") == 3 and exact(plain.get("b")[1], want["b"])
-    assert list((tmp_path / "disk").glob("*" + BLOCK_SUFFIX)) == []  # all promoted: the disk tier holds none
+    # all promoted, and promotion copies: the disk tier still holds each block once
+    assert sorted(p.name for p in (tmp_path / "disk").glob("*" + BLOCK_SUFFIX)) == blocks
+    assert all(i.on_disk and i.tier != "disk" for i in s.list())
     for name in "abc":
         s.demote(name, "disk")
+    assert sorted(p.name for p in (tmp_path / "disk").glob("*" + BLOCK_SUFFIX)) == blocks
     s.delete("a")
     s.delete("b")
     assert len(list((tmp_path / "disk").glob("*" + BLOCK_SUFFIX))) == 5  # c still references them

@@ -180,12 +180,21 @@ def test_openai_arguments_are_honoured(eng):
     assert cut.stop_reason == "stop_string" and cut.text == first[:first.index(first[3:5])]
 
 
-def test_template_vars_reach_the_template(eng):
-    s = eng.open()
-    s.chat(CHAT, 1, template_vars={"eos_token": "<|END|>"})
-    rendered = eng.codec.chat.text(ChatPrompt.of(CHAT, eos_token="<|END|>"))
-    assert "<|END|>" in rendered and s.tokens[:-1] == eng.tokenizer.encode(rendered, add_special_tokens=False).ids
-    s.close()
+def test_template_vars_reach_the_template(default_model_dir, tmp_path, eng):
+    from capsulert.engine.engine import Engine
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in default_model_dir.iterdir():
+        (model / f.name).symlink_to(f)
+    # a template that reads a variable of its own (the checkpoint's special tokens are not the caller's to set)
+    (model / "chat_template.jinja").write_text("{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with Engine.from_config(dict(model=str(model), device="cpu", slots=1, max_seq=512, prefill_chunk=128)) as e:
+        s = e.open()
+        s.chat(CHAT, 1, template_vars={"greeting": "HELLO-VAR "})
+        rendered = e.codec.chat.text(ChatPrompt.of(CHAT, greeting="HELLO-VAR "))
+        assert rendered.startswith("HELLO-VAR ") and s.tokens[:-1] == e.tokenizer.encode(
+            rendered, add_special_tokens=False).ids
     with pytest.raises(InvalidRequestError, match=r"template_vars cannot set \['tools'\]"):
         eng.chat(CHAT, 1, template_vars={"tools": None})
 

@@ -16,31 +16,37 @@ from capsulert.worker.lifeline import Lifeline
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-def _serve(conn) -> None:
-    """A stand-in worker process: it holds a lifeline and does nothing else."""
+def _serve(conn, nofile=None) -> None:
+    """A stand-in worker process: it holds a lifeline and does nothing else (with `nofile`: under that
+    many descriptors, so a flood makes its accepts fail)."""
+    if nofile is not None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     lifeline = Lifeline("127.0.0.1")
-    conn.send(lifeline.address)
+    conn.send((lifeline.address, lifeline.token))
     time.sleep(600)
 
 
 @pytest.fixture
-def process():
+def process(request):
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
-    p = ctx.Process(target=_serve, args=(there,), daemon=True)
+    p = ctx.Process(target=_serve, args=(there, getattr(request, "param", None)), daemon=True)
     p.start()
     assert here.poll(60), "the stand-in process did not start"
-    yield p, tuple(here.recv())
+    address, token = here.recv()
+    yield p, tuple(address), token
     if p.is_alive():
         p.kill()
     p.join(10)
 
 
 async def test_a_watch_sees_its_process_exit_at_once(process):
-    p, address = process
+    p, address, token = process
     seen = []
-    watch = ProcessWatch(3, p.pid, address, lambda w, pid: seen.append((w, pid)))
-    other = ProcessWatch(3, p.pid, address, lambda w, pid: seen.append(("other", pid)))
+    watch = ProcessWatch(3, p.pid, address, lambda w, pid: seen.append((w, pid)), token)
+    other = ProcessWatch(3, p.pid, address, lambda w, pid: seen.append(("other", pid)), token)
     await asyncio.wait_for(asyncio.gather(watch.connected, other.connected), 10)
     assert not watch.exited.done() and seen == []
     t0 = time.monotonic()
@@ -51,14 +57,14 @@ async def test_a_watch_sees_its_process_exit_at_once(process):
 
 
 async def test_a_closed_watch_reports_nothing_and_the_process_serves_new_ones(process):
-    p, address = process
+    p, address, token = process
     seen = []
-    first = ProcessWatch(0, p.pid, address, lambda w, pid: seen.append("first"))
+    first = ProcessWatch(0, p.pid, address, lambda w, pid: seen.append("first"), token)
     await asyncio.wait_for(first.connected, 10)
     first.close()  # an orchestrator that lets go of a process (it closed, or the worker restarted)
     await asyncio.sleep(0.2)
     assert seen == [] and not first.exited.done() and p.is_alive()
-    second = ProcessWatch(0, p.pid, address, lambda w, pid: seen.append("second"))
+    second = ProcessWatch(0, p.pid, address, lambda w, pid: seen.append("second"), token)
     await asyncio.wait_for(second.connected, 10)
     os.kill(p.pid, signal.SIGKILL)
     await asyncio.wait_for(second.exited, 10)
@@ -71,7 +77,64 @@ async def test_an_unreachable_lifeline_is_logged_and_never_reports_an_exit(caplo
         port = s.getsockname()[1]
     seen = []
     with caplog.at_level(logging.WARNING, logger="capsulert.orchestrator.lifeline"):
-        watch = ProcessWatch(5, 1234, ("127.0.0.1", port), lambda w, pid: seen.append(pid))
+        watch = ProcessWatch(5, 1234, ("127.0.0.1", port), lambda w, pid: seen.append(pid), b"token")
         await asyncio.wait_for(watch.task, 10)
     assert seen == [] and not watch.exited.done() and not watch.connected.done()
     assert "worker 5: its lifeline" in caplog.text and "seen through Ray only" in caplog.text
+
+
+def descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def settle(pid: int, want: int, within_s: float) -> int:
+    deadline = time.monotonic() + within_s
+    while descriptors(pid) > want and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return descriptors(pid)
+
+
+@pytest.mark.parametrize("process", [96], indirect=True)
+async def test_a_hostile_client_costs_bounded_descriptors_and_never_ends_the_lifeline(process):
+    """Anyone who can reach the node can connect. Garbage, silence and a connection flood used to cost one
+    descriptor each without bound (~20,000 ended the lifeline thread with EMFILE, and the worker's disk writes
+    then failed): now a connection is held only with the process's token, the rest are closed (garbage at
+    once, silence after the handshake time), their number is bounded, and a failed accept is retried. With
+    96 descriptors the flood makes accepts fail too."""
+    from capsulert.worker.lifeline import HANDSHAKE_S, MAX_HELD, MAX_PENDING
+
+    p, address, token = process
+    await asyncio.sleep(0.2)
+    baseline = descriptors(p.pid)
+    seen = []
+    watch = ProcessWatch(0, p.pid, address, lambda w, pid: seen.append(pid), token)
+    await asyncio.wait_for(watch.connected, 10)
+    hostile = []
+    for i in range(400):
+        c = socket.socket()
+        c.setblocking(False)
+        try:
+            c.connect_ex(address)
+        except OSError:
+            pass
+        hostile.append(c)
+        if i % 2:
+            try:
+                c.send(b"GET / HTTP/1.1\r\n\r\n" * 4)
+            except OSError:
+                pass
+        if i % 50 == 0:
+            assert descriptors(p.pid) <= baseline + 1 + MAX_PENDING + MAX_HELD
+            await asyncio.sleep(0)
+    wrong = ProcessWatch(1, p.pid, address, lambda w, pid: seen.append(("wrong", pid)), bytes(len(token)))
+    await asyncio.wait_for(wrong.exited, 10 + HANDSHAKE_S)  # a wrong token is closed: the watch sees an end
+    for c in hostile:
+        c.close()
+    # every hostile connection gone within the handshake time: back to the baseline and the one held watch
+    assert await settle(p.pid, baseline + 1, HANDSHAKE_S + 5) == baseline + 1
+    assert seen == [("wrong", p.pid)] and not watch.exited.done() and p.is_alive()
+    late = ProcessWatch(2, p.pid, address, lambda w, pid: seen.append(("late", pid)), token)
+    await asyncio.wait_for(late.connected, 10)  # the lifeline still accepts and holds
+    os.kill(p.pid, signal.SIGKILL)
+    await asyncio.wait_for(asyncio.gather(watch.exited, late.exited), 10)
+    assert sorted(seen, key=str) == sorted([("wrong", p.pid), p.pid, ("late", p.pid)], key=str)

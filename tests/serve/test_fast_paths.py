@@ -207,9 +207,12 @@ def test_the_body_fast_path_answers_as_fastapi_does(app, raw, auth, monkeypatch)
         return fast, plain
     (s1, b1), (s2, b2) = asyncio.run(both())
     assert s1 == s2 and _normal(b1) == _normal(b2), (b1, b2)
+    if not auth:  # the key is checked before the body is read (edge.py): neither path parses it
+        assert parsed == [] and s1 == 401
+        return
     assert not parsed[1]
     if raw == json.dumps(BODIES[0]).encode():
-        assert parsed[0] and s1 == (200 if auth else 401)
+        assert parsed[0] and s1 == 200
 
 
 @pytest.mark.parametrize("raw", [json.dumps(b).encode() for b in BODIES] + RAW + [
