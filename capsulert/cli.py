@@ -181,7 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
     from capsulert.config.server import SERVER_TIER_BUDGETS_MB, ServerOptions
     from capsulert.serve.runner import serve_forever
 
-    budgets_mb = {t: getattr(args, f"{f}_budget_mb") for t, f in (("gpu", "device"), ("host", "host"), ("disk", "disk"))}
+    budgets_mb = {t: getattr(args, f"{f}_budget_mb") for t, f in (("device", "device"), ("host", "host"), ("disk", "disk"))}
     budgets_mb = {t: SERVER_TIER_BUDGETS_MB[t] if mb is None else mb for t, mb in budgets_mb.items()}
 
     engine = dict(model=args.model, device=args.device, dtype=args.dtype, slots=args.slots, max_seq=args.max_seq,

@@ -57,7 +57,7 @@ from capsulert.engine.engine import Engine
 EXAMPLES = int(os.environ.get("CAPSULERT_FUZZ_EXAMPLES", "20"))
 STEPS = int(os.environ.get("CAPSULERT_FUZZ_STEPS", "50"))
 NAMES = ["a", "b", "c", "d", "e", "f"]
-TIERS = ["gpu", "host", "disk"]
+TIERS = ["device", "host", "disk"]
 FIGURES: Counter = Counter()
 PICK = st.integers(0, 99)  # mostly an existing capsule, sometimes any name (unknown ones are refused)
 

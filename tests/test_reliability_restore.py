@@ -24,7 +24,7 @@ def test_incompatible_restore_moves_nothing(make_engine, text, tmp_path, tier, m
     own = eng.open()
     own.append(text[:1200])
     ref = own.snapshot("own")  # fills the gpu tier: promoting "foreign" would push it down
-    eng.store.set_budget("gpu", ref.nbytes)
+    eng.store.set_budget("device", ref.nbytes)
     assert eng.store.load(tmp_path / "saved") == 1
     if tier == "disk":
         eng.store.demote("foreign", "disk")

@@ -67,7 +67,7 @@ class Mover:
     # -- copies -----------------------------------------------------------------------------------
     def _copy(self, tensors: Mapping[str, torch.Tensor], tier: str, *, wait=None, copy_stream: bool = True,
               runs: Sequence[Run] = ()):
-        dev = self.device if tier == "gpu" else torch.device("cpu")
+        dev = self.device if tier == "device" else torch.device("cpu")
         return copy_tensors(tensors, dev, pin=tier == "host" and self._pin_host, wait=wait,
                             stream=self._stream if copy_stream else None, runs=runs)
 
@@ -121,7 +121,7 @@ class Mover:
         blocks = parts.by_key()
         for k, b in blocks.items():
             flat.update({f"{k}/{n}": t for n, t in b.items()})
-        copied, ev = self._copy(flat, "gpu", wait=waits, copy_stream=False)
+        copied, ev = self._copy(flat, "device", wait=waits, copy_stream=False)
         return Parts.of({n: copied[f"/{n}"] for n in parts.own}, parts.refs,
                         {k: {n: copied[f"{k}/{n}"] for n in b} for k, b in blocks.items()}), ev
 
@@ -266,19 +266,19 @@ class Mover:
         """Device tensors of a capsule for reading (promoting it to gpu when that tier is usable), and the
         tier it was found in (before that promotion)."""
         found = e.tier
-        if e.tier == "gpu":
+        if e.tier == "device":
             self._tiers.counters["hits"] += 1
         else:
             self._tiers.counters["misses"] += 1
-            if self._tiers.usable("gpu"):
-                self.try_promote(key, "gpu")
+            if self._tiers.usable("device"):
+                self.try_promote(key, "device")
         pk, policy = pkey(key), self._tiers.policy_of(e)
         policy.on_access(pk)
         e.last_used = time.time()
         want = policy.should_promote(pk)
         if want in TIERS and RANK[want] < RANK[e.tier] and self._tiers.usable(want):
             self.try_promote(key, want)
-        if e.tier == "gpu":
+        if e.tier == "device":
             parts, events = self.source(e)
         else:
             # the gpu tier is disabled, or pinned capsules leave it no room: the read is served from a

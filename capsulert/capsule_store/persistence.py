@@ -121,7 +121,7 @@ class Persistence:
         return read_verified(files, self._fingerprint, self._layout_version, self._tiers.layout, cut=True)
 
     def _load_tier(self) -> str:
-        tier = next((t for t in ("host", "gpu") if self._tiers.usable(t)), None)
+        tier = next((t for t in ("host", "device") if self._tiers.usable(t)), None)
         if tier is None:
-            raise ConfigError("load needs the host or the gpu tier; both have budget 0")
+            raise ConfigError("load needs the host or the device tier; both have budget 0")
         return tier

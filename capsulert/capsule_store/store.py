@@ -1,4 +1,4 @@
-"""CapsuleStore: capsules in three tiers (gpu = device memory, host = pinned memory, disk = files),
+"""CapsuleStore: capsules in three tiers (device = the engine device's memory, host = pinned memory, disk = files),
 with byte budgets, moves between tiers, and a policy that names victims. A capsule of the store's own
 origin is held as prefix blocks shared by reference with every capsule of the same prefix (blocks.py,
 block_pool.py: the KV blocks [0, G) and the grid-state block, its recurrent and conv state at G) plus its
@@ -103,7 +103,7 @@ class CapsuleStore:
         return self._prefix.prefix_enabled
 
     # -- capsules ---------------------------------------------------------------------------------
-    def put(self, meta: CapsuleMeta, tensors: dict[str, torch.Tensor], *, tier: str = "gpu",
+    def put(self, meta: CapsuleMeta, tensors: dict[str, torch.Tensor], *, tier: str = "device",
             pin: bool = False, origin: str | None = None) -> CapsuleRef:
         """Store a copy of `tensors` (never aliases them) as capsule meta.name in `tier`. Into disk the
         write is synchronous: the file is durable when put returns. `origin`: the numerics that computed
@@ -203,7 +203,7 @@ class CapsuleStore:
             if tier != e.tier:
                 self._mover.promote(key, tier)
 
-    def prefetch(self, name: str, tier: str = "gpu", namespace: str = DEFAULT_NAMESPACE) -> None:
+    def prefetch(self, name: str, tier: str = "device", namespace: str = DEFAULT_NAMESPACE) -> None:
         """Start promoting toward `tier`; returns once queued (CUDA) or done (CPU). The bookkeeping moves at
         once, so a second prefetch while the copy is in flight finds it there and copies nothing."""
         tier = tier_name(tier)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import warnings
 from pathlib import Path
 
 from capsulert.capsule_store.block_pool import BlockPool, BlockRecord
@@ -37,7 +38,7 @@ from capsulert.policies.base import TIERS, CapsulePolicy, make_policy, registere
 log = logging.getLogger("capsulert.capsule_store.store")
 
 RANK = {t: i for i, t in enumerate(TIERS)}  # gpu 0 (fastest) .. disk 2
-MEMORY_TIERS = ("gpu", "host")
+MEMORY_TIERS = ("device", "host")
 
 
 def pkey(key: Key) -> str:
@@ -53,13 +54,18 @@ def _resolve_policy(policy: str | CapsulePolicy) -> CapsulePolicy:
     return make_policy(policy)
 
 
-# "device" names the engine device's own memory (GPU memory on CUDA, CPU memory on a CPU engine); "gpu",
-# its older name, is how the store keys it internally
-TIER_ALIASES = {"device": "gpu"}
+# "device" names the engine device's own memory (GPU memory on CUDA, CPU memory on a CPU engine); "gpu" is
+# its older name, still taken (with a DeprecationWarning) where a caller names a tier
+TIER_ALIASES = {"gpu": "device"}
 
 
 def tier_name(tier: str) -> str:
-    return TIER_ALIASES.get(tier, tier) if isinstance(tier, str) else tier
+    """The tier a caller's name means: "gpu" is taken for "device", with a DeprecationWarning."""
+    if isinstance(tier, str) and tier in TIER_ALIASES:
+        warnings.warn(f"tier {tier!r} is the older name of {TIER_ALIASES[tier]!r}; say {TIER_ALIASES[tier]!r}",
+                      DeprecationWarning, stacklevel=3)
+        return TIER_ALIASES[tier]
+    return tier
 
 
 def check_budget(tier: str, nbytes: int | None) -> None:
@@ -75,6 +81,7 @@ class TierBook:
                  prefix_policy: str | CapsulePolicy = "cost_aware"):
         self.budgets: dict[str, int | None] = {t: None for t in TIERS}
         for t, b in (budgets or {}).items():
+            t = tier_name(t)
             check_budget(t, b)
             self.budgets[t] = b
         self.disk_dir = disk_dir

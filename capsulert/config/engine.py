@@ -1,6 +1,7 @@
 """EngineConfig: the validated edge where users configure an Engine (pydantic)."""
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -13,15 +14,27 @@ RANDOM_PREFIX = "random:"  # model="random:<architecture yaml>": deterministic r
 
 
 class TierBudgets(BaseModel):
-    """Byte budget per capsule tier; None = unlimited, 0 = tier disabled."""
+    """Byte budget per capsule tier; None = unlimited, 0 = tier disabled. `gpu` is the older name of `device`
+    (taken, with a DeprecationWarning)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    gpu: int | None = Field(None, ge=0)
+    device: int | None = Field(None, ge=0)
     host: int | None = Field(None, ge=0)
     disk: int | None = Field(None, ge=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _older_name(cls, values):
+        if isinstance(values, dict) and "gpu" in values:
+            if "device" in values:
+                raise ValueError("give the device tier's budget once: `device` (`gpu` is its older name)")
+            warnings.warn("tier budget `gpu` is the older name of `device`; say `device`", DeprecationWarning,
+                          stacklevel=2)
+            values = {("device" if k == "gpu" else k): v for k, v in values.items()}
+        return values
+
     def as_dict(self) -> dict[str, int | None]:
-        return {"gpu": self.gpu, "host": self.host, "disk": self.disk}
+        return {"device": self.device, "host": self.host, "disk": self.disk}
 
 
 class EngineConfig(BaseModel):

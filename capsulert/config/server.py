@@ -24,7 +24,7 @@ from capsulert.protocol.sampling import DEFAULT_MAX_TOKENS
 #   not by time), so the engine's slot_wait_s is only a backstop for a worker busier than the rest.
 # - engine.capsule_budgets: clients make capsules; unbounded tiers let one key grow a worker's memory without limit
 #   (150 capsules: 580 -> 1,708 MB), so a server's tiers have budgets (MB; `serve --device-budget-mb` etc.)
-SERVER_TIER_BUDGETS_MB = {"gpu": 4096, "host": 16384, "disk": 65536}
+SERVER_TIER_BUDGETS_MB = {"device": 4096, "host": 16384, "disk": 65536}
 SERVER_ORCHESTRATOR_DEFAULTS: dict[str, Any] = {
     "engine": {"prefix_cache": True, "capsule_budgets": {t: mb << 20 for t, mb in SERVER_TIER_BUDGETS_MB.items()}},
     "call_timeout_s": 600.0, "max_queued": 256}

@@ -191,7 +191,7 @@ class Namespace:
         return self.router.space
 
     async def migrate(self, name: str, worker: int, *, via: str = "auto", directory: str | None = None,
-                      tier: str = "gpu") -> str | None:
+                      tier: str = "device") -> str | None:
         return await self.router.migrate(name, worker, via=via, directory=directory, tier=tier)
 
     async def capsules(self) -> list[dict]:

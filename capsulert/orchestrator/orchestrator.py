@@ -126,7 +126,7 @@ class Orchestrator:
         return self.default.placement()
 
     async def migrate(self, name: str, worker: int, *, via: str = "auto", directory: str | None = None,
-                      tier: str = "gpu") -> str | None:
+                      tier: str = "device") -> str | None:
         return await self.default.migrate(name, worker, via=via, directory=directory, tier=tier)
 
     async def capsules(self) -> list[dict]:

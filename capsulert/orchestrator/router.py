@@ -35,7 +35,7 @@ from capsulert.protocol.requests import (
     Rebuild, Request, SendCapsule)
 
 log = logging.getLogger(__name__)
-_TIER_ORDER = ("gpu", "host", "disk")  # fastest first, as workers list them
+_TIER_ORDER = ("device", "host", "disk")  # fastest first, as workers list them
 MIGRATION_PATHS = ("auto", "device", "object_store", "disk")
 LINK_CONNECT_TIMEOUT_S = 30.0  # at most: a pair link that is not up by then is not coming
 
@@ -108,7 +108,7 @@ class CapsuleRouter:
 
     # ------------------------------------------------------------------ capsule verbs
     async def migrate(self, name: str, worker: int, *, via: str = "auto", directory: str | None = None,
-                      tier: str = "gpu") -> str | None:
+                      tier: str = "device") -> str | None:
         """Copy capsule `name` to `worker`, byte-exact, by one of these paths (`via`):
 
         - "device": worker to worker over a pair link (worker/peer_link.py), set up on first use: the

@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable
 
-TIERS: tuple[str, ...] = ("gpu", "host", "disk")
+TIERS: tuple[str, ...] = ("device", "host", "disk")
 
 
 class CapsulePolicy(ABC):

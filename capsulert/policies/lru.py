@@ -7,7 +7,7 @@ not touch the clock in `lru`: pinning only takes a capsule out of the candidates
 drops or demotes a pinned capsule; data loss is never a policy choice), so a capsule that sat pinned
 and idle for a long time is the first victim of its tier once unpinned. `pinned_lru` differs there.
 
-On access, a capsule that is not on gpu is promoted to gpu (should_promote -> "gpu").
+On access, a capsule that is not on the device tier is promoted to it (should_promote -> "device").
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ class _TrackingPolicy(CapsulePolicy):
         return victims
 
     def should_promote(self, name: str) -> str | None:
-        return None if self._get(name).tier == "gpu" else "gpu"
+        return None if self._get(name).tier == "device" else "device"
 
     # -- hooks ----------------------------------------------------------------------------------
     def _victim_key(self, name: str, entry: _Entry) -> tuple:

@@ -48,7 +48,7 @@ class GenerateResult(list):
     - `cached_tokens`: prompt tokens the request restored from the prefix cache instead of prefilling
       (EngineConfig.prefix_cache);
     - `restored_from`: when the request restored a capsule (a Turn with `restore`), the tier it was read
-      from: "gpu" (device memory), "host" or "disk", where the restore found it (before the promotion the
+      from: "device" (the engine device's memory), "host" or "disk", where the restore found it (before the promotion the
       read may make); None when it restored nothing; `restore_s`: the seconds the worker spent on that
       restore (None without one)."""
 

@@ -39,10 +39,10 @@ from capsulert.serve.http_errors import (INVALID, MODEL_NOT_FOUND, ApiError, Err
                                          retry_headers)
 from capsulert.serve.metrics import CONTENT_TYPE, CountRequests, ServerMetrics, request_namespace, stream_failed
 from capsulert.serve.plans import Limits, chat_logprobs, chat_plan, completion_logprobs, completion_plan, model_card
-from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest
+from capsulert.serve.bodies import ChatCompletionRequest, CompletionRequest
 from capsulert.serve.responses import Shape
 from capsulert.serve.responses_api import ResponseShape, StoredResponses, response_plan
-from capsulert.serve.responses_protocol import ResponsesRequest
+from capsulert.serve.responses_bodies import ResponsesRequest
 from capsulert.serve.streaming import DONE, EventStream, sse
 from capsulert.serve.tenants import Tenants
 from capsulert.serve.token_text import TokenText

@@ -12,7 +12,7 @@ from capsulert.errors import InvalidRequestError, UnknownCapsuleError
 from capsulert.protocol.sampling import DEFAULT_MAX_TOKENS
 from capsulert.serve.generation import RESERVED_PREFIX, Plan, check_client_name
 from capsulert.serve.http_errors import MODEL_NOT_FOUND, ApiError
-from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from capsulert.serve.bodies import ChatCompletionRequest, CompletionRequest, _GenerationRequest
 from capsulert.serve.token_text import TokenText
 
 
@@ -72,7 +72,7 @@ def completion_plan(body: CompletionRequest, limits: Limits, tokens: TokenText) 
                [] if isinstance(p, str) else tokens.check_ids(list(p)) for p in body.prompts]
     if body.snapshot_as is not None and len(prompts) > 1:
         raise InvalidRequestError("snapshot_as keeps the end state of one choice: send one prompt")
-    max_tokens = limits.token_limit(body.max_tokens)  # not given: OpenAI's 16 (protocol.py); null: the server's
+    max_tokens = limits.token_limit(body.max_tokens)  # not given: OpenAI's 16 (bodies.py); null: the server's
     return _plan(body, prompts, max_tokens, body.logprobs or 0, format_constraint(None, body.structured_outputs))
 
 

@@ -1,5 +1,5 @@
 """POST /v1/responses (OpenAI's Responses API) on the chat completions' generation path: the input items
-become chat messages (responses_protocol.py), planned by the same ChatTurn (tools, tool_choice, text.format
+become chat messages (responses_bodies.py), planned by the same ChatTurn (tools, tool_choice, text.format
 as response_format), run by the same Run, answered as a `response` object or as its stream of events.
 
 A stored response is a capsule. With `store` (the default) the response's end state (its rendered input and
@@ -30,7 +30,7 @@ from capsulert.chat.turn import ChatTurn, cut_off, finish_reason, read_reply
 from capsulert.serve.generation import RESERVED_PREFIX, Choice, Chunk, Made, Plan, Usage
 from capsulert.serve.http_errors import MODEL_NOT_FOUND, ApiError, ErrorKind
 from capsulert.serve.plans import Limits
-from capsulert.serve.responses_protocol import (FunctionCallItem, InputItem, MessageItem, ResponsesRequest,
+from capsulert.serve.responses_bodies import (FunctionCallItem, InputItem, MessageItem, ResponsesRequest,
                                                 chat_messages)
 from capsulert.serve.streaming import sse
 

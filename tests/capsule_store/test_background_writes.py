@@ -63,7 +63,7 @@ def gate(monkeypatch):
 
 def small(tmp_path, **budgets):
     return CapsuleStore(device="cpu", fingerprint=FP, layout_version=LAYOUT, disk_dir=tmp_path,
-                        budgets={"gpu": NB, "host": 0, **budgets})
+                        budgets={"device": NB, "host": 0, **budgets})
 
 
 def test_cascade_write_is_off_the_callers_path_and_readable_until_durable(tmp_path, gate):
@@ -102,11 +102,11 @@ def test_delete_or_promotion_cancels_a_pending_write(tmp_path, gate):
         put(s, n, i)  # a and b go down to disk, pending
     assert s.info("a").tier == s.info("b").tier == "disk" and s.pending_writes == 2
     s.delete("a")
-    s.promote("b", "gpu")  # swaps with c, whose write joins the queue
+    s.promote("b", "device")  # swaps with c, whose write joins the queue
     gate.set()
     s.flush()
     assert files(tmp_path) == {capsule_file_name("default", n) for n in ("c", "d") if s.info(n).tier == "disk"}
-    assert {i.name: i.tier for i in s.list()} == {"b": "gpu", "c": "disk", "d": "gpu"}
+    assert {i.name: i.tier for i in s.list()} == {"b": "device", "c": "disk", "d": "device"}
 
 
 def test_failed_background_write_keeps_the_capsule_and_is_reported(tmp_path, monkeypatch):

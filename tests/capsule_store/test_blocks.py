@@ -58,16 +58,16 @@ def test_shared_prefix_is_held_once_and_counted_by_reference():
     _, ta = put(s, "a", SHARED + tokens(5, 1))
     _, tb = put(s, "b", SHARED + tokens(13, 2))  # 5 shared blocks + 1 of its own
     st = s.stats()
-    assert st["blocks"]["gpu"] == 6
+    assert st["blocks"]["device"] == 6
     own = sum(i.nbytes for i in s.list())
-    assert st["gpu"]["bytes"] == own + 6 * ROWS * ROW_BYTES
+    assert st["device"]["bytes"] == own + 6 * ROWS * ROW_BYTES
     assert s.info("a").nbytes == 5 * ROW_BYTES + 64 and s.info("a").blocks == 5
     assert exact(s.get("a")[1], ta) and exact(s.get("b")[1], tb)  # whole tensors, byte-exact
     s.delete("a")  # the shared blocks stay: b references them
-    assert s.stats()["blocks"]["gpu"] == 6 and exact(s.get("b")[1], tb)
+    assert s.stats()["blocks"]["device"] == 6 and exact(s.get("b")[1], tb)
     s.delete("b")
     st = s.stats()
-    assert st["gpu"]["bytes"] == 0 and st["blocks"]["gpu"] == 0
+    assert st["device"]["bytes"] == 0 and st["blocks"]["device"] == 0
 
 
 def test_a_put_of_new_blocks_copies_each_block_tensor_in_one_op(monkeypatch):
@@ -84,7 +84,7 @@ def test_a_put_of_new_blocks_copies_each_block_tensor_in_one_op(monkeypatch):
     s = store()
     _, ta = put(s, "a", SHARED + tokens(5, 1))
     assert calls == [([ROWS] * 5 + [5], 1)]
-    held = [r.tensors["kv"] for r in s._tiers.pools["gpu"].records.values()]
+    held = [r.tensors["kv"] for r in s._tiers.pools["device"].records.values()]
     assert len({t.data_ptr() for t in held}) == 5
     assert all(t.untyped_storage().nbytes() == t.nbytes == ROWS * ROW_BYTES for t in held)
     calls.clear()
@@ -99,7 +99,7 @@ def test_capsules_of_other_origins_or_namespaces_share_nothing():
     put(s, "a", SHARED, ns="acme")  # keys carry the namespace
     meta, t = capsule("foreign", SHARED)
     s.put(meta, t)  # no origin: held whole
-    assert s.stats()["blocks"]["gpu"] == 10
+    assert s.stats()["blocks"]["device"] == 10
     assert s.info("foreign").blocks == 0 and s.info("foreign").nbytes == meta.nbytes
 
 
@@ -108,10 +108,10 @@ def test_pinned_capsule_pins_its_blocks():
     ref, ta = put(s, "a", SHARED + tokens(3, 1), pin=True)
     _, tb = put(s, "b", SHARED + tokens(3, 2))
     shared = 5 * ROWS * ROW_BYTES
-    s.set_budget("gpu", ref.nbytes)  # room for a alone: b leaves, the blocks stay with the pinned a
-    assert s.info("a").tier == "gpu" and s.info("b").tier == "host"
+    s.set_budget("device", ref.nbytes)  # room for a alone: b leaves, the blocks stay with the pinned a
+    assert s.info("a").tier == "device" and s.info("b").tier == "host"
     st = s.stats()
-    assert st["gpu"]["bytes"] == ref.nbytes and st["blocks"] == {"gpu": 5, "host": 5, "disk": 0}
+    assert st["device"]["bytes"] == ref.nbytes and st["blocks"] == {"device": 5, "host": 5, "disk": 0}
     assert st["host"]["bytes"] == s.info("b").nbytes + shared  # host holds its own copy of the blocks
     assert exact(s.get("b")[1], tb) and exact(s.get("a")[1], ta)
 
@@ -120,17 +120,17 @@ def test_a_victim_sharing_blocks_frees_only_its_own_bytes():
     s = store()
     put(s, "a", SHARED + tokens(3, 1))
     ref_b, _ = put(s, "b", SHARED + tokens(3, 2))
-    st = s.stats()["gpu"]["bytes"]
-    s.set_budget("gpu", st - 1)  # moving the LRU one (a) out frees only its own bytes: enough
-    assert {i.name: i.tier for i in s.list()} == {"a": "host", "b": "gpu"}
-    assert s.stats()["gpu"]["bytes"] == st - s.info("a").nbytes
+    st = s.stats()["device"]["bytes"]
+    s.set_budget("device", st - 1)  # moving the LRU one (a) out frees only its own bytes: enough
+    assert {i.name: i.tier for i in s.list()} == {"a": "host", "b": "device"}
+    assert s.stats()["device"]["bytes"] == st - s.info("a").nbytes
 
 
 def test_disk_tier_and_save_hold_each_block_once(tmp_path):
     s = store(disk_dir=tmp_path / "disk")
     want = {}
     for i, name in enumerate("abc"):
-        _, want[name] = put(s, name, SHARED + tokens(4 + i, i), tier="disk" if i else "gpu")
+        _, want[name] = put(s, name, SHARED + tokens(4 + i, i), tier="disk" if i else "device")
     s.demote("a", "disk")
     blocks = sorted(p.name for p in (tmp_path / "disk").glob("*" + BLOCK_SUFFIX))
     assert len(blocks) == 5
@@ -186,12 +186,12 @@ def test_orphan_blocks_are_swept_and_referenced_ones_kept(tmp_path):
 
 
 def test_background_cascade_writes_blocks_before_capsules(tmp_path):
-    s = store(disk_dir=tmp_path, budgets={"gpu": 1, "host": 0})
+    s = store(disk_dir=tmp_path, budgets={"device": 1, "host": 0})
     with pytest.raises(Exception):
         put(s, "too-big", SHARED)
-    s.set_budget("gpu", None)
+    s.set_budget("device", None)
     refs = [put(s, n, SHARED + tokens(3, i))[0] for i, n in enumerate("abcd")]
-    s.set_budget("gpu", refs[0].nbytes)  # three of them cascade to disk, written in the background
+    s.set_budget("device", refs[0].nbytes)  # three of them cascade to disk, written in the background
     s.flush()
     assert sorted(i.tier for i in s.list()).count("disk") == 3
     for p in tmp_path.glob("*.capsule.safetensors"):
@@ -229,15 +229,15 @@ def test_prefix_entries_are_capped_evicted_first_and_never_displace_capsules():
     assert not keep(s, tokens(40, 4), cost=0.001)  # worth less than every entry it would displace
     st = s.stats()["prefix"]
     assert (st["entries"], st["bytes"], st["evicted"], st["refused"]) == (2, 2 * one, 1, 1)
-    assert s.list() == [] and s.stats()["gpu"]["count"] == 0  # never listed
+    assert s.list() == [] and s.stats()["device"]["count"] == 0  # never listed
     ref, _ = put(s, "named", tokens(40, 9))
-    s.set_budget("gpu", ref.nbytes + one + one // 2)  # a named capsule's room comes from prefix entries first
-    assert s.stats()["prefix"]["entries"] == 1 and s.info("named").tier == "gpu"
+    s.set_budget("device", ref.nbytes + one + one // 2)  # a named capsule's room comes from prefix entries first
+    assert s.stats()["prefix"]["entries"] == 1 and s.info("named").tier == "device"
     assert keep(s, tokens(40, 10), cost=100.0)  # displaces the other prefix entry, not the named capsule
-    s.set_budget("gpu", ref.nbytes + one // 2)
-    assert s.stats()["prefix"]["entries"] == 0 and s.info("named").tier == "gpu"
+    s.set_budget("device", ref.nbytes + one // 2)
+    assert s.stats()["prefix"]["entries"] == 0 and s.info("named").tier == "device"
     assert not keep(s, tokens(40, 11), cost=100.0)  # no room without displacing the named capsule
-    assert s.info("named").tier == "gpu" and s.stats()["prefix"]["entries"] == 0
+    assert s.info("named").tier == "device" and s.stats()["prefix"]["entries"] == 0
 
 
 def test_prefix_match_walks_the_namespaces_own_trie():

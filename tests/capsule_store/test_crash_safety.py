@@ -103,12 +103,12 @@ WRITER_SRC = MAKE_SRC + textwrap.dedent("""
     # "put": each capsule is put into the disk tier (a synchronous write); "cascade": into a gpu tier one
     # capsule wide with host disabled, so each put pushes the previous capsule down to disk, written by
     # the store's background writer
-    budgets = {"gpu": made[0][0].nbytes, "host": 0} if mode == "cascade" else None
+    budgets = {"device": made[0][0].nbytes, "host": 0} if mode == "cascade" else None
     store = CapsuleStore(device="cpu", fingerprint=%r, layout_version=%r, disk_dir=directory, budgets=budgets)
     print("ready", flush=True)
     for i in todo:
         meta, t = make(i, seed)
-        store.put(meta, t, tier="disk" if mode == "put" else "gpu")
+        store.put(meta, t, tier="disk" if mode == "put" else "device")
     if mode == "cascade":
         store.demote(f"cap-{todo[-1]:03d}", "disk", "crash")
         store.flush()

@@ -22,7 +22,7 @@ def test_restored_disk_capsules_survive_a_restart(make_engine, text, tmp_path):
         assert torch.equal(r.logits(), want)
         r.close()
         info = eng.store.info(name)
-        assert info.tier == "gpu" and info.on_disk  # promoted: a copy in memory, the file kept
+        assert info.tier == "device" and info.on_disk  # promoted: a copy in memory, the file kept
     files = {p.name for p in list_capsule_files(disk)}
     assert files == {capsule_file_name("default", n) for n in ("unpinned", "pinned")}
     assert eng.store.stats()["disk"]["bytes"] == disk_bytes  # still counted there
@@ -46,7 +46,7 @@ def test_disk_budget_pressure_drops_copies_before_capsules(make_engine, text, tm
         s.snapshot(name, tier="disk")
     eng.restore("a").close()  # a is in gpu now, with its disk copy
     eng.store.set_budget("disk", eng.store.info("b").meta.nbytes)  # room for one file: a's copy goes, b stays
-    assert {i.name: (i.tier, i.on_disk) for i in eng.store.list()} == {"a": ("gpu", False), "b": ("disk", True)}
+    assert {i.name: (i.tier, i.on_disk) for i in eng.store.list()} == {"a": ("device", False), "b": ("disk", True)}
     assert eng.store.stats()["dropped"] == 0
     assert {p.name for p in list_capsule_files(tmp_path / "disk")} == {capsule_file_name("default", "b")}
 
@@ -59,4 +59,4 @@ def test_every_session_a_restore_makes_says_where_the_capsule_was(make_engine, t
     assert s.restored_from is None  # opened, not restored
     first = eng.restore("c")
     assert first.restored_from == "disk"
-    assert [b.restored_from for b in eng.fork("c", 2)] == ["gpu", "gpu"]  # promoted by the first read
+    assert [b.restored_from for b in eng.fork("c", 2)] == ["device", "device"]  # promoted by the first read

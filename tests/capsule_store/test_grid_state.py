@@ -94,14 +94,14 @@ def test_branches_share_one_grid_state_block_and_restore_bitwise(engine, ctx_len
     want = branches(eng, ctx_len)
     key = state_of(eng, "b0")
     assert key is not None and {state_of(eng, n) for n in want} == {key}
-    pool = eng.store._tiers.pools["gpu"]
+    pool = eng.store._tiers.pools["device"]
     assert pool.records[key].refs == 9 and pool.records[key].nbytes == grid_state_nbytes(eng)
     st = eng.store.stats()
-    assert st["blocks"]["gpu"] == 256 // CHUNK + 1  # the KV blocks [0, 256) and one grid-state block
+    assert st["blocks"]["device"] == 256 // CHUNK + 1  # the KV blocks [0, 256) and one grid-state block
     infos = eng.store.list()
     shared = infos[0].shared_nbytes
     assert {(i.blocks, i.shared_nbytes) for i in infos} == {(BLOCKS, shared)}
-    assert st["gpu"]["bytes"] == sum(i.nbytes for i in infos) + shared  # the unique bytes: each block once
+    assert st["device"]["bytes"] == sum(i.nbytes for i in infos) + shared  # the unique bytes: each block once
     # every branch holds alone only what it computed past the grid point: its live state, last hidden
     # state, KV rows [256, P) and, past the context's prefilled tail, that tail's exact-replay rows (kept
     # where the engine replays tails: on the CPU by default, not on CUDA)
@@ -112,7 +112,7 @@ def test_branches_share_one_grid_state_block_and_restore_bitwise(engine, ctx_len
         assert_restores(eng, name, w)
     for name in ["ctx"] + [f"b{i}" for i in range(7)]:
         eng.store.delete(name)
-    assert pool.records[key].refs == 1 and eng.store.stats()["blocks"]["gpu"] == BLOCKS
+    assert pool.records[key].refs == 1 and eng.store.stats()["blocks"]["device"] == BLOCKS
     assert_restores(eng, "b7", want["b7"])
     r = eng.restore("b7")  # restore + append over the next grid point == a cold prefill (canonical grid state)
     cold = eng.open(namespace=None)
@@ -121,7 +121,7 @@ def test_branches_share_one_grid_state_block_and_restore_bitwise(engine, ctx_len
     r.close()
     cold.close()
     eng.store.delete("b7")
-    assert eng.store.stats()["gpu"]["bytes"] == 0 and eng.store.stats()["blocks"]["gpu"] == 0
+    assert eng.store.stats()["device"]["bytes"] == 0 and eng.store.stats()["blocks"]["device"] == 0
 
 
 def test_pinned_capsule_pins_its_state_block_across_tiers(make_engine, tmp_path):
@@ -135,17 +135,17 @@ def test_pinned_capsule_pins_its_state_block_across_tiers(make_engine, tmp_path)
     eng.store.demote("b1", "host")
     eng.store.demote("b2", "disk")
     eng.store.demote("b3", "disk")
-    assert eng.store.stats()["blocks"] == {"gpu": BLOCKS, "host": BLOCKS, "disk": BLOCKS}  # each tier holds the state once
+    assert eng.store.stats()["blocks"] == {"device": BLOCKS, "host": BLOCKS, "disk": BLOCKS}  # each tier holds the state once
     assert eng.store._tiers.pools["disk"].records[key].refs == 2 and (disk / block_file_name(key)).is_file()
     assert len(list(disk.glob("*" + BLOCK_SUFFIX))) == BLOCKS
-    eng.store.promote("b1", "gpu")
-    eng.store.set_budget("gpu", eng.store.info("b0").meta.nbytes)  # room for the pinned b0 alone
-    assert {i.name: i.tier for i in eng.store.list()} == {"b0": "gpu", "b1": "host", "b2": "disk", "b3": "disk"}
-    assert eng.store.stats()["gpu"]["bytes"] == eng.store.info("b0").meta.nbytes  # its blocks stay with the pin
-    assert eng.store._tiers.pools["gpu"].records[key].refs == 1
+    eng.store.promote("b1", "device")
+    eng.store.set_budget("device", eng.store.info("b0").meta.nbytes)  # room for the pinned b0 alone
+    assert {i.name: i.tier for i in eng.store.list()} == {"b0": "device", "b1": "host", "b2": "disk", "b3": "disk"}
+    assert eng.store.stats()["device"]["bytes"] == eng.store.info("b0").meta.nbytes  # its blocks stay with the pin
+    assert eng.store._tiers.pools["device"].records[key].refs == 1
     for name, w in want.items():  # b1..b3 through transient device copies: the pin fills the gpu tier
         assert_restores(eng, name, w)
-    eng.store.set_budget("gpu", None)
+    eng.store.set_budget("device", None)
     eng.store.promote("b3", "host")
     assert (disk / block_file_name(key)).is_file()  # b2 still references it on disk, and b3's disk copy
     eng.store.delete("b2")
@@ -153,8 +153,8 @@ def test_pinned_capsule_pins_its_state_block_across_tiers(make_engine, tmp_path)
     eng.store.delete("b3")
     assert list(disk.glob("*" + BLOCK_SUFFIX)) == []
     want.pop("b3")
-    eng.store.promote("b1", "gpu")
-    assert eng.store.stats()["blocks"] == {"gpu": BLOCKS, "host": 0, "disk": 0}
+    eng.store.promote("b1", "device")
+    assert eng.store.stats()["blocks"] == {"device": BLOCKS, "host": 0, "disk": 0}
     for name in ("b0", "b1"):
         assert_restores(eng, name, want[name])
     eng.close()
@@ -214,12 +214,12 @@ def test_other_namespaces_or_origins_never_share_the_state_block(engine):
         want[ns] = snap(eng, s, "c", ns)
         s.close()
     assert state_of(eng, "c", "a") != state_of(eng, "c", "b")  # the namespace is in the key
-    assert eng.store.stats()["blocks"]["gpu"] == 2 * BLOCKS
+    assert eng.store.stats()["blocks"]["device"] == 2 * BLOCKS
     meta, full = eng.store.get("c", "a")
     eng.store.put(meta.replace(name="elsewhere"), full, origin="cuda:another-device")  # another origin: whole
     eng.store.put(meta.replace(name="unknown"), full)  # no origin: whole
     assert eng.store.info("elsewhere", "a").blocks == 0 and eng.store.info("unknown", "a").blocks == 0
-    assert eng.store.stats()["blocks"]["gpu"] == 2 * BLOCKS
+    assert eng.store.stats()["blocks"]["device"] == 2 * BLOCKS
     for name in ("c", "elsewhere", "unknown"):
         assert_restores(eng, name, want["a"], "a")
     assert_restores(eng, "c", want["b"], "b")
@@ -241,7 +241,7 @@ def test_a_capsule_file_of_the_same_origin_shares_its_blocks_when_loaded(engine,
     eng.store.put(meta, tensors, origin=origin)
     assert eng.store.info("b0").blocks == BLOCKS and state_of(eng, "b0") == key
     assert eng.store.stats()["blocks"] == before["blocks"]
-    assert eng.store.stats()["gpu"]["bytes"] == before["gpu"]["bytes"] + eng.store.info("b0").nbytes
+    assert eng.store.stats()["device"]["bytes"] == before["device"]["bytes"] + eng.store.info("b0").nbytes
     assert_restores(eng, "b0", want["b0"])
     # the pinned-capsule reload after a worker restart: load of the directory
     eng.store.delete("b0")
@@ -298,7 +298,7 @@ def test_on_and_off_grid_capsules_share_the_state_at_their_grid_point():
     want = {"on": put(s, "on", BASE), "off1": put(s, "off1", BASE + [1, 2]), "off2": put(s, "off2", BASE + [3])}
     keys = {n: s._tiers.entries["default", n].blocks for n in want}
     assert {r.state for r in keys.values()} == {state_key(keys["on"].keys[-1])}
-    assert s.stats()["blocks"]["gpu"] == 4  # 3 KV blocks + 1 grid-state block
+    assert s.stats()["blocks"]["device"] == 4  # 3 KV blocks + 1 grid-state block
     assert set(s._tiers.entries["default", "on"].tensors) == {"kv", "hidden"}  # its live state is the grid state
     assert set(s._tiers.entries["default", "off1"].tensors) == {"kv", "st", "hidden"}  # live state: its own
     for n, t in want.items():
@@ -312,7 +312,7 @@ def test_state_blocks_on_disk_crash_order_orphans_and_rm(tmp_path):
     s = store(disk_dir=disk, budgets={"host": 0})
     want = {n: put(s, n, BASE + [i + 1]) for i, n in enumerate("abcd")}
     key = s._tiers.entries["default", "a"].blocks.state
-    s.set_budget("gpu", s.info("a").meta.nbytes)  # three cascade to disk, written in the background
+    s.set_budget("device", s.info("a").meta.nbytes)  # three cascade to disk, written in the background
     s.flush()
     assert len(list(disk.glob("*" + FILE_SUFFIX))) == 3 and s.stats()["blocks"]["disk"] == 4
     on_disk = [i.name for i in s.list() if i.tier == "disk"]

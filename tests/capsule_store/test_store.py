@@ -54,7 +54,7 @@ class LocalLRU(CapsulePolicy):
         return out
 
     def should_promote(self, name):
-        return None if self.tier[name] == "gpu" else "gpu"
+        return None if self.tier[name] == "device" else "device"
 
 
 def tensors(seed, n=16):
@@ -100,7 +100,7 @@ def test_put_get_list_delete():
     s = store()
     t = tensors(1)
     ref = s.put(meta("sys-prompt_v1.2", t), t)
-    assert (ref.name, ref.tier, ref.nbytes, ref.boundary) == ("sys-prompt_v1.2", "gpu", NB, 10)
+    assert (ref.name, ref.tier, ref.nbytes, ref.boundary) == ("sys-prompt_v1.2", "device", NB, 10)
     src = {k: v.clone() for k, v in t.items()}
     t["kv"].view(torch.int16).fill_(0)  # the caller's buffers change after the snapshot ...
     m, got = s.get("sys-prompt_v1.2")
@@ -108,9 +108,9 @@ def test_put_get_list_delete():
     s.put(meta("b", src, ns="other"), src)
     assert [(i.namespace, i.name) for i in s.list()] == [("default", "sys-prompt_v1.2"), ("other", "b")]
     assert [i.name for i in s.list("other")] == ["b"] and s.contains("b", "other") and not s.contains("b")
-    assert s.info("b", "other").tier == "gpu"
+    assert s.info("b", "other").tier == "device"
     s.delete("sys-prompt_v1.2")
-    assert not s.contains("sys-prompt_v1.2") and s.stats()["gpu"] == {"bytes": NB, "count": 1, "budget": None}
+    assert not s.contains("sys-prompt_v1.2") and s.stats()["device"] == {"bytes": NB, "count": 1, "budget": None}
 
 
 def test_refusals_leave_store_unchanged():
@@ -127,7 +127,7 @@ def test_refusals_leave_store_unchanged():
         s.put(meta("x", t, nbytes=NB + 1), t)
     with pytest.raises(ConfigError):
         s.put(meta("x", t), t, tier="disk")  # no disk_dir
-    for call in (s.get, s.delete, s.info, s.pin, lambda n: s.promote(n, "gpu"), s.demote):
+    for call in (s.get, s.delete, s.info, s.pin, lambda n: s.promote(n, "device"), s.demote):
         with pytest.raises(UnknownCapsuleError):
             call("nope")
     for bad in ("../x", "/etc/passwd", ".hidden"):
@@ -139,17 +139,17 @@ def test_refusals_leave_store_unchanged():
 def test_budget_cascade_to_drop(tmp_path):
     s = store(tmp_path, gpu=2 * NB, host=2 * NB, disk=2 * NB)
     data = {f"c{i}": add(s, f"c{i}", seed=i) for i in range(7)}
-    assert tiers(s) == {"c6": "gpu", "c5": "gpu", "c4": "host", "c3": "host", "c2": "disk", "c1": "disk"}
+    assert tiers(s) == {"c6": "device", "c5": "device", "c4": "host", "c3": "host", "c2": "disk", "c1": "disk"}
     st = s.stats()
     assert st["evictions"] == 1 and st["demotions"] == 5 + 3 and st["disk"]["bytes"] == 2 * NB
     s.flush()  # the cascade wrote c1 and c2 in the background
     assert {p.name for p in tmp_path.iterdir()} == {capsule_file_name("default", n) for n in ("c1", "c2")} | {LOCK_NAME}
     for n in ("c1", "c4", "c2"):  # promotions from disk and host cascade others down; bytes stay exact
         assert exact(s.get(n)[1], data[n])
-        assert tiers(s)[n] == "gpu"
+        assert tiers(s)[n] == "device"
     for n in tiers(s):
         assert exact(s.get(n)[1], data[n])
-    for t in ("gpu", "host", "disk"):
+    for t in ("device", "host", "disk"):
         assert s.stats()[t]["bytes"] <= 2 * NB
 
 
@@ -172,31 +172,31 @@ def test_pinned_alone_over_budget_refused_unchanged(tmp_path):
     with pytest.raises(BudgetExceededError):
         add(s, "x")
     with pytest.raises(BudgetExceededError):
-        s.promote("d", "gpu")
+        s.promote("d", "device")
     with pytest.raises(BudgetExceededError):
-        s.set_budget("gpu", NB)
+        s.set_budget("device", NB)
     with pytest.raises(BudgetExceededError):
         s.put(meta("big", tensors(0, n=64)), tensors(0, n=64), tier="disk")  # bigger than the budget
     assert (s.list(), s.stats(), sorted(tmp_path.iterdir())) == before
     s.unpin("p1")
     add(s, "x")  # now p1 may leave: host is full of pins, so it goes on to disk, dropping d
-    assert tiers(s) == {"p1": "disk", "p2": "gpu", "h": "host", "x": "gpu"}
+    assert tiers(s) == {"p1": "disk", "p2": "device", "h": "host", "x": "device"}
 
 
 def test_set_budget_shrink_demotes(tmp_path):
     s = store(tmp_path)
     data = {f"c{i}": add(s, f"c{i}", seed=i) for i in range(4)}
-    s.set_budget("gpu", NB)
-    assert tiers(s) == {"c0": "host", "c1": "host", "c2": "host", "c3": "gpu"}
+    s.set_budget("device", NB)
+    assert tiers(s) == {"c0": "host", "c1": "host", "c2": "host", "c3": "device"}
     s.set_budget("host", 0)
-    assert set(tiers(s).values()) == {"gpu", "disk"} and s.stats()["host"]["budget"] == 0
+    assert set(tiers(s).values()) == {"device", "disk"} and s.stats()["host"]["budget"] == 0
     s.set_budget("disk", NB)
-    assert tiers(s) == {"c2": "disk", "c3": "gpu"} and s.stats()["evictions"] == 2
+    assert tiers(s) == {"c2": "disk", "c3": "device"} and s.stats()["evictions"] == 2
     assert exact(s.get("c2")[1], data["c2"])  # a swap: c2 comes up, c3 goes down into the freed disk slot
-    assert tiers(s) == {"c2": "gpu", "c3": "disk"}
+    assert tiers(s) == {"c2": "device", "c3": "disk"}
     assert exact(s.get("c3")[1], data["c3"]) and s.stats()["evictions"] == 2
     with pytest.raises(ConfigError):
-        s.set_budget("gpu", -1)
+        s.set_budget("device", -1)
 
 
 def test_moves_are_exact_and_counted(tmp_path):
@@ -216,7 +216,7 @@ def test_moves_are_exact_and_counted(tmp_path):
     _, got = s.get("a")
     assert exact(got, t) and s.stats()["hits"] == 1 and s.stats()["misses"] == 0
     s.demote("a", "disk")
-    assert exact(s.get("a")[1], t) and s.stats()["misses"] == 1 and s.info("a").tier == "gpu"
+    assert exact(s.get("a")[1], t) and s.stats()["misses"] == 1 and s.info("a").tier == "device"
 
 
 def test_gpu_tier_disabled_gives_transient_copy():
@@ -224,12 +224,12 @@ def test_gpu_tier_disabled_gives_transient_copy():
     with pytest.raises(ConfigError):
         add(s, "a")
     t = add(s, "a", tier="host")
-    assert exact(s.get("a")[1], t) and s.info("a").tier == "host" and s.stats()["gpu"]["bytes"] == 0
+    assert exact(s.get("a")[1], t) and s.info("a").tier == "host" and s.stats()["device"]["bytes"] == 0
 
 
 def test_save_load_round_trip(tmp_path):
     s = store(tmp_path / "disk", host=3 * NB)
-    data = {f"c{i}": add(s, f"c{i}", seed=i, tier=t) for i, t in enumerate(["gpu", "host", "disk", "gpu"])}
+    data = {f"c{i}": add(s, f"c{i}", seed=i, tier=t) for i, t in enumerate(["device", "host", "disk", "device"])}
     s.put(meta("c9", data["c0"], ns="ns2"), data["c0"])
     assert s.save(tmp_path / "out") == 5
     s_small = store(host=3 * NB, gpu=NB)
@@ -247,7 +247,7 @@ def test_save_load_round_trip(tmp_path):
         s2.load(tmp_path / "out")
     s3 = store(host=0)
     s3.load(tmp_path / "out")
-    assert {i.tier for i in s3.list()} == {"gpu"}
+    assert {i.tier for i in s3.list()} == {"device"}
 
 
 def test_load_with_corrupt_file_inserts_nothing(tmp_path):
@@ -281,7 +281,7 @@ def test_reading_blocks_delete_and_eviction():
             s.delete("a")
         add(s, "b")
         with pytest.raises(BudgetExceededError):  # a is being read: it may not leave, dropping b is not enough
-            s.set_budget("gpu", NB // 2)
+            s.set_budget("device", NB // 2)
         add(s, "c")  # drops b, not a
         assert set(tiers(s)) == {"a", "c"}
     s.delete("a")
@@ -298,7 +298,7 @@ def test_default_policy_resolves():
 
 
 def test_concurrent_put_get_delete(tmp_path):
-    budgets = {"gpu": 5 * NB, "host": 4 * NB, "disk": 6 * NB}
+    budgets = {"device": 5 * NB, "host": 4 * NB, "disk": 6 * NB}
     s = store(tmp_path, **budgets)
     data = {f"n{i}": tensors(i) for i in range(40)}
     errors = []
@@ -320,7 +320,7 @@ def test_concurrent_put_get_delete(tmp_path):
                 op = rng.random()
                 try:
                     if op < 0.4:
-                        s.put(meta(n, data[n]), data[n], tier=rng.choice(["gpu", "host", "disk"]), pin=rng.random() < 0.05)
+                        s.put(meta(n, data[n]), data[n], tier=rng.choice(["device", "host", "disk"]), pin=rng.random() < 0.05)
                     elif op < 0.75:
                         assert exact(s.get(n)[1], data[n])
                     elif op < 0.9:
@@ -347,7 +347,7 @@ def test_concurrent_put_get_delete(tmp_path):
 
 @pytest.mark.parametrize("policy", ["lru", "pinned_lru", "cost_aware"])
 def test_shipped_policies_keep_invariants(tmp_path, policy):
-    budgets = {"gpu": 3 * NB, "host": 2 * NB, "disk": 2 * NB}
+    budgets = {"device": 3 * NB, "host": 2 * NB, "disk": 2 * NB}
     s = CapsuleStore(device="cpu", fingerprint=FP, layout_version=LAYOUT, budgets=budgets, disk_dir=tmp_path,
                      policy=policy)
     rng, data, pinned = random.Random(7), {f"n{i}": tensors(i) for i in range(12)}, set()
@@ -355,7 +355,7 @@ def test_shipped_policies_keep_invariants(tmp_path, policy):
         n, op = rng.choice(list(data)), rng.random()
         try:
             if op < 0.4:
-                s.put(meta(n, data[n]), data[n], tier=rng.choice(["gpu", "host", "disk"]), pin=rng.random() < 0.1)
+                s.put(meta(n, data[n]), data[n], tier=rng.choice(["device", "host", "disk"]), pin=rng.random() < 0.1)
                 if s.info(n).pinned:
                     pinned.add(n)
             elif op < 0.7:
@@ -379,7 +379,7 @@ def test_shipped_policies_keep_invariants(tmp_path, policy):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tiers_exact_and_async(tmp_path):
     dev = torch.device("cuda")
-    s = CapsuleStore(device=dev, fingerprint=FP, layout_version=LAYOUT, budgets={"gpu": 2 * NB, "host": 2 * NB},
+    s = CapsuleStore(device=dev, fingerprint=FP, layout_version=LAYOUT, budgets={"device": 2 * NB, "host": 2 * NB},
                      disk_dir=tmp_path, policy=LocalLRU())
     data = {f"c{i}": tensors(i) for i in range(6)}
     for n, t in data.items():

@@ -43,7 +43,7 @@ from capsulert.policies.base import TIERS
 FP, LAYOUT, NS = "fp-trace", 3, "default"
 N_OPS = 10_000
 NAMES = [f"c{i:02d}" for i in range(80)]
-BASE = {"gpu": 700, "host": 1100, "disk": 1800}  # capsules average ~130 bytes: ~5 / ~8 / ~14 of them
+BASE = {"device": 700, "host": 1100, "disk": 1800}  # capsules average ~130 bytes: ~5 / ~8 / ~14 of them
 RANK = {t: i for i, t in enumerate(TIERS)}
 DTYPES = [torch.bfloat16, torch.bfloat16, torch.float32, torch.float16, torch.uint8, torch.int64]
 SHIPPED = ["lru", "pinned_lru", "cost_aware"]
@@ -247,11 +247,11 @@ def run_trace(policy: str, tmp_path, seed: int) -> Trace:
         elif op in ("get", "reading"):
             name = rng.choice(existing)
             tier, nb = tr.live[name][0], tr.model[name].nbytes
-            promotes = tier != "gpu" and tr.usable("gpu") and tr.fits("gpu", nb, exclude=name)
-            if tier != "gpu" and tr.usable("gpu") and not promotes:
+            promotes = tier != "device" and tr.usable("device") and tr.fits("device", nb, exclude=name)
+            if tier != "device" and tr.usable("device") and not promotes:
                 # pins leave the gpu tier no room: served from a transient copy, the capsule stays put
                 tr.counts["get_unpromotable"] = tr.counts.get("get_unpromotable", 0) + 1
-            if tier != "gpu" and not tr.usable("gpu"):
+            if tier != "device" and not tr.usable("device"):
                 tr.counts["get_transient"] = tr.counts.get("get_transient", 0) + 1  # gpu tier disabled
             hits, misses = tr.st["hits"], tr.st["misses"]
             if op == "get":
@@ -265,8 +265,8 @@ def run_trace(policy: str, tmp_path, seed: int) -> Trace:
                     assert s.contains(name)
             assert meta.name == name and meta.nbytes == nb
             tr.settle(ctx)
-            assert (tr.st["hits"] - hits, tr.st["misses"] - misses) == ((1, 0) if tier == "gpu" else (0, 1))
-            want = "gpu" if promotes else tier
+            assert (tr.st["hits"] - hits, tr.st["misses"] - misses) == ((1, 0) if tier == "device" else (0, 1))
+            want = "device" if promotes else tier
             assert tr.live[name][0] == want, (ctx, tier, tr.live[name])
         elif op in ("promote", "prefetch"):
             name, target = rng.choice(existing), rng.choice(TIERS)
@@ -321,7 +321,7 @@ def run_trace(policy: str, tmp_path, seed: int) -> Trace:
             assert not s.contains(name)
         elif op == "unknown":
             name = rng.choice([n for n in NAMES if n not in tr.model] or ["zz"])
-            for fn in (lambda: s.get(name), lambda: s.promote(name, "gpu"), lambda: s.demote(name),
+            for fn in (lambda: s.get(name), lambda: s.promote(name, "device"), lambda: s.demote(name),
                        lambda: s.prefetch(name), lambda: s.pin(name), lambda: s.delete(name)):
                 tr.expect_refusal(ctx, UnknownCapsuleError, fn)
         elif op == "set_budget":
@@ -355,7 +355,7 @@ def run_trace(policy: str, tmp_path, seed: int) -> Trace:
     # final sweep: every survivor still reads back byte-identical
     for name in sorted(tr.model):
         tier = tr.live[name][0]
-        if tier != "gpu" and tr.usable("gpu") and not tr.fits("gpu", tr.model[name].nbytes, exclude=name):
+        if tier != "device" and tr.usable("device") and not tr.fits("device", tr.model[name].nbytes, exclude=name):
             continue
         tr.check_get(name, s.get(name)[1])
         tr.settle(f"final get {name}")
@@ -383,12 +383,12 @@ def test_random_trace_keeps_invariants(policy, tmp_path, monkeypatch):
 
 def test_get_when_pins_fill_the_gpu_tier_serves_a_transient_copy(tmp_path):
     t = {"a": torch.arange(16, dtype=torch.float32)}  # 64 bytes each
-    s = CapsuleStore(device="cpu", fingerprint=FP, layout_version=LAYOUT, budgets={"gpu": 64, "host": 64},
+    s = CapsuleStore(device="cpu", fingerprint=FP, layout_version=LAYOUT, budgets={"device": 64, "host": 64},
                      disk_dir=tmp_path, policy="pinned_lru")
-    s.put(make_meta("p", t, random.Random(0)), t, tier="gpu", pin=True)
+    s.put(make_meta("p", t, random.Random(0)), t, tier="device", pin=True)
     s.put(make_meta("h", t, random.Random(1)), t, tier="host")
     before = s.stats()
     _, got = s.get("h")  # the gpu tier holds only the pinned capsule: no room to promote
     assert torch.equal(got["a"], t["a"])
-    assert s.info("h").tier == "host" and s.info("p").tier == "gpu"
+    assert s.info("h").tier == "host" and s.info("p").tier == "device"
     assert s.stats() == {**before, "misses": before["misses"] + 1}

@@ -66,7 +66,7 @@ async def test_a_tenant_cannot_reach_another_tenants_capsules(orch_ns):
     other = await globex.open(GLOBEX, worker=0)  # a globex session on the very worker holding "secret"
     refusals = [
         globex.restore("secret"), globex.fork("secret", 2), globex.restore_append_generate("secret", " x", 2),
-        globex.promote("secret", "gpu"), globex.demote("secret", "host"), globex.delete("secret"),
+        globex.promote("secret", "device"), globex.demote("secret", "host"), globex.delete("secret"),
         globex.migrate("secret", 1), other.restore("secret"), other.restore_append_generate("secret", " x", 2),
         best_of_n(globex, "secret", " x", 2, 2),
         tree_search(globex, "secret", lambda n: [" a"], lambda n: 0.0, width=1, depth=1),
@@ -136,10 +136,10 @@ async def test_routing_and_migration_stay_inside_the_namespace(orch_ns, tmp_path
     with pytest.raises(UnknownCapsuleError):
         await g1.restore("c")
     with pytest.raises(CapsuleError, match="belongs to namespace 'acme'"):
-        await orch.call(1, ImportCapsule(pa, "gpu", namespace="globex"))
+        await orch.call(1, ImportCapsule(pa, "device", namespace="globex"))
     path = await orch.call(0, ExportToDir("c", str(tmp_path), "acme"))
     with pytest.raises(CapsuleError, match="belongs to namespace 'acme'"):
-        await orch.call(1, ImportFromFile(path, "gpu", namespace="globex"))
+        await orch.call(1, ImportFromFile(path, "device", namespace="globex"))
     assert await _names(globex) == []
     # a globex capsule of the same name migrates by disk inside globex and does not disturb acme's
     await g1.snapshot("c")
@@ -147,10 +147,10 @@ async def test_routing_and_migration_stay_inside_the_namespace(orch_ns, tmp_path
     assert globex.placement()["c"] == {0, 1} and acme.placement()["c"] == {0, 1}
     assert await globex.restore_append_generate("c", " then", 5) == await g1.append_generate(" then", 5)
     assert await acme.restore_append_generate("c", " then", 5) == ref
-    await globex.promote("c", "gpu")
+    await globex.promote("c", "device")
     await globex.demote("c", "disk")
     assert {c["tier"] for c in await globex.capsules()} == {"disk"}
-    assert {c["tier"] for c in await acme.capsules() if c["name"] == "c"} == {"gpu"}
+    assert {c["tier"] for c in await acme.capsules() if c["name"] == "c"} == {"device"}
     # the default API is namespace "default" (its listing rows say so, and it routes only default capsules)
     d = await orch.open(ACME, worker=1)
     await d.snapshot("c")
@@ -192,12 +192,12 @@ async def test_a_migrated_capsule_keeps_sharing_its_prefix_blocks(orch_ns, oracl
     await src.snapshot("blocked")
     want = await src.generate(6)
     await src.close()
-    before = (await orch_ns.stats())[1]["store"]["blocks"]["gpu"]
+    before = (await orch_ns.stats())[1]["store"]["blocks"]["device"]
     dst = await ns.open(" filler", worker=1)
     await dst.restore("blocked")  # migrates worker 0 -> worker 1 through the object store
-    assert (await orch_ns.stats())[1]["store"]["blocks"]["gpu"] == before + 256 // GRID + 1
+    assert (await orch_ns.stats())[1]["store"]["blocks"]["device"] == before + 256 // GRID + 1
     assert await dst.generate(6) == want
     mine = await ns.open(prompt, worker=1)  # a capsule of the same prefix made there shares those blocks
     await mine.snapshot("mine")
-    assert (await orch_ns.stats())[1]["store"]["blocks"]["gpu"] == before + 256 // GRID + 1
+    assert (await orch_ns.stats())[1]["store"]["blocks"]["device"] == before + 256 // GRID + 1
     await asyncio.gather(dst.close(), mine.close())

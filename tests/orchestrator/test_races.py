@@ -47,7 +47,7 @@ READS = ("restore", "rag", "restore_into", "fork")
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def orch_r(ray_session, engine_cfg, tmp_path_factory):
     engine = {**engine_cfg, "slots": 48, "disk_dir": str(tmp_path_factory.mktemp("race-disk")),
-              "capsule_budgets": {"gpu": GPU_BUDGET, "host": HOST_BUDGET}}
+              "capsule_budgets": {"device": GPU_BUDGET, "host": HOST_BUDGET}}
     o = await Orchestrator.start(dict(engine=engine, num_workers=2, call_timeout_s=60, torch_threads=1))
     yield o
     await o.close()
@@ -94,7 +94,7 @@ async def test_concurrent_verbs_keep_every_invariant(orch_r, refs):
     orch = orch_r
     makers = [await orch.open(p, worker=k % 2) for k, p in enumerate(PROMPTS)]  # snapshot sources, never change
     for k, m in enumerate(makers):
-        await m.snapshot(_name(k), tier=random.Random(k).choice(["gpu", "host", "disk"]))
+        await m.snapshot(_name(k), tier=random.Random(k).choice(["device", "host", "disk"]))
     log: list[dict] = []
     failures: list[str] = []
     budget_polls = 0
@@ -105,9 +105,9 @@ async def test_concurrent_verbs_keep_every_invariant(orch_r, refs):
         while not done.is_set():
             for st in await orch.stats():
                 store = st["store"]
-                if store["gpu"]["bytes"] > GPU_BUDGET or store["host"]["bytes"] > HOST_BUDGET:
+                if store["device"]["bytes"] > GPU_BUDGET or store["host"]["bytes"] > HOST_BUDGET:
                     failures.append(f"budget exceeded on worker {st['worker']}: {store}")
-                if min(store[t]["bytes"] for t in ("gpu", "host", "disk")) < 0:
+                if min(store[t]["bytes"] for t in ("device", "host", "disk")) < 0:
                     failures.append(f"negative byte count on worker {st['worker']}: {store}")
             budget_polls += 1
             await asyncio.sleep(0.02)
@@ -123,7 +123,7 @@ async def test_concurrent_verbs_keep_every_invariant(orch_r, refs):
             ev = dict(op=op, k=k, t0=time.monotonic(), ok=False, err=None)
             try:
                 if op == "snapshot":
-                    await makers[k].snapshot(name, tier=rng.choice(["gpu", "host", "disk"]))
+                    await makers[k].snapshot(name, tier=rng.choice(["device", "host", "disk"]))
                 elif op == "restore":
                     s = await orch.restore(name)
                     got = await s.append_generate(SUFFIX, N)
@@ -141,7 +141,7 @@ async def test_concurrent_verbs_keep_every_invariant(orch_r, refs):
                     await asyncio.gather(*(b.close() for b in branches))
                     assert outs == [ref, ref], (op, k)
                 elif op == "promote":
-                    await orch.promote(name, rng.choice(["gpu", "host"]))
+                    await orch.promote(name, rng.choice(["device", "host"]))
                 elif op == "demote":
                     await orch.demote(name, rng.choice(["host", "disk", None]))
                 elif op == "delete":
@@ -191,7 +191,7 @@ async def test_concurrent_verbs_keep_every_invariant(orch_r, refs):
             res = await orch.call(w, Turn(None, name, SUFFIX, N, close=True))
             assert res == refs[k]["cont"]
     for st in await orch.stats():
-        assert st["store"]["gpu"]["bytes"] <= GPU_BUDGET and st["store"]["host"]["bytes"] <= HOST_BUDGET
+        assert st["store"]["device"]["bytes"] <= GPU_BUDGET and st["store"]["host"]["bytes"] <= HOST_BUDGET
         assert st["sessions"] == 3 and st["free_slots"] == 48 - 3  # only the makers are left open
     assert orch.capsule_map.held_locks() == 0  # no lock leaked
 

@@ -90,7 +90,7 @@ async def test_a_streaming_turn_equals_append_then_stream(orch, fresh):
     await c.snapshot("start")
     await c.close()
     again = [ev async for ev in a.stream_turn(None, 12, params, restore="start")]
-    assert again[-1].result.restored_from == "gpu" and a.length == one.length + 12
+    assert again[-1].result.restored_from == "device" and a.length == one.length + 12
     await orch.demote("start", "host")
     from_host = [ev async for ev in a.stream_turn(None, 4, params, restore="start")]
     assert from_host[-1].result.restored_from == "host" and from_host[:-1] == again[:len(from_host) - 1]
@@ -107,7 +107,7 @@ async def test_restores_report_the_tier_they_read_from(orch):
     s = await orch.open(PROMPT)
     await s.snapshot("tiers")
     r = await orch.restore("tiers")
-    assert r.restored_from == "gpu"
+    assert r.restored_from == "device"
     await r.close()
     await orch.demote("tiers", "host")
     r = await orch.restore("tiers")
@@ -119,7 +119,7 @@ async def test_restores_report_the_tier_they_read_from(orch):
     res = await orch.restore_append_generate("tiers", " Next.", 2, NOEOS)
     assert res.restored_from == "host"
     branches = await orch.fork("tiers", 2)
-    assert [b.restored_from for b in branches] == ["gpu", "gpu"]  # promoted by the last read
+    assert [b.restored_from for b in branches] == ["device", "device"]  # promoted by the last read
     for b in branches:
         await b.close()
     await s.close()
@@ -150,7 +150,7 @@ async def test_a_one_request_stream_equals_restore_then_streaming_turn_and_close
     res = one[-1].result
     assert (res.logprobs, res.top_logprobs, res.text) == (split[-1].result.logprobs, split[-1].result.top_logprobs,
                                                           split[-1].result.text)
-    assert res.restored_from == "gpu" and res.restore_s > 0 and res.session is None
+    assert res.restored_from == "device" and res.restore_s > 0 and res.session is None
     assert (await orch.stats())[0]["sessions"] == held  # the request's own session is closed
     whole = await orch.restore_append_generate("one-req", " Then the tide turned.", 9, params)
     assert whole == res and whole.logprobs == res.logprobs and whole.restore_s > 0

@@ -218,7 +218,7 @@ def test_a_move_is_one_call_four_ops_on_each_side_byte_exact_and_says_where_its_
     _link(a, b, "ops")  # a fresh link, so every op of the receiver's listener is seen
     del sent_ops[:], received_ops[:]  # the connect's one-byte probe
     reply = a.execute(SendCapsule("c", "ops"))
-    assert reply["name"] == "c" and reply["tier"] == "gpu" and ":" in reply["digest"] and _exact(a, b)
+    assert reply["name"] == "c" and reply["tier"] == "device" and ":" in reply["digest"] and _exact(a, b)
     with a.engine.store.reading_parts("c") as (_, parts, _found):
         packed = layout(*parts.pieces())[1] + TRAILER  # the tensors, each at an aligned offset, and the seal
     for _ in range(100):  # the receiver's last op completes as the sender's call returns

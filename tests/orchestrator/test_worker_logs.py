@@ -27,7 +27,7 @@ DRIVER = textwrap.dedent('''
     logging.getLogger("capsulert").setLevel(level)  # what the user configures in the driver
 
     async def main():
-        engine = dict(model=model, **%r, capsule_budgets={"gpu": budget, "host": 0})
+        engine = dict(model=model, **%r, capsule_budgets={"device": budget, "host": 0})
         async with await Orchestrator.start(dict(engine=engine, local_num_cpus=1, torch_threads=1)) as orch:
             s = await orch.open(prompt)
             await s.snapshot("first")

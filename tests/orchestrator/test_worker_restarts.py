@@ -56,7 +56,7 @@ async def test_a_damaged_pinned_file_costs_only_itself_and_the_disk_tier_comes_b
     want = {}
     for name in PINNED + UNPINNED:
         s = await orch.open(text(name))
-        await s.snapshot(name, pin=name in PINNED, tier="disk" if name in UNPINNED else "gpu")
+        await s.snapshot(name, pin=name in PINNED, tier="disk" if name in UNPINNED else "device")
         ref = oracle.open()
         ref.append(text(name))
         want[name] = ref.generate(5, NOEOS)

@@ -19,7 +19,7 @@ from capsulert.policies import (
 SHIPPED = ["lru", "pinned_lru", "cost_aware"]
 
 
-def _abc(policy: CapsulePolicy, tier: str = "gpu", nbytes: int = 10, cost: float = 1.0) -> None:
+def _abc(policy: CapsulePolicy, tier: str = "device", nbytes: int = 10, cost: float = 1.0) -> None:
     for n in "abc":
         policy.on_insert(n, tier, nbytes, cost, False)
 
@@ -31,12 +31,12 @@ def test_recency_order_equal_cost(name):
     p = make_policy(name)
     _abc(p)
     p.on_access("a")
-    assert p.choose_victims("gpu", 1) == ["b"]
-    assert p.choose_victims("gpu", 10) == ["b"]
-    assert p.choose_victims("gpu", 11) == ["b", "c"]
-    assert p.choose_victims("gpu", 30) == ["b", "c", "a"]
-    assert p.choose_victims("gpu", 10_000) == ["b", "c", "a"]  # not enough: all candidates
-    assert p.choose_victims("gpu", 0) == [] and p.choose_victims("gpu", -5) == []
+    assert p.choose_victims("device", 1) == ["b"]
+    assert p.choose_victims("device", 10) == ["b"]
+    assert p.choose_victims("device", 11) == ["b", "c"]
+    assert p.choose_victims("device", 30) == ["b", "c", "a"]
+    assert p.choose_victims("device", 10_000) == ["b", "c", "a"]  # not enough: all candidates
+    assert p.choose_victims("device", 0) == [] and p.choose_victims("device", -5) == []
     assert p.choose_victims("host", 1) == []
 
 
@@ -45,11 +45,11 @@ def test_pinned_never_a_victim(name):
     p = make_policy(name)
     _abc(p)
     p.pin("b")
-    assert p.choose_victims("gpu", 10_000) == ["a", "c"]
-    p.on_insert("d", "gpu", 10, 1.0, True)
-    assert "d" not in p.choose_victims("gpu", 10_000)
+    assert p.choose_victims("device", 10_000) == ["a", "c"]
+    p.on_insert("d", "device", 10, 1.0, True)
+    assert "d" not in p.choose_victims("device", 10_000)
     p.unpin("b")
-    assert "b" in p.choose_victims("gpu", 10_000)
+    assert "b" in p.choose_victims("device", 10_000)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -57,22 +57,22 @@ def test_moves_and_tiers(name):
     p = make_policy(name)
     _abc(p)
     p.on_move("a", "host")
-    assert p.choose_victims("gpu", 10_000) == ["b", "c"]
+    assert p.choose_victims("device", 10_000) == ["b", "c"]
     assert p.choose_victims("host", 1) == ["a"]
-    assert p.should_promote("a") == "gpu"
+    assert p.should_promote("a") == "device"
     assert p.should_promote("b") is None
     p.on_move("a", "disk")
-    assert p.should_promote("a") == "gpu"
+    assert p.should_promote("a") == "device"
     p.on_remove("b")
-    assert p.choose_victims("gpu", 10_000) == ["c"]
+    assert p.choose_victims("device", 10_000) == ["c"]
 
 
 def test_lru_move_counts_as_use():
     p = LRUPolicy()
     _abc(p)
     p.on_move("a", "host")
-    p.on_move("a", "gpu")  # promoted back: now most recent on gpu
-    assert p.choose_victims("gpu", 10_000) == ["b", "c", "a"]
+    p.on_move("a", "device")  # promoted back: now most recent on gpu
+    assert p.choose_victims("device", 10_000) == ["b", "c", "a"]
 
 
 def test_lru_vs_pinned_lru_unpin():
@@ -86,17 +86,17 @@ def test_lru_vs_pinned_lru_unpin():
         p.on_access("b")
         p.on_access("c")
         p.unpin("a")
-        orders[cls] = p.choose_victims("gpu", 10_000)
+        orders[cls] = p.choose_victims("device", 10_000)
     assert orders[LRUPolicy] == ["a", "b", "c"]
     assert orders[PinnedLRUPolicy] == ["b", "c", "a"]
 
 
 def test_cost_aware_keeps_expensive_per_byte():
     p = CostAwarePolicy()
-    p.on_insert("long_prefix", "gpu", 100, 50.0, False)  # 0.5 s per byte: older but expensive
-    p.on_insert("short", "gpu", 100, 1.0, False)  # cheap
-    assert p.choose_victims("gpu", 1) == ["short"]
-    assert p.choose_victims("gpu", 200) == ["short", "long_prefix"]
+    p.on_insert("long_prefix", "device", 100, 50.0, False)  # 0.5 s per byte: older but expensive
+    p.on_insert("short", "device", 100, 1.0, False)  # cheap
+    assert p.choose_victims("device", 1) == ["short"]
+    assert p.choose_victims("device", 200) == ["short", "long_prefix"]
     assert p.value("long_prefix") == pytest.approx(0.5)
 
 
@@ -111,19 +111,19 @@ def test_cost_aware_ties_by_time_then_name():
 
 def test_cost_aware_zero_bytes_and_zero_cost():
     p = CostAwarePolicy()
-    p.on_insert("empty", "gpu", 0, 1.0, False)
-    p.on_insert("free", "gpu", 10, 0.0, False)
-    assert p.choose_victims("gpu", 10_000) == ["free", "empty"]
+    p.on_insert("empty", "device", 0, 1.0, False)
+    p.on_insert("free", "device", 10, 0.0, False)
+    assert p.choose_victims("device", 10_000) == ["free", "empty"]
 
 
 def test_cost_aware_greedydual_aging():
     p = CostAwarePolicy()
-    p.on_insert("expensive", "gpu", 1, 10.0, False)  # H = 10
+    p.on_insert("expensive", "device", 1, 10.0, False)  # H = 10
     assert p.inflation == 0.0
     evicted = []
     for i in range(20):
-        p.on_insert(f"cheap{i}", "gpu", 1, 1.0, False)  # H = L + 1
-        (victim,) = p.choose_victims("gpu", 1)
+        p.on_insert(f"cheap{i}", "device", 1, 1.0, False)  # H = L + 1
+        (victim,) = p.choose_victims("device", 1)
         before = p.inflation
         p.on_remove(victim)  # the store drops the victim: L rises to its H
         assert p.inflation >= before
@@ -138,14 +138,14 @@ def test_cost_aware_greedydual_aging():
 
 def test_cost_aware_inflation_only_from_named_victims():
     p = CostAwarePolicy()
-    p.on_insert("a", "gpu", 1, 5.0, False)
-    p.on_insert("b", "gpu", 1, 7.0, False)
+    p.on_insert("a", "device", 1, 5.0, False)
+    p.on_insert("b", "device", 1, 7.0, False)
     p.on_remove("b")  # user delete, not a victim
     assert p.inflation == 0.0
-    assert p.choose_victims("gpu", 1) == ["a"]
+    assert p.choose_victims("device", 1) == ["a"]
     p.on_move("a", "host")  # demotion of the named victim
     assert p.inflation == pytest.approx(5.0)
-    p.on_insert("c", "gpu", 1, 1.0, False)
+    p.on_insert("c", "device", 1, 1.0, False)
     assert p.value("c") == pytest.approx(6.0)
     p.on_access("a")
     assert p.value("a") == pytest.approx(10.0)
@@ -154,7 +154,7 @@ def test_cost_aware_inflation_only_from_named_victims():
 @pytest.mark.parametrize("name", SHIPPED)
 def test_refusals(name):
     p = make_policy(name)
-    p.on_insert("a", "gpu", 10, 1.0, False)
+    p.on_insert("a", "device", 10, 1.0, False)
     with pytest.raises(ValueError, match="already inserted"):
         p.on_insert("a", "host", 10, 1.0, False)
     for call in (p.on_access, p.on_remove, p.pin, p.unpin, p.should_promote):
@@ -169,9 +169,9 @@ def test_refusals(name):
     with pytest.raises(ValueError, match="tier"):
         p.on_insert("b", "ssd", 1, 1.0, False)
     with pytest.raises(ValueError):
-        p.on_insert("b", "gpu", -1, 1.0, False)
+        p.on_insert("b", "device", -1, 1.0, False)
     with pytest.raises(ValueError):
-        p.on_insert("b", "gpu", 1, float("nan"), False)
+        p.on_insert("b", "device", 1, float("nan"), False)
     p.on_remove("a")
     with pytest.raises(KeyError):
         p.on_access("a")
@@ -200,7 +200,7 @@ def _run_trace(policy_name: str, seed: int, n_ops: int = 10_000) -> list:
             p.on_access(name)
             target = p.should_promote(name)
             decisions.append(("promote", name, target))
-            assert target is None if fact["tier"] == "gpu" else target == "gpu"
+            assert target is None if fact["tier"] == "device" else target == "device"
             if target is not None and rng.random() < 0.7:
                 p.on_move(name, target)
                 fact["tier"] = target

@@ -53,7 +53,7 @@ class Session:
 
     async def snapshot(self, name, pin=False):
         from capsulert.capsule_store.capsule import CapsuleRef
-        return CapsuleRef(name, "acme", "gpu", 10, 4)
+        return CapsuleRef(name, "acme", "device", 10, 4)
 
     async def close(self):
         pass

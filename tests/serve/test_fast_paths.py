@@ -16,7 +16,7 @@ from capsulert.chat.prompt import ChatRenderer
 from capsulert.serve.ingress import CancelOnDisconnect
 from capsulert.serve.metrics import NoMetrics
 from capsulert.serve.plans import Limits
-from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest
+from capsulert.serve.bodies import ChatCompletionRequest, CompletionRequest
 from capsulert.serve.tenants import Tenants
 from capsulert.serve.token_text import TokenText
 from capsulert.protocol.results import FinalEvent, GenerateResult, TokenEvent
@@ -31,7 +31,7 @@ def _result() -> GenerateResult:
 
 
 class _Session:
-    length, restored_from = 20, "gpu"
+    length, restored_from = 20, "device"
 
     async def turn(self, prompt, max_tokens, params=None):
         return _result()

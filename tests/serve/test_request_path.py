@@ -172,7 +172,7 @@ def test_each_label_set_is_one_series_however_often_recorded():
     for namespace in ("acme", "acme", "globex"):
         prom.request(namespace, "completions", 200, 0.01)
         prom.tokens(namespace, "completions", 5, 2, 1)
-        prom.capsule_lookup(namespace, True, 0.001, "gpu")
+        prom.capsule_lookup(namespace, True, 0.001, "device")
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(prom.exposition().decode()) for s in family.samples}
     acme = (("model", "m"), ("namespace", "acme"), ("route", "completions"))
@@ -181,4 +181,4 @@ def test_each_label_set_is_one_series_however_often_recorded():
     assert samples[("capsulert_requests_total", tuple(sorted(globex + (("status", "200"),))))] == 1
     assert samples[("capsulert_generated_tokens_total", acme)] == 4
     assert samples[("capsulert_cached_prompt_tokens_total", globex)] == 1
-    assert samples[("capsulert_restore_seconds_count", (("model", "m"), ("tier", "gpu")))] == 3
+    assert samples[("capsulert_restore_seconds_count", (("model", "m"), ("tier", "device")))] == 3

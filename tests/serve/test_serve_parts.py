@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from capsulert import errors as E
 from capsulert.serve.http_errors import ApiError, describe, kind_of
-from capsulert.serve.protocol import ChatCompletionRequest, CompletionRequest
+from capsulert.serve.bodies import ChatCompletionRequest, CompletionRequest
 from capsulert.serve.tenants import Tenants
 from capsulert.engine.stops import HeldText
 
@@ -96,10 +96,10 @@ def test_unsupported_or_invalid_fields_are_refused(extra):
 
 
 def test_unknown_fields_are_accepted_with_one_warning_per_name(caplog):
-    from capsulert.serve import protocol
+    from capsulert.serve import bodies
 
-    protocol._warned.discard("store_test_field")
-    with caplog.at_level("WARNING", logger="capsulert.serve.protocol"):
+    bodies._warned.discard("store_test_field")
+    with caplog.at_level("WARNING", logger="capsulert.serve.bodies"):
         for _ in range(3):
             req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
                                         store_test_field=True, metadata={"a": "b"})

@@ -402,4 +402,4 @@ def test_metrics_count_capsule_hits_by_tier(server):
     assert want <= names, sorted(names)
     samples = scrape(server)
     # the capsule round trip read from device memory
-    assert count(samples, "capsulert_capsule_hits_total", tier="gpu", namespace="acme") > 0
+    assert count(samples, "capsulert_capsule_hits_total", tier="device", namespace="acme") > 0

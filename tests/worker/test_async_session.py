@@ -65,7 +65,7 @@ async def test_a_session_keeps_its_namespace(engine):
         with pytest.raises(UnknownCapsuleError):
             await aeng.restore("ns-c")  # "default" has no such capsule
         r = await aeng.restore("ns-c", "acme")
-        assert r.namespace == "acme" and await r.restore("ns-c") == "gpu"
+        assert r.namespace == "acme" and await r.restore("ns-c") == "device"
         await asyncio.gather(s.close(), r.close())
 
 

@@ -43,7 +43,7 @@ def test_gpu_host_disk_then_new_process_restores_bitwise(tiered, text, tmp_path,
         eng.store.demote("c", tier)
         assert eng.store.info("c").tier == tier
     r = eng.restore("c")  # promotes to the device tier first
-    assert eng.store.info("c").tier == "gpu"
+    assert eng.store.info("c").tier == "device"
     cold = eng.open()
     cold_logits = cold.append(prefix + suffix)
     assert torch.equal(r.append(suffix), cold_logits)
@@ -115,14 +115,14 @@ def test_refusals_change_nothing(make_engine, tiered, text, tmp_path):
     unchanged()
     # pinned capsules alone over a budget: a new capsule cannot displace them, nor can a shrink
     eng.store.pin("c")
-    eng.store.set_budget("gpu", eng.store.info("c").meta.nbytes + 10)
+    eng.store.set_budget("device", eng.store.info("c").meta.nbytes + 10)
     eng.store.set_budget("host", 0)
     eng.store.set_budget("disk", 0)
     before = snapshot_state(eng)
     with pytest.raises(BudgetExceededError):
-        bystander.snapshot("too-much", tier="gpu")
+        bystander.snapshot("too-much", tier="device")
     with pytest.raises(BudgetExceededError):
-        eng.store.set_budget("gpu", 10)
+        eng.store.set_budget("device", 10)
     unchanged()
     r = eng.fork("c", 1)[0]
     assert r.generate(8) == expected_tokens  # the bystander and the capsule still work

@@ -26,7 +26,7 @@ def test_threads_snapshot_restore_move_delete(make_engine, text, tmp_path):
     budget = 2 * eng.store.info("probe").meta.nbytes + 1
     eng.store.delete("probe")
     s.close()
-    eng.store.set_budget("gpu", budget)
+    eng.store.set_budget("device", budget)
     deleted_at: dict[str, float] = {}
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -57,7 +57,7 @@ def test_threads_snapshot_restore_move_delete(make_engine, text, tmp_path):
                     finally:
                         r.close()
                 elif op == "promote":
-                    eng.store.promote(name, "gpu")
+                    eng.store.promote(name, "device")
                 elif op == "demote":
                     eng.store.demote(name)
                 else:
@@ -69,8 +69,8 @@ def test_threads_snapshot_restore_move_delete(make_engine, text, tmp_path):
             except BaseException as e:  # noqa: BLE001 - collected and re-raised in the main thread
                 errors.append(e)
             st = eng.store.stats()
-            if st["gpu"]["bytes"] > budget:
-                errors.append(AssertionError(f"gpu tier over budget: {st['gpu']}"))
+            if st["device"]["bytes"] > budget:
+                errors.append(AssertionError(f"gpu tier over budget: {st['device']}"))
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
     for t in threads:

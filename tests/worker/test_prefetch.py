@@ -67,7 +67,7 @@ def tiered(make_engine, tmp_path):
 
 
 def test_prefetch_from_disk_then_restore_is_a_hit_and_bitwise(tiered):
-    eng = tiered(capsule_budgets={"gpu": 64 << 20, "host": 64 << 20})
+    eng = tiered(capsule_budgets={"device": 64 << 20, "host": 64 << 20})
     prefix, suffix = toks(301, 0), toks(SUFFIX_LEN, 1)  # off the 128-token grid: restore replays 45 tokens
     s = eng.open()
     s.append(prefix)
@@ -80,7 +80,7 @@ def test_prefetch_from_disk_then_restore_is_a_hit_and_bitwise(tiered):
     assert where(eng)["c"] == ("disk", False)
     before = eng.store.stats()
     eng.store.prefetch("c")  # the orchestrator knows "c" comes next
-    assert where(eng)["c"] == ("gpu", False)
+    assert where(eng)["c"] == ("device", False)
     assert delta(eng.store.stats(), before) == dict(hits=0, misses=0, promotions=1, demotions=0, evictions=0)
     assert eng.store.stats()["disk"]["count"] == 0
 
@@ -107,7 +107,7 @@ def test_two_prefetches_do_one_copy(tiered):
         eng.store.prefetch("c")
         eng.store.prefetch("c")
         assert delta(eng.store.stats(), before)["promotions"] == 1, src
-        assert where(eng)["c"] == ("gpu", False)
+        assert where(eng)["c"] == ("device", False)
 
     # racing: two threads prefetch the same capsule at once
     eng.store.demote("c", "disk")
@@ -128,7 +128,7 @@ def test_two_prefetches_do_one_copy(tiered):
         t.join()
     assert not errors
     assert delta(eng.store.stats(), before) == dict(hits=0, misses=0, promotions=1, demotions=0, evictions=0)
-    assert where(eng)["c"] == ("gpu", False)
+    assert where(eng)["c"] == ("device", False)
     # a prefetch toward a tier the capsule already beats does nothing either
     before = eng.store.stats()
     eng.store.prefetch("c", "host")
@@ -141,19 +141,19 @@ def test_snapshot_over_gpu_budget_demotes_the_policys_victim(tiered):
     nb = snap(eng, "A", toks(200, 10), pin=True).nbytes  # the oldest capsule, but pinned
     snap(eng, "B", toks(200, 11))
     snap(eng, "C", toks(200, 12))
-    eng.store.set_budget("gpu", 3 * nb)  # exactly A, B, C
+    eng.store.set_budget("device", 3 * nb)  # exactly A, B, C
     touch(eng, "B")  # C is now the least recently used unpinned capsule
     before = eng.store.stats()
     ref = snap(eng, "D", toks(200, 13))
-    assert ref.tier == "gpu" and ref.nbytes == nb
-    assert where(eng) == {"A": ("gpu", True), "B": ("gpu", False), "C": ("host", False), "D": ("gpu", False)}
+    assert ref.tier == "device" and ref.nbytes == nb
+    assert where(eng) == {"A": ("device", True), "B": ("device", False), "C": ("host", False), "D": ("device", False)}
     assert delta(eng.store.stats(), before) == dict(hits=0, misses=0, promotions=0, demotions=1, evictions=0)
 
     # the next one pushes out B (now the LRU unpinned one); A never moves
     touch(eng, "D")
     snap(eng, "E", toks(200, 14))
-    assert where(eng) == {"A": ("gpu", True), "B": ("host", False), "C": ("host", False), "D": ("gpu", False),
-                          "E": ("gpu", False)}
+    assert where(eng) == {"A": ("device", True), "B": ("host", False), "C": ("host", False), "D": ("device", False),
+                          "E": ("device", False)}
 
     # pins alone leave no room: the snapshot is refused and nothing moves or is lost
     eng.store.pin("D")
@@ -167,8 +167,8 @@ def test_snapshot_over_gpu_budget_demotes_the_policys_victim(tiered):
     # ...but it fits once a pin is released, and the released one is the victim
     eng.store.unpin("D")
     s.snapshot("F")
-    assert where(eng)["D"] == ("host", False) and where(eng)["F"] == ("gpu", False)
-    assert eng.store.stats()["gpu"]["bytes"] <= 3 * nb
+    assert where(eng)["D"] == ("host", False) and where(eng)["F"] == ("device", False)
+    assert eng.store.stats()["device"]["bytes"] <= 3 * nb
 
 
 def test_shrinking_a_budget_demotes_at_once(tiered):
@@ -182,30 +182,30 @@ def test_shrinking_a_budget_demotes_at_once(tiered):
     snap(eng, "A", toks(200, 22), pin=True)
     snap(eng, "B", toks(200, 23))
     touch(eng, "B")  # LRU order of the unpinned: C, then B
-    assert {n: t for n, (t, _) in where(eng).items()} == {"A": "gpu", "B": "gpu", "C": "gpu"}
+    assert {n: t for n, (t, _) in where(eng).items()} == {"A": "device", "B": "device", "C": "device"}
 
     before = eng.store.stats()
-    eng.store.set_budget("gpu", 2 * nb)  # one unpinned must go: the LRU one, C
-    assert where(eng) == {"A": ("gpu", True), "B": ("gpu", False), "C": ("host", False)}
+    eng.store.set_budget("device", 2 * nb)  # one unpinned must go: the LRU one, C
+    assert where(eng) == {"A": ("device", True), "B": ("device", False), "C": ("host", False)}
     assert delta(eng.store.stats(), before)["demotions"] == 1
 
-    eng.store.set_budget("gpu", nb)  # only the pinned one stays
+    eng.store.set_budget("device", nb)  # only the pinned one stays
     eng.store.set_budget("host", 0)  # host disabled: its capsules go to disk now
-    assert where(eng) == {"A": ("gpu", True), "B": ("disk", False), "C": ("disk", False)}
+    assert where(eng) == {"A": ("device", True), "B": ("disk", False), "C": ("disk", False)}
     st = eng.store.stats()
-    assert st["gpu"]["bytes"] == nb and st["host"]["bytes"] == 0 and st["disk"]["count"] == 2
+    assert st["device"]["bytes"] == nb and st["host"]["bytes"] == 0 and st["disk"]["count"] == 2
     assert st["evictions"] == 0
 
     # a shrink below what the pins hold is refused and changes nothing (budget included)
     state, stats = where(eng), eng.store.stats()
     with pytest.raises(BudgetExceededError):
-        eng.store.set_budget("gpu", nb - 1)
-    assert where(eng) == state and eng.store.stats() == stats and stats["gpu"]["budget"] == nb
+        eng.store.set_budget("device", nb - 1)
+    assert where(eng) == state and eng.store.stats() == stats and stats["device"]["budget"] == nb
 
     # room again: the demoted capsule restores from disk, bitwise
-    eng.store.set_budget("gpu", 2 * nb)
+    eng.store.set_budget("device", 2 * nb)
     r = eng.restore("C")
-    assert where(eng)["C"] == ("gpu", False)
+    assert where(eng)["C"] == ("device", False)
     assert torch.equal(r.append(suffix), want)
 
 
@@ -220,17 +220,17 @@ def test_cost_aware_keeps_the_long_prefix(tiered, policy):
     value = {n: m.recompute_cost_s / m.nbytes for n, m in metas.items()}
     assert value["long"] > 2 * value["short"], value  # recompute cost per byte grows with P
     # room on gpu for long + short and not one more short capsule
-    eng.store.set_budget("gpu", long_ref.nbytes + short_ref.nbytes + short_ref.nbytes // 2)
+    eng.store.set_budget("device", long_ref.nbytes + short_ref.nbytes + short_ref.nbytes // 2)
     snap(eng, "next", toks(40, 32))
     tiers = {n: t for n, (t, _) in where(eng).items()}
     if policy == "cost_aware":
         # the cheap-to-recompute short one leaves the gpu, though it is the more recent one
-        assert tiers == {"long": "gpu", "short": "host", "next": "gpu"}, tiers
+        assert tiers == {"long": "device", "short": "host", "next": "device"}, tiers
         before = eng.store.stats()
         r = eng.restore("long")
         assert r.tokens == toks(1500, 30) and delta(eng.store.stats(), before)["hits"] == 1
     else:
-        assert tiers == {"long": "host", "short": "gpu", "next": "gpu"}, tiers  # plain LRU: the older one
+        assert tiers == {"long": "host", "short": "device", "next": "device"}, tiers  # plain LRU: the older one
     assert eng.store.stats()["demotions"] == 1
 
 
@@ -238,8 +238,8 @@ def test_restore_when_pins_fill_the_gpu_tier(tiered):
     eng = tiered()
     nb = snap(eng, "pinned", toks(200, 40), pin=True).nbytes
     snap(eng, "c", toks(200, 41))
-    eng.store.set_budget("gpu", nb)  # "c" goes to host; the pinned capsule fills the gpu tier
+    eng.store.set_budget("device", nb)  # "c" goes to host; the pinned capsule fills the gpu tier
     assert where(eng)["c"] == ("host", False)
     r = eng.restore("c")  # served from a transient device copy; the capsule stays in host
     assert r.tokens == toks(200, 41)
-    assert where(eng)["c"] == ("host", False) and where(eng)["pinned"][0] == "gpu"
+    assert where(eng)["c"] == ("host", False) and where(eng)["pinned"][0] == "device"

@@ -188,17 +188,17 @@ def test_named_capsules_share_prefix_blocks_and_refcounts(engine):
     shared = infos[0].shared_nbytes  # the prefix's KV blocks and its grid-state block: the same for all 20
     assert {(i.blocks, i.shared_nbytes) for i in infos} == {(1024 // CHUNK + 1, shared)}
     unique = sum(i.nbytes for i in infos) + shared
-    assert st["gpu"]["bytes"] == unique  # each block once: ~1x the unique bytes
+    assert st["device"]["bytes"] == unique  # each block once: ~1x the unique bytes
     assert sum(r.nbytes for r in refs) - unique == 19 * shared  # per-capsule copies held 19 more
     for i in range(19):
         eng.store.delete(f"c{i}")  # the shared blocks stay for the last one
-    assert eng.store.stats()["blocks"]["gpu"] == 1024 // CHUNK + 1
+    assert eng.store.stats()["blocks"]["device"] == 1024 // CHUNK + 1
     r = eng.restore("c19")
     assert torch.equal(r.logits(), tails[19])
     assert_cold_equal(eng, r)
     r.close()
     eng.store.delete("c19")
-    assert eng.store.stats()["gpu"]["bytes"] == 0 and eng.store.stats()["blocks"]["gpu"] == 0
+    assert eng.store.stats()["device"]["bytes"] == 0 and eng.store.stats()["blocks"]["device"] == 0
 
 
 def test_pinned_capsule_pins_its_blocks(engine):
@@ -213,9 +213,9 @@ def test_pinned_capsule_pins_its_blocks(engine):
     s.snapshot("other")
     want = s.logits()
     s.close()
-    eng.store.set_budget("gpu", pinned.nbytes)  # the unpinned one leaves; the shared blocks stay with the pin
-    assert {i.name: i.tier for i in eng.store.list()} == {"pinned": "gpu", "other": "host"}
-    assert eng.store.stats()["gpu"]["bytes"] == pinned.nbytes
+    eng.store.set_budget("device", pinned.nbytes)  # the unpinned one leaves; the shared blocks stay with the pin
+    assert {i.name: i.tier for i in eng.store.list()} == {"pinned": "device", "other": "host"}
+    assert eng.store.stats()["device"]["bytes"] == pinned.nbytes
     r = eng.restore("other")  # a transient device copy: the pin fills the gpu tier
     assert torch.equal(r.logits(), want)
 

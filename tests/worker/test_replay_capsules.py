@@ -97,7 +97,7 @@ def test_branches_kept_as_replay_capsules_share_the_context_and_replay_batched(m
     ctx = eng.open()
     ctx.append(toks(8 * CHUNK, 2))
     ctx.snapshot("ctx")
-    full_bytes = eng.store.stats()["gpu"]["bytes"]
+    full_bytes = eng.store.stats()["device"]["bytes"]
     wants = {}
     for i, b in enumerate(eng.fork("ctx", 8)):
         b.generate(16, SamplingParams(temperature=0.9, seed=i))
@@ -105,7 +105,7 @@ def test_branches_kept_as_replay_capsules_share_the_context_and_replay_batched(m
         b.snapshot(f"b{i}", mode="replay")
         b.close()
     # 8 branches of the context add only their tokens: the KV and the grid state are the context's
-    assert eng.store.stats()["gpu"]["bytes"] == full_bytes
+    assert eng.store.stats()["device"]["bytes"] == full_bytes
     # a fork of a replay capsule re-runs its tokens for all branches in batched decode steps
     for s in eng.fork("b3", 3):
         assert s.tokens == wants["b3"][0]
@@ -122,7 +122,7 @@ def test_agents_on_a_shared_prompt_replay_from_its_state_and_hold_only_their_tok
     base = eng.open()
     base.append(toks(8 * CHUNK, 8))
     base.snapshot("base")
-    shared = eng.store.stats()["gpu"]["bytes"]
+    shared = eng.store.stats()["device"]["bytes"]
     wants = {}
     for i, a in enumerate(eng.fork("base", 3)):
         a.append(toks(tail, 20 + i))  # its own prompt past the shared one (crossing a grid point)
@@ -134,7 +134,7 @@ def test_agents_on_a_shared_prompt_replay_from_its_state_and_hold_only_their_tok
         # the base's KV and state (all but its last hidden state), nothing else
         assert meta.replay_from == 8 * CHUNK and ref.nbytes == shared - eng.state.last_hidden[0].nbytes
         a.close()
-    assert eng.store.stats()["gpu"]["bytes"] == shared
+    assert eng.store.stats()["device"]["bytes"] == shared
     eng.store.delete("base")  # the agents keep the shared blocks alive
     for i in range(3):
         r = eng.restore(f"agent{i}")
@@ -185,10 +185,10 @@ def test_a_session_whose_state_is_not_this_engines_cannot_be_kept_as_replay(engi
     # the same bytes arriving from elsewhere: restored exactly, but re-running its tokens here proves nothing
     engine.store.put(meta.replace(name="foreign"), tensors, origin="cuda:another-device")
     r = engine.restore("foreign")
-    before = engine.store.stats()["gpu"]["bytes"]
+    before = engine.store.stats()["device"]["bytes"]
     with pytest.raises(UnsupportedStateModeError, match="replay"):
         r.snapshot("nope", mode="replay")
-    assert not engine.store.contains("nope", "default") and engine.store.stats()["gpu"]["bytes"] == before
+    assert not engine.store.contains("nope", "default") and engine.store.stats()["device"]["bytes"] == before
     r.snapshot("ok")  # full is fine
 
 

@@ -448,13 +448,13 @@ async def test_restores_report_the_tier_they_read_from(make_engine, corpus, tmp_
             return r.restored_from
         s = await aeng.open(corpus[:300])
         await s.snapshot("c")
-        assert await restored_from() == "gpu"
+        assert await restored_from() == "device"
         for tier in ("host", "disk"):
             store.demote("c", tier)
             assert store.info("c").tier == tier
             assert await restored_from() == tier  # read from there, then promoted
-            assert store.info("c").tier == "gpu"
-            assert await restored_from() == "gpu"
+            assert store.info("c").tier == "device"
+            assert await restored_from() == "device"
         store.demote("c", "host")
         assert await s.restore("c") == "host"  # in place
         store.demote("c", "disk")

@@ -83,7 +83,7 @@ def test_turn_after_turn_each_append_replays_the_last_tail(make_engine, monkeypa
     assert_same(want_state, state_of(eng, s), "turns")
 
 
-@pytest.mark.parametrize("tier", ["gpu", "host", "disk"])
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
 def test_a_capsule_keeps_its_tail_rows_on_every_tier_and_its_forks_replay_them(make_engine, tier, tmp_path,
                                                                              monkeypatch):
     eng = make_engine(prefill_chunk=128, disk_dir=str(tmp_path), tail_replay=True)

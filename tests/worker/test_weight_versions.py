@@ -62,7 +62,7 @@ def test_restoring_into_a_stale_session_or_closing_it_is_allowed(make_engine, te
     eng.update_weights(nudged(eng))
     s.rederive()
     s.snapshot("now")
-    assert stale.restore("now") in ("gpu", "host", "disk") and not stale.stale  # all of its state replaced
+    assert stale.restore("now") in ("device", "host", "disk") and not stale.stale  # all of its state replaced
     assert torch.equal(stale.logits(), s.logits())
     other = eng.open()
     other.append(text[:100])

@@ -17,7 +17,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from capsulert.serve.protocol import MAX_STOPS, warn_unknown_fields
+from capsulert.serve.bodies import MAX_STOPS, warn_unknown_fields
 
 _EXTRA = ConfigDict(extra="allow", strict=True, frozen=True)
 
