@@ -126,6 +126,11 @@ class ModelRunner:
                                        self.device, self.tail_replay)
         self.state = StateSet(layout)
         self.prefill_s_per_token = 0.0  # a running mean of prefill cost: capsules record their recompute cost by it
+        # several slots' prefill pieces run as the rows of one forward where each row is shown bitwise its solo
+        # piece: on the CPU (tests/worker/test_append_many.py). On CUDA the dense model's rows after a batched
+        # append of unequal lengths left a live recurrent state other in its last bits (H100, the GPU suite),
+        # so there they run one slot after another, as bitwise as ever, until the CUDA rows are shown exact
+        self.batch_rows = not cuda
         self.graphs = None
         if cuda and config.cuda_graphs:
             buckets = decode_buckets(config.decode_batches, min(config.slots, MAX_DECODE_BATCH))
@@ -253,6 +258,8 @@ class ModelRunner:
         are split-invariant; attention, the conv and the gated delta rule run per row), so each slot ends
         bitwise where `prefill` alone leaves it. Per run: True when its last piece crossed a grid point
         strictly inside (state.grid_hidden then holds the hidden state before it)."""
+        if not self.batch_rows:
+            return [self.prefill(slot, tokens, start) for slot, tokens, start in runs]
         pieces = [prefill_pieces(start, start + len(tokens), self.chunk) for _, tokens, start in runs]
         crossed = [False] * len(runs)
         t0 = time.perf_counter()

@@ -79,8 +79,11 @@ def test_a_batched_append_is_bitwise_each_sessions_own(make_engine, corpus):
         assert_same(eng, a, b)
 
 
-def test_a_batched_append_after_a_restore_and_from_the_prefix_cache(make_engine, corpus):
+@pytest.mark.parametrize("rows", ["batched", "one by one"])
+def test_a_batched_append_after_a_restore_and_from_the_prefix_cache(make_engine, corpus, rows):
+    """And where the runner runs the rows one slot after another (CUDA, until its rows are shown exact)."""
     eng = make_engine(slots=6, prefix_cache=True)
+    eng.runner.batch_rows = rows == "batched"
     maker = eng.open()
     maker.append(corpus[:230])
     maker.snapshot("ctx")

@@ -183,7 +183,7 @@ def test_sampled_logprobs_are_the_raw_model_log_softmax(engine, corpus):
 def test_sampling_refusals_are_typed(engine, corpus):
     s = engine.open()
     s.append(corpus[:10])
-    for bad in (dict(seed=2**64), dict(seed=-1), dict(top_k=True), dict(temperature=True),
+    for bad in (dict(seed=2**64), dict(seed=-2), dict(top_k=True), dict(temperature=True),
                 dict(temperature=float("nan")), dict(top_p=0.0), dict(colour=1)):
         with pytest.raises(InvalidRequestError):
             SamplingParams(**bad)
