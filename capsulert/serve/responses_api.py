@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
@@ -46,7 +47,7 @@ NOT_FOUND = ErrorKind(404, "not_found_error", "previous_response_not_found")
 class StoredResponse:
     namespace: str
     items: tuple[InputItem, ...]  # the conversation up to and with the response's output, as input items
-    tokens: tuple[int, ...]  # the capsule's: the rendered input, then the reply's tokens as generated
+    tokens: array  # the capsule's (uint32: 4 bytes a token): the rendered input, then the reply's tokens
     capsule: str
 
 
@@ -101,7 +102,7 @@ def response_plan(body: ResponsesRequest, limits: Limits, tokens: "TokenText", c
     rendered = tuple(chat.encode(turn.prompt))
     capsule, prompt = None, rendered
     if use_capsule and previous is not None and len(rendered) > len(previous.tokens) \
-            and rendered[:len(previous.tokens)] == previous.tokens:
+            and array("I", rendered[:len(previous.tokens)]) == previous.tokens:
         capsule, prompt = previous.capsule, rendered[len(previous.tokens):]
     sampling = dict(temperature=1.0 if body.temperature is None else body.temperature,
                     top_p=1.0 if body.top_p is None else body.top_p, stop=body.stops,
@@ -169,7 +170,8 @@ class ResponseShape:
         if made is None:
             return
         items = self.planned.items + tuple(_as_input(item) for item in output)
-        record = StoredResponse(self.namespace, items, self.planned.rendered + tuple(choice.tokens), made.ref.name)
+        tokens = array("I", self.planned.rendered + tuple(choice.tokens))
+        record = StoredResponse(self.namespace, items, tokens, made.ref.name)
         self.stored.put(self.id, record)
 
     # ------------------------------------------------------------------ whole

@@ -118,3 +118,39 @@ def test_unknown_or_foreign_previous_responses_are_404(acme, globex):
 def test_seed_minus_one_is_no_seed(acme):  # as vLLM reads it
     r = acme.chat.completions.create(model=MODEL, messages=_messages("Hi"), max_tokens=3, seed=-1)
     assert r.usage.completion_tokens > 0
+
+
+async def test_a_previous_response_whose_capsule_is_gone_is_prefilled_whole(default_model_dir, monkeypatch):
+    """The capsule evicted (its budget spent, as any unpinned capsule's): the turn is planned again without it."""
+    from array import array
+    from types import SimpleNamespace
+
+    from capsulert.chat.prompt import ChatRenderer
+    from capsulert.errors import UnknownCapsuleError
+    from capsulert.serve import app
+    from capsulert.serve.plans import Limits
+    from capsulert.serve.responses_api import StoredResponse, StoredResponses
+    from capsulert.serve.responses_protocol import MessageItem, ResponsesRequest
+    from capsulert.serve.token_text import TokenText
+
+    tokens = TokenText.load(default_model_dir, 0)
+    chat = ChatRenderer(default_model_dir, tokens.tokenizer)
+    stored = StoredResponses()
+    earlier = [MessageItem(role="user", content="Hi"), MessageItem(role="assistant", content="Hello")]
+    prompt = chat.encode(ChatPrompt.of([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+                                       add_generation_prompt=False))
+    stored.put("resp_1", StoredResponse("acme", tuple(earlier), array("I", prompt), "capsulert:response:resp_1"))
+    state = SimpleNamespace(responses=stored, limits=Limits(MODEL, 2048, 1, 160), tokens=tokens, chat=chat)
+    plans = []
+
+    async def respond(state, route, ns, plan, shape, stream, include_usage, t0):
+        plans.append(plan)
+        if plan.capsule is not None:
+            raise UnknownCapsuleError("evicted")
+        return "answered"
+    monkeypatch.setattr(app, "_respond", respond)
+    body = ResponsesRequest(model=MODEL, input="More?", previous_response_id="resp_1")
+    assert await app._respond_response(state, SimpleNamespace(ns="acme"), body) == "answered"
+    restored, whole = plans
+    assert restored.capsule == "capsulert:response:resp_1" and whole.capsule is None
+    assert list(whole.prompts[0]) == prompt + list(restored.prompts[0])  # the whole conversation, prefilled
