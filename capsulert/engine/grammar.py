@@ -79,7 +79,9 @@ class Grammars:
         with self._lock:
             if self._masks is None:
                 self._masks = ThreadPoolExecutor(MASK_THREADS, thread_name_prefix="capsulert-grammar-mask")
-        work = self._masks.submit(matcher.unsafe_compute_mask_ptr, first.data_ptr(), first.numel() * first.element_size())
+        def compute() -> None:  # holds `first` (and the matcher) until llguidance is done writing into it, even
+            matcher.unsafe_compute_mask_ptr(first.data_ptr(), first.numel() * first.element_size())  # if refused
+        work = self._masks.submit(compute)
         try:
             work.result(FIRST_MASK_BUDGET_S)
         except FutureTimeout:
