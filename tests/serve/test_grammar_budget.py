@@ -1,6 +1,6 @@
 """A constrained request's plan (its grammar compiled, its tools rendered) is built off the event loop
 within a time budget: a costly grammar used to block every tenant (other tenants' GET /v1/models waited
-32.6 s behind a 100k-string `choice`). In process, on the stub orchestrator of test_edge.py."""
+32.6 s behind a 100k-string `choice`). In process, on the stub orchestrator of test_http_edge.py."""
 import asyncio
 import json
 import time
