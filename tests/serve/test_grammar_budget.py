@@ -6,7 +6,7 @@ import json
 import time
 
 from capsulert.serve import grammar_budget
-from tests.serve.test_edge import AUTH, Tenant, call, make_app
+from tests.serve.test_http_edge import AUTH, Tenant, call, make_app
 
 
 async def models(app):
