@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/capsulert demo
 
+# two workers, each test file whole on one of them: module-scoped servers and orchestrators start once
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PY) -m pytest -q -m "not gpu" -n 2 --dist loadfile tests
 
 # the docs site into site/; strict (mkdocs.yml): a broken link or a page missing from the nav fails the build
 docs: $(STAMP)

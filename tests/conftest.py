@@ -1,5 +1,6 @@
 import inspect
 import io
+import os
 
 import pytest
 import torch
@@ -34,6 +35,13 @@ def pytest_configure(config):
     # one intra-op thread: the suite runs on 2-core machines next to Ray workers, where spinning
     # worker threads slow every kernel by an order of magnitude
     torch.set_num_threads(1)
+    # the programs the tests start (docs blocks, examples, `capsulert demo`/`serve`) share the cores with the
+    # other test worker (`make test` runs two) the same way
+    os.environ["OMP_NUM_THREADS"] = "1"
+    # a Ray started without an address is a new local one, never another cluster on this machine: Ray's
+    # Cluster (tests/orchestrator/multinode_scenario.py) records its address in /tmp/ray for every
+    # `ray.init()` there to join while it runs, and a test in another worker would join it
+    os.environ["RAY_ADDRESS"] = "local"
 
 
 def pytest_addoption(parser):
