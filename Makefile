@@ -14,8 +14,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/capsulert demo
 
+# two workers (pytest-xdist): a file with module-scoped servers or orchestrators runs whole on one of them, every
+# other test goes to whichever worker is free (tests/conftest.py, pytest_xdist_make_scheduler)
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PY) -m pytest -q -m "not gpu" -n 2 tests
 
 # the docs site into site/; strict (mkdocs.yml): a broken link or a page missing from the nav fails the build
 docs: $(STAMP)

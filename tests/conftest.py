@@ -1,5 +1,6 @@
 import inspect
 import io
+import os
 
 import pytest
 import torch
@@ -34,6 +35,41 @@ def pytest_configure(config):
     # one intra-op thread: the suite runs on 2-core machines next to Ray workers, where spinning
     # worker threads slow every kernel by an order of magnitude
     torch.set_num_threads(1)
+    # the programs the tests start (docs blocks, examples, `capsulert demo`/`serve`) share the cores with the
+    # other test worker (`make test` runs two) the same way
+    os.environ["OMP_NUM_THREADS"] = "1"
+    # a Ray started without an address is a new local one, never another cluster on this machine: Ray's
+    # Cluster (tests/orchestrator/multinode_scenario.py) records its address in /tmp/ray for every
+    # `ray.init()` there to join while it runs, and a test in another worker would join it
+    os.environ["RAY_ADDRESS"] = "local"
+
+
+# test files whose module-scoped fixtures (a `capsulert serve`, an orchestrator and its Ray workers, a generated
+# model) are worth starting once: under pytest-xdist (`make test`) each runs whole on one worker
+WHOLE_FILE_DIRS = ("tests/orchestrator/", "tests/serve/")
+WHOLE_FILES = ("tests/worker/test_default_model.py", "tests/capsule_store/test_fuzz.py", "tests/chat/test_chat_api.py")
+
+
+def work_unit(nodeid: str) -> str:
+    """What one xdist worker runs together: a whole file of WHOLE_FILES or WHOLE_FILE_DIRS, else the test alone."""
+    file = nodeid.split("::", 1)[0]
+    return file if file.startswith(WHOLE_FILE_DIRS) or file in WHOLE_FILES else nodeid
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (--dist load): xdist's scope scheduling over work_unit. Its units go out largest first (the whole
+    files), then in collection order, each to whichever worker is free. (`--dist loadgroup` would say this
+    with marks, but xdist 3.8 cannot regroup tests under pytest 9's node ids.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WholeFileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WholeFileScheduling(config, log)
 
 
 def pytest_addoption(parser):

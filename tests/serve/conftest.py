@@ -112,7 +112,7 @@ def _wait_ready(srv: Server, proc: subprocess.Popen) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     pytest.fail(f"capsulert serve did not answer within {START_TIMEOUT_S}s:\n{srv.log.read_text()[-4000:]}")
 
 

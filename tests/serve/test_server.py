@@ -398,7 +398,7 @@ def test_metrics_count_capsule_hits_by_tier(server):
                 "capsulert_restore_seconds_count"}
         if want <= names or time.monotonic() > deadline:
             break
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert want <= names, sorted(names)
     samples = scrape(server)
     # the capsule round trip read from device memory
