@@ -130,7 +130,7 @@ async def test_a_previous_response_whose_capsule_is_gone_is_prefilled_whole(defa
     from capsulert.serve import app
     from capsulert.serve.plans import Limits
     from capsulert.serve.responses_api import StoredResponse, StoredResponses
-    from capsulert.serve.responses_protocol import MessageItem, ResponsesRequest
+    from capsulert.serve.responses_bodies import MessageItem, ResponsesRequest
     from capsulert.serve.token_text import TokenText
 
     tokens = TokenText.load(default_model_dir, 0)
