@@ -86,7 +86,7 @@ class DecodeStream:
         self.session, self.table = session, engine.table
         self.params = sampling or GREEDY
         self.seed = resolve_seed(self.params)
-        self.rule = StopRule(self.params, engine.eos_token_ids, max_new_tokens, engine.model_cfg.vocab_size)
+        self.rule = StopRule(self.params, engine.eos_token_ids, max_new_tokens, engine.runner.model_cfg.vocab_size)
         self.has_text = engine.tokenizer is not None
         self.text = TextStream(engine.detokenize if self.has_text else None)
         self.held = HeldText(tuple(self.params.stop))  # the output's text, and what the events showed of it
