@@ -126,11 +126,10 @@ class ModelRunner:
                                        self.device, self.tail_replay)
         self.state = StateSet(layout)
         self.prefill_s_per_token = 0.0  # a running mean of prefill cost: capsules record their recompute cost by it
-        # several slots' prefill pieces run as the rows of one forward where each row is shown bitwise its solo
-        # piece: on the CPU (tests/worker/test_append_many.py). On CUDA the dense model's rows after a batched
-        # append of unequal lengths left a live recurrent state other in its last bits (H100, the GPU suite),
-        # so there they run one slot after another, as bitwise as ever, until the CUDA rows are shown exact
-        self.batch_rows = not cuda
+        # several slots' prefill pieces run as the rows of one forward, each row bitwise its solo piece
+        # (tests/worker/test_append_many.py, CPU and CUDA); False runs them one slot after another (the
+        # benchmarks' and tests' comparison path)
+        self.batch_rows = True
         self.graphs = None
         if cuda and config.cuda_graphs:
             buckets = decode_buckets(config.decode_batches, min(config.slots, MAX_DECODE_BATCH))

@@ -4,10 +4,14 @@ boundary of a piece comes out in fp32.
 fla's public `chunk_gated_delta_rule` returns the final state in fp32 but keeps the states it passes on the
 way (h: the state before each 64-token chunk) in the inputs' dtype. A prefill piece that crosses a grid point
 needs the state there as a piece that ended there leaves it: the very register values fla's state pass
-stores into h, unrounded. So this runs fla's forward stages itself (the gate cumsum, the fused intra-chunk WY
-stage, the state pass, the output stage) with h in fp32, gives the output stage h rounded to bf16 as fla's
+stores into h, unrounded. So this runs fla's forward stages itself (the fused intra-chunk WY stage, the state
+pass, the output stage) with h in fp32, gives the output stage h rounded to bf16 as fla's
 own h is (round-to-nearest-even of the same values), and reads the grid state out of h: the state pass runs
 once, where a second chunked rule over the piece before the grid point ran before.
+
+The gate cumsum the stages read is ours (kernels/triton_gate_cumsum.py), added in token order: with fla's scan a
+piece's padding rows changed its final state's last bits, so a batched prefill (rows padded to the longest) and
+a piece alone differed.
 
 The stages are fla internals: `fla_stages()` runs them only under the fla release they were written against
 (FLA_RELEASE, pinned in pyproject's `gpu` extra) and otherwise raises a ConfigError naming it.
@@ -27,7 +31,6 @@ FLA_RELEASE = "0.6.0"
 
 @dataclass(frozen=True)
 class FlaStages:
-    cumsum: Callable
     intra: Callable
     state_kernel: object  # a Triton kernel: fla's state pass (chunk_gated_delta_rule_fwd_kernel_h_blockdim64)
     output: Callable
@@ -55,12 +58,11 @@ def fla_stages() -> FlaStages | None:
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64
         from fla.ops.common.chunk_o import chunk_fwd_o
         from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-        from fla.ops.utils import chunk_local_cumsum
         from fla.ops.utils.constant import RCP_LN2
     except ImportError as e:
         raise ConfigError(f"flash-linear-attention {fla.__version__} lacks the chunked gated-delta stages "
                           f"capsulert runs ({e}); install flash-linear-attention=={FLA_RELEASE}") from e
-    return FlaStages(chunk_local_cumsum, chunk_gated_delta_rule_fwd_intra,
+    return FlaStages(chunk_gated_delta_rule_fwd_intra,
                      chunk_gated_delta_rule_fwd_kernel_h_blockdim64, chunk_fwd_o, RCP_LN2)
 
 
@@ -72,12 +74,14 @@ def chunk_gated_delta_rule_grid(stages: FlaStages, q, k, v, g, beta, initial_sta
     tensor, each below the piece's chunk count."""
     import triton
 
+    from capsulert.kernels.triton_gate_cumsum import chunk_gate_cumsum
+
     # fla's kernels assume contiguous inputs (its public call makes them so)
     q, k, v, g, beta, initial_state = (t.contiguous() for t in (q, k, v, g, beta, initial_state))
     B, T, H, K = k.shape
     V = v.shape[-1]
     C = GATED_DELTA_CHUNK
-    gc = stages.cumsum(g, chunk_size=C, scale=stages.log2_scale)
+    gc = chunk_gate_cumsum(g, C, stages.log2_scale)
     w, u, _ = stages.intra(k=k, v=v, g=gc, beta=beta, chunk_size=C)
     # without a grid point the states stay in k's dtype, as fla keeps them: no conversion pass
     h = k.new_empty(B, triton.cdiv(T, C), H, K, V, dtype=k.dtype if grid_chunk is None else torch.float32)

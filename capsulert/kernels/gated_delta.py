@@ -40,6 +40,14 @@ def gated_delta_step_ref(q, k, v, g, beta, state):
     return (S * q[..., None]).sum(-2), S
 
 
+def ordered_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Cumsum over the last dim, added one element after the other."""
+    out = x.clone()
+    for i in range(1, x.shape[-1]):
+        out[..., i] += out[..., i - 1]
+    return out
+
+
 def chunk_gated_delta_rule_ref(q, k, v, g, beta, state, chunk: int = GATED_DELTA_CHUNK):
     """Chunked form; returns (o [B,T,H,V], final state [B,H,K,V])."""
     B, T, H, K = k.shape
@@ -54,7 +62,10 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, state, chunk: int = GATED_DELTA
 
     k_beta = k * beta[..., None]
     v_beta = v * beta[..., None]
-    g = g.cumsum(-1)
+    # each chunk's gates added in token order, so the zero gates of padding (here and in a padded piece)
+    # leave the cumsum at the last real token as it is (kernels/gate_cumsum.py); torch's CPU cumsum adds in
+    # order (in double), its CUDA cumsum is a scan
+    g = g.cumsum(-1) if g.device.type == "cpu" else ordered_cumsum(g)
     upper = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=1)
     # decay[i, j] = exp(g_i - g_j) for j <= i; the upper triangle is masked before exp so it cannot overflow
     decay = (g[..., :, None] - g[..., None, :]).masked_fill(upper, float("-inf")).exp()

@@ -24,8 +24,9 @@ from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK, chunk_gated_delta_r
 # served as a prefix or replayed). 2: prefill attention over absolute 256-key ranges. 3: an MoE layer's
 # shared-expert gate computed in its packed projection (engine/packing.py). 4: the shared expert computed in the
 # expert kernels, the router's logits in fp32 from fixed K slices (kernels/triton_moe*.py). 5: the attention output
-# gate's sigmoid in the attention kernels (kernels/triton_attention.py).
-CUDA_KERNEL_BITS = 5
+# gate's sigmoid in the attention kernels (kernels/triton_attention.py). 6: the gated delta rule's in-chunk gate
+# cumsum added in token order (kernels/triton_gate_cumsum.py), so padding never moves a chunk's decay.
+CUDA_KERNEL_BITS = 6
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,11 @@ CASES = [(0, "append", 40), (64, "append", 32), (100, "append", 28), (150, "appe
          (200, "append", 1), (0, "append", 200)]
 
 
+@pytest.mark.parametrize("rows", ["batched", "one by one"])
 @pytest.mark.parametrize("model_dir", MODELS, indirect=True)
-def test_a_batched_append_is_bitwise_each_sessions_own(make_engine, corpus):
+def test_a_batched_append_is_bitwise_each_sessions_own(make_engine, corpus, rows):
     eng = make_engine(slots=2 * len(CASES), max_seq=1024)
+    eng.runner.batch_rows = rows == "batched"
     solo, batch, turns = [], [], []
     for i, (ctx, how, n) in enumerate(CASES):
         prompt, turn = corpus[i * 7:i * 7 + ctx], corpus[500 + i:500 + i + n]
@@ -81,7 +83,7 @@ def test_a_batched_append_is_bitwise_each_sessions_own(make_engine, corpus):
 
 @pytest.mark.parametrize("rows", ["batched", "one by one"])
 def test_a_batched_append_after_a_restore_and_from_the_prefix_cache(make_engine, corpus, rows):
-    """And where the runner runs the rows one slot after another (CUDA, until its rows are shown exact)."""
+    """And where the runner runs the rows one slot after another (the comparison path)."""
     eng = make_engine(slots=6, prefix_cache=True)
     eng.runner.batch_rows = rows == "batched"
     maker = eng.open()
