@@ -32,6 +32,11 @@ TAIL_ROWS = GATED_DELTA_CHUNK
 # buffers that only prefill writes (the grid checkpoint and what a piece keeps with it): a decode step leaves
 # them as they are, so a speculative step has nothing of them to roll back
 PREFILL_ONLY = frozenset({"ssm_grid", "conv_grid", "grid_hidden", "tail_in", "tail_gates"})
+# buffers holding a row per position (the KV): a step writes only its own positions' rows and reads none past its
+# position, so a speculative step that rolls back leaves them as they are. Named, not guessed from shapes (a
+# conv_dim can equal max_seq): a positional buffer a later layout adds and does not list here is rolled back
+# whole, which is exact, only slower
+POSITIONAL = frozenset({"kv_k", "kv_v"})
 
 
 @dataclass(frozen=True)
@@ -93,17 +98,11 @@ class StateLayout:
             **self.tail_shapes(self.slots, self.tail_rows),
         }
 
-    def positional(self, name: str) -> bool:
-        """Whether buffer `name` holds a row per position ([layers, slots, max_seq, ...], like the KV): a step
-        writes only its own positions' rows, and reads none past its position."""
-        shape = self.shapes()[name][0]
-        return len(shape) >= 3 and shape[1] == self.slots and shape[2] == self.max_seq
-
     def rollback_names(self) -> list[str]:
-        """The buffers a decode step may change as a whole for its slot: every buffer but the positional ones
-        and the prefill-only ones (PREFILL_ONLY). A speculative step rolls these back to its last accepted
-        token; a buffer added to the layout is in it unless it is positional or prefill-only."""
-        return [n for n in self.shapes() if n not in PREFILL_ONLY and not self.positional(n)]
+        """The buffers a decode step may change as a whole for its slot: every buffer but the positional
+        (POSITIONAL) and the prefill-only ones (PREFILL_ONLY). A speculative step rolls these back to its last
+        accepted token; a buffer added to the layout is in it unless listed in one of those."""
+        return [n for n in self.shapes() if n not in PREFILL_ONLY | POSITIONAL]
 
     def tail_shapes(self, slots: int, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The exact-replay buffers (module doc) for `slots` slots of `rows` rows: conv inputs, and b | a;

@@ -246,6 +246,18 @@ def test_rollback_covers_every_buffer_a_decode_step_writes(engine, prompt):
         assert torch.equal(before[kv][:, :P], now[:, :P]) and torch.equal(before[kv][:, P + 1:], now[:, P + 1:])
 
 
+def test_rollback_does_not_guess_from_shapes(make_engine, prompt):
+    """max_seq 256 + a 256-token chunk: the KV holds 512 rows, as many as the default model's conv channels;
+    the conv state is rolled back all the same."""
+    engine = make_engine(max_seq=256, prefill_chunk=256)
+    assert engine.state.layout.conv_dim == engine.state.layout.max_seq
+    assert "conv" in engine.runner.rollback.names
+    want, want_state = plain_and_oracle(engine, prompt[:128], 16, GREEDY, corrupt_every=2)
+    got, state = run(engine, prompt[:128], 16, SamplingParams(**GREEDY, speculate=1, speculate_drafter="oracle"))
+    assert_same_output(got, want)
+    assert_state_equal(state, want_state)
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 @pytest.mark.parametrize("bad", [dict(speculate=MAX_SPECULATE + 1), dict(speculate=-1), dict(speculate=True),
                                  dict(speculate="2"), dict(speculate_drafter=""), dict(speculate_drafter="No Such")])
