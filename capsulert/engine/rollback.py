@@ -7,12 +7,13 @@ go back to the position of the last accepted token. Of the state set only the bu
 state, and whatever buffer a later layout adds that is neither positional nor prefill-only); the KV rows past
 the kept position need no rollback (a later step writes a position's rows before anything reads them).
 
-Two ways were measured on the CPU (default model, one slot; bench numbers in docs/design.md): keeping a copy
-of those buffers after each position and copying the chosen one back ("slot selection": one copy of the
-slot's non-KV state per verified position, ~20 us here) against snapshotting them once and re-running the
-accepted tokens after a rejection (a decode step per token re-run, ~1.4 ms here, and on a GPU a pass of the
-weights each, which is what speculation saves). Slot selection costs a copy per position whatever is
-accepted and never a forward, so it is the one here.
+Two ways were measured on the CPU (default model, one slot, the 2-core box: RollbackStates.keep / restore
+against ModelRunner.decode): keeping a copy of those buffers
+after each position and copying the chosen one back ("slot selection": 431 KB a position, keep 0.14 ms,
+restore 0.13 ms) against snapshotting them once and re-running the accepted tokens after a rejection (a
+decode step per token re-run: 29 ms each there, and on a GPU a pass of the weights each, which is what
+speculation exists to save). Slot selection costs a copy per position whatever is accepted and never a
+forward, so it is the one here.
 
 Owned by the runner, allocated once at start: `capacity` sets (EngineConfig.speculate_slots) of
 MAX_SPECULATE copies each. A step speculates for at most `capacity` sessions; the others decode plainly that
