@@ -340,3 +340,30 @@ def test_mtp_drafter_calls_the_runners_head_when_it_has_one():
     assert calls == [([3, 4], [5, 9], 3)]
     with pytest.raises(InvalidRequestError, match="MTP head"):
         MtpDrafter().propose(object(), [DraftRequest(0, [1], 1)])
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_cuda_batch_of_eight_speculating_equals_plain(make_engine, prompt, graphs):
+    """On the GPU (graph replay or eager, the padded sampling block): 8 sessions, half speculating with the
+    oracle at lower acceptance, half with prompt lookup, each bitwise its plain run."""
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device: run with -m gpu --device cuda on the GPU machine")
+    engine = make_engine(device="cuda", slots=8, cuda_graphs=graphs)
+    prompts = [prompt[i * 9:i * 9 + 70 + i] for i in range(8)]
+    modes = [GREEDY if i % 2 else {**SEEDED, "seed": i} for i in range(8)]
+    solo = [run(engine, p, 40, SamplingParams(**m)) for p, m in zip(prompts, modes)]
+    engine.drafters.install(OracleDrafter([list(p) + list(r) for p, (r, _) in zip(prompts, solo)], corrupt_every=3))
+    sessions = []
+    for p in prompts:
+        s = engine.open()
+        s.append(p)
+        sessions.append(s)
+    params = [SamplingParams(**m, speculate=3, speculate_drafter="oracle" if i < 4 else "ngram")
+              for i, m in enumerate(modes)]
+    got = engine.generate(sessions, 40, params)
+    for s, g, (want, want_state) in zip(sessions, got, solo):
+        assert_same_output(g, want)
+        assert_state_equal(slot_state(engine, s), want_state)
