@@ -81,6 +81,10 @@ class EngineConfig(BaseModel):
                                "wait_s")
     cuda_graphs: bool = Field(True, description="capture CUDA graphs at start (CUDA only)")
     decode_batches: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32, 64), description="batch sizes of the decode graphs (capped at slots; the largest is always captured)")
+    speculate_slots: int = Field(8, ge=0, le=64, description="sessions that may speculate (SamplingParams."
+                                 "speculate) in one decode step; each has 3 rollback copies of its slot's recurrent "
+                                 "and conv state, allocated at start (~150 MB each on the 9B shape). A step's further "
+                                 "speculating sessions decode plainly that step (the same output); 0: none speculate")
     scheduler: SchedulerConfig = SchedulerConfig()
     progress: bool | None = Field(None, description="progress bars on stderr for default-model generation, weight "
                                   "loading, graph capture and long prefills: None = when stderr is a terminal "

@@ -17,6 +17,11 @@ draw and takes its token into its grammar state once the token is committed, onc
 that can take nothing more ends the generate ("grammar_end"). Constrained and unconstrained streams share
 the step: the mask is applied row by row to the sampled block (engine/grammar.py).
 
+A speculating stream (SamplingParams.speculate = k) feeds its sampled token and up to k drafts in the step
+(engine/speculation.py): each further position is verified with decode's own numerics and its token drawn as
+plain decode would draw it there, and the stream commits its tokens while they equal the drafts; its output
+is bitwise plain decode's, in fewer steps.
+
 Weight updates land between steps (they take the engine lock, which a step holds): a stream whose session
 was computed under older weights ends there, stop reason "weights_updated", so every token of a result
 was sampled under its `weights_version`, never under two.
@@ -29,11 +34,13 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from capsulert.config.engine import EngineConfig
+from capsulert.engine.drafters import Drafter, Drafters
 from capsulert.engine.grammar import Grammars, allowed_tokens
 from capsulert.engine.runner import ModelRunner, decode_groups
 from capsulert.engine.sampler import SamplingPlan, resolve_seed
 from capsulert.engine.session import Session
 from capsulert.engine.session_table import SessionTable
+from capsulert.engine.speculation import draft, speculative_step
 from capsulert.engine.stops import HeldText, StopRule, TextStream
 from capsulert.errors import InvalidRequestError
 from capsulert.protocol.results import GenerateResult, TokenEvent
@@ -46,6 +53,7 @@ class Decoder(Protocol):
     runner: ModelRunner
     table: SessionTable
     grammars: Grammars
+    drafters: Drafters
     eos_token_ids: tuple[int, ...]
     tokenizer: object
 
@@ -85,6 +93,10 @@ class DecodeStream:
         session.check_current()  # a stale session's tokens would mix two weights versions
         self.session, self.table = session, engine.table
         self.params = sampling or GREEDY
+        self.drafter: Drafter | None = None
+        if self.params.speculate:  # an unknown drafter, or one this model cannot run, is refused before anything
+            self.drafter = engine.drafters.get(self.params.speculate_drafter)
+            self.drafter.check(engine.runner)
         self.seed = resolve_seed(self.params)
         self.rule = StopRule(self.params, engine.eos_token_ids, max_new_tokens, engine.runner.model_cfg.vocab_size)
         self.has_text = engine.tokenizer is not None
@@ -168,6 +180,10 @@ def _advance(engine, streams, should_stop, events):
             batch = _Batch(group, engine.runner.pad_logits([st.logits for st in group]))
         tokens, rest = batch.plan.start(batch.block, [len(st.session.tokens) for st in group],
                                         _allowed(engine, group, batch.block) if batch.constrained else None)
+        fed = draft(engine, group, tokens)
+        if any(len(f) > 1 for f in fed):
+            out += speculative_step(engine, batch, fed, rest, lambda *a: _commit(*a, max_seq, should_stop), events)
+            continue
         # copied out of the graph's output buffer: the next group's replay, or another thread's step between
         # ours, reuses it
         batch.block[:len(group)].copy_(engine.table.step([st.session for st in group], tokens)[:len(group)])

@@ -29,6 +29,7 @@ from capsulert.config.engine import RANDOM_PREFIX, EngineConfig
 from capsulert.config.model import ModelConfig
 from capsulert.engine.capsules import CapsuleVerbs, Restored, open_store
 from capsulert.engine.decoding import DecodeStream, advance, check_generate
+from capsulert.engine.drafters import Drafters
 from capsulert.engine.default_model import SEED, ensure_default_model, init_weights
 from capsulert.engine.fingerprint import checkpoint_fingerprint
 from capsulert.engine.grammar import Grammars
@@ -71,6 +72,7 @@ class Engine:
         self.codec = TokenCodec(tokenizer, model_cfg.vocab_size, config.max_seq,
                                 ChatRenderer(model_dir, tokenizer, _token_text(tokenizer, self.eos_token_ids)))
         self.grammars = Grammars(tokenizer, model_cfg.vocab_size, self.eos_token_ids)  # constrained decoding
+        self.drafters = Drafters()  # speculative decode's drafters, by name (engine/drafters/)
         self.table = SessionTable(self.runner, self, config.slots)
         self.store = open_store(self.runner)
         self.prefix = PrefixCache(self.runner, self.table, self.store, config.prefix_cache)

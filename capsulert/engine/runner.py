@@ -24,6 +24,7 @@ from capsulert.config.engine import EngineConfig
 from capsulert.config.model import FULL, ModelConfig
 from capsulert.engine.graphs import GraphPlans, decode_buckets
 from capsulert.engine.model import HybridModel, pad_rows
+from capsulert.engine.rollback import RollbackStates
 from capsulert.engine.numerics import (
     CPU_PIECE_ROWS_CHOICES, check_split_invariant_gemm, configure_cuda, cpu_piece_rows, first_row_variant_gemm)
 from capsulert.engine.state import StateLayout, StateSet
@@ -125,6 +126,8 @@ class ModelRunner:
         layout = StateLayout.for_model(model_cfg, config.slots + 1, config.max_seq + self.chunk, self.dtype,
                                        self.device, self.tail_replay)
         self.state = StateSet(layout)
+        # the rollback copies of speculating slots (engine/rollback.py), allocated once
+        self.rollback = RollbackStates(self.state, min(config.speculate_slots, config.slots))
         self.prefill_s_per_token = 0.0  # a running mean of prefill cost: capsules record their recompute cost by it
         # several slots' prefill pieces run as the rows of one forward, each row bitwise its solo piece
         # (tests/worker/test_append_many.py, CPU and CUDA); False runs them one slot after another (the
@@ -323,6 +326,30 @@ class ModelRunner:
         self.model.forward(self.state, ids, torch.tensor(tokens, device=self.device)[:, None], self.config.max_seq,
                            decode=True)
         return self.model.logits(self.state, ids)
+
+    def verify(self, slots: list[int], fed: list[list[int]]) -> list[torch.Tensor]:
+        """Feed fed[i] (one token, or a sampled token and its drafts) to slots[i] at its next positions, with
+        decode's own numerics: position t of every slot that has one is one batched decode step (`decode`), so
+        each position's logits and state are bitwise what plain decode computes there, alone or batched (batch
+        invariance), and slots fed one token share the first step with the others. A slot fed several tokens
+        keeps its state after each of them but the last (RollbackStates, which those slots must have been
+        `assign`ed to), so `roll_back` can take it back to any of them. Returns each slot's logits rows
+        [len(fed[i]), vocab] (fp32 copies). No position may reach past the slot's next grid point (a decode step
+        that reaches one is re-derived through the prefill path: the caller does that once it knows what it
+        keeps)."""
+        rows: list[list[torch.Tensor]] = [[] for _ in slots]
+        for t in range(max(len(f) for f in fed)):
+            wave = [i for i, f in enumerate(fed) if len(f) > t]
+            logits = self.decode([slots[i] for i in wave], [fed[i][t] for i in wave])
+            for r, i in enumerate(wave):
+                rows[i].append(logits[r].clone())  # the graph's output buffer is overwritten by the next step
+                if len(fed[i]) > t + 1:
+                    self.rollback.keep(slots[i], t)
+        return [torch.stack(r) for r in rows]
+
+    def roll_back(self, slot: int, position: int) -> None:
+        """The slot's state goes back to where `verify` left it after its `position`-th token (0-based)."""
+        self.rollback.restore(slot, position)
 
     def logits_rows(self, slots: Sequence[int]) -> list[torch.Tensor]:
         """Each slot's next-token logits row (fp32 [vocab]) from its last hidden state, computed on the

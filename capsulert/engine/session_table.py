@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any, Sequence
 
+import torch
+
 from capsulert.engine.runner import ModelRunner, decode_groups
 from capsulert.engine.session import Session
 from capsulert.errors import ExceedsCapacityError, ForeignSessionError, NoFreeSlotError, StaleSessionError
@@ -176,6 +178,42 @@ class SessionTable:
             for r, row in zip(crossed, self.runner.logits_rows([sessions[r].slot for r in crossed])):
                 logits[r] = row
         return logits
+
+    def verify(self, sessions: list[Session], fed: list[list[int]]) -> list[torch.Tensor]:
+        """One speculative step (ModelRunner.verify): sessions[r] is fed fed[r], a sampled token and its drafts
+        or the sampled token alone; each gets its logits rows [len(fed[r]), vocab]. A session fed one token is
+        done with as `step` does it (its token appended, a grid point reached re-derived, its row replaced);
+        one fed more keeps its tokens and state open until `settle` says how many it keeps (its speculating
+        slots must fit the runner's rollback sets: at most EngineConfig.speculate_slots)."""
+        runner = self.runner
+        runner.rollback.assign([s.slot for s, f in zip(sessions, fed) if len(f) > 1])
+        rows = runner.verify([s.slot for s in sessions], fed)
+        plain = [r for r, f in enumerate(fed) if len(f) == 1]
+        crossed = []
+        for r in plain:
+            sessions[r].tokens.append(fed[r][0])
+            if len(sessions[r].tokens) % runner.grid == 0:
+                crossed.append(r)
+        if crossed:
+            self.rederive_grid_points([sessions[r] for r in crossed])
+            for r, row in zip(crossed, runner.logits_rows([sessions[r].slot for r in crossed])):
+                rows[r][0] = row
+        return rows
+
+    def accept(self, session: Session, token: int) -> None:
+        """A speculating session commits the next of the tokens its step fed (in order, before `settle`)."""
+        session.tokens.append(token)
+
+    def settle(self, session: Session, fed: int, kept: int, rows: torch.Tensor) -> torch.Tensor:
+        """A speculating session fed `fed` tokens in its step (`verify`) and accepted the first `kept` of them:
+        its state goes back to the position of the last one kept (when fewer than all), and a grid point that
+        one reached is re-derived as decode re-derives it. Its next-token logits row."""
+        if kept < fed:
+            self.runner.roll_back(session.slot, kept - 1)
+        if len(session.tokens) % self.runner.grid == 0:
+            self.rederive_grid_points([session])
+            return self.runner.logits_rows([session.slot])[0]
+        return rows[kept - 1]
 
     def rederive_grid_points(self, sessions: list[Session]) -> None:
         """Decode just reached grid point G of each session: re-run [G - GRID, G) through the prefill path from

@@ -29,6 +29,14 @@ from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK
 LAYOUT_VERSION = 3
 # rows of the exact-replay buffer: a grid chunk (engine.GRID, the gated delta rule's chunk)
 TAIL_ROWS = GATED_DELTA_CHUNK
+# buffers that only prefill writes (the grid checkpoint and what a piece keeps with it): a decode step leaves
+# them as they are, so a speculative step has nothing of them to roll back
+PREFILL_ONLY = frozenset({"ssm_grid", "conv_grid", "grid_hidden", "tail_in", "tail_gates"})
+# buffers holding a row per position (the KV): a step writes only its own positions' rows and reads none past its
+# position, so a speculative step that rolls back leaves them as they are. Named, not guessed from shapes (a
+# conv_dim can equal max_seq): a positional buffer a later layout adds and does not list here is rolled back
+# whole, which is exact, only slower
+POSITIONAL = frozenset({"kv_k", "kv_v"})
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,12 @@ class StateLayout:
             "grid_hidden": ((self.slots, self.hidden), self.dtype),
             **self.tail_shapes(self.slots, self.tail_rows),
         }
+
+    def rollback_names(self) -> list[str]:
+        """The buffers a decode step may change as a whole for its slot: every buffer but the positional
+        (POSITIONAL) and the prefill-only ones (PREFILL_ONLY). A speculative step rolls these back to its last
+        accepted token; a buffer added to the layout is in it unless listed in one of those."""
+        return [n for n in self.shapes() if n not in PREFILL_ONLY | POSITIONAL]
 
     def tail_shapes(self, slots: int, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The exact-replay buffers (module doc) for `slots` slots of `rows` rows: conv inputs, and b | a;

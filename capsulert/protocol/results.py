@@ -50,11 +50,14 @@ class GenerateResult(list):
     - `restored_from`: when the request restored a capsule (a Turn with `restore`), the tier it was read
       from: "device" (the engine device's memory), "host" or "disk", where the restore found it (before the promotion the
       read may make); None when it restored nothing; `restore_s`: the seconds the worker spent on that
-      restore (None without one)."""
+      restore (None without one);
+    - `drafted`, `accepted`: with SamplingParams.speculate, the drafted tokens its steps verified and how many
+      of them it committed (accepted / drafted is the drafter's acceptance rate); 0 without."""
 
     def __init__(self, tokens=(), logprobs=None, top_logprobs=None, stop_reason: str | None = None,
                  text: str | None = None, length: int = 0, session: int | None = None, weights_version: int = 0,
-                 restored_from: str | None = None, cached_tokens: int = 0, restore_s: float | None = None):
+                 restored_from: str | None = None, cached_tokens: int = 0, restore_s: float | None = None,
+                 drafted: int = 0, accepted: int = 0):
         super().__init__(tokens)
         self.logprobs: list[float] = list(logprobs or [])
         self.top_logprobs: list[list[tuple[int, float]]] = list(top_logprobs or [])
@@ -66,6 +69,8 @@ class GenerateResult(list):
         self.restored_from = restored_from
         self.cached_tokens = cached_tokens
         self.restore_s = restore_s
+        self.drafted = drafted
+        self.accepted = accepted
 
     @property
     def tokens(self) -> list[int]:

@@ -17,6 +17,9 @@ Extensions (the openai client sends them through `extra_body`):
 - `snapshot_as`, `pin`: keep the end state (prompt + completion) as a capsule of that name (n = 1);
 - `return_token_ids`: each choice also carries `token_ids`, the generated token ids;
 - `top_k`, `ignore_eos`, `stop_token_ids`: as in capsulert's SamplingParams;
+- `speculate` (0..3), `speculate_drafter` ("ngram", "mtp"): speculative decode as in capsulert's
+  SamplingParams; the output is bitwise the same as without (not with structured outputs, tools or a
+  response_format: a 400);
 - `structured_outputs` (as vLLM names it): exactly one of {"json": schema, "regex": ..., "grammar": Lark
   grammar (llguidance's dialect), "choice": [strings]}; the output follows it by construction.
 """
@@ -30,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from capsulert.chat.formats import ResponseFormat, StructuredOutputs
 from capsulert.protocol.conversation import RESERVED_TEMPLATE_VARIABLES
 from capsulert.protocol.messages import ChatMessage, ToolChoice, ToolSpec
+from capsulert.protocol.sampling import DEFAULT_DRAFTER, MAX_SPECULATE
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,8 @@ class _GenerationRequest(BaseModel):
     pin: bool = False
     return_token_ids: bool = False
     structured_outputs: StructuredOutputs | None = None
+    speculate: int = Field(0, ge=0, le=MAX_SPECULATE)
+    speculate_drafter: str = DEFAULT_DRAFTER
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -127,7 +133,8 @@ class _GenerationRequest(BaseModel):
         """SamplingParams fields (without seed: each choice gets its own); OpenAI's default temperature is 1."""
         return dict(temperature=1.0 if self.temperature is None else self.temperature,
                     top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, stop=self.stops,
-                    stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos, logprobs=logprobs)
+                    stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos, logprobs=logprobs,
+                    speculate=self.speculate, speculate_drafter=self.speculate_drafter)
 
 
 class CompletionRequest(_GenerationRequest):

@@ -127,6 +127,26 @@ def test_n_branches_fork_and_match_seeded_runs(acme, oracle):
     assert streamed == want
 
 
+def test_speculate_extra_field_gives_the_same_completion(acme, oracle):
+    """speculate / speculate_drafter (extra body fields) reach the engine's SamplingParams: the same tokens
+    and logprobs as without them, greedy and seeded, n and stream included."""
+    prompt = PROMPT + " the capsule keeps the state, the capsule keeps the KV, the capsule keeps"
+    want = reference(oracle, prompt, 20, temperature=0)
+    r = acme.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, logprobs=0,
+                                extra_body={**TOKEN_IDS, "speculate": 3, "speculate_drafter": "ngram"})
+    assert r.choices[0].model_extra["token_ids"] == list(want)
+    assert r.choices[0].logprobs.token_logprobs == want.logprobs
+    seeded = {j: list(reference(oracle, prompt, 12, temperature=0.9, seed=3 + j)) for j in range(2)}
+    r = acme.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.9, seed=3, n=2,
+                                extra_body={**TOKEN_IDS, "speculate": 2})
+    assert {c.index: c.model_extra["token_ids"] for c in r.choices} == seeded
+    streamed: list[int] = []
+    for chunk in acme.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                         extra_body={**TOKEN_IDS, "speculate": 1}):
+        streamed += chunk.choices[0].model_extra["token_ids"] if chunk.choices else []
+    assert streamed == list(want)
+
+
 # ------------------------------------------------------------------------------------------------ chat
 MESSAGES = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What is a capsule?"}]
 
@@ -248,6 +268,9 @@ def test_an_unknown_field_is_accepted_not_400(server):
     ({"prompt": "x " * 600, "max_tokens": 1}, None),  # past max_seq
     ({"prompt": "x " * 600, "max_tokens": 1, "stream": True}, None),  # refused by the streaming turn itself
     ({"prompt": "x", "top_k": 2 ** 70}, None),
+    ({"prompt": "x", "speculate": 4}, "speculate"),
+    ({"prompt": "x", "speculate": 2, "speculate_drafter": "nosuch"}, None),  # refused where the drafters are
+    ({"prompt": "x", "speculate": 2, "structured_outputs": {"regex": "[ab]+"}}, None),
 ])
 def test_bad_requests_are_400_openai_json(server, body, param):
     r = server.http("POST", "/v1/completions", json={"model": MODEL, **body})
