@@ -6,6 +6,14 @@ writes bench/out/gpu.json and gpu_ttft.png.
 
     python bench/gpu.py [--lengths 2048 4096 8192 16384] [--no-hf] [--quick]
     python bench/gpu.py --model random:capsulert/configs/models/qwen3_5-35b-a3b-shape.yaml   # the MoE
+    python bench/gpu.py --device cpu --quick      # the default model on the CPU (no HF, no graphs): a smoke run
+
+Snapshot is timed as a caller pays it: `snapshot_ms` until the call returns (the session may be written at once:
+the copy is queued on the stream before anything the caller does next), `snapshot_done_ms` until the capsule's
+bytes are complete (the copy has run); each call on a fresh capsule of the same session (the previous one deleted
+first, so every call copies all of its blocks), after one warm-up call (`snapshot_first_ms`: that first call).
+`restore_n64_ms`: a fork of 64 sessions from the capsule (the batched path: one read, two grouped copies), until
+its copies are done; `restore_ms`: one restore, likewise.
 
 Decode floors: the bytes a step must read at HBM_TBPS. Dense: every weight but the embedding table (a step
 gathers B rows of it; the LM head is read whole). MoE: the same, but of the routed experts only those a batch of
@@ -44,8 +52,12 @@ DECODE_BATCHES = (1, 8, 32, 64)
 HBM_TBPS = 4.3  # H200 HBM3e: GB read per ms
 
 
+DEVICE = "cuda"  # --device
+
+
 def sync():
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def default_prefill_chunk(model: str) -> int:
@@ -63,6 +75,42 @@ def timed(fn, iters=3, warmup=1):
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
     return median(times), out
+
+
+def timed_call(fn, after, iters=3, warmup=1):
+    """fn's ms until its work is done (synchronized), `after(fn's result)` run untimed after each call."""
+    times = []
+    for i in range(warmup + iters):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+        after(out)
+    return median(times)
+
+
+def time_snapshots(eng, session, name: str, iters: int) -> dict:
+    """Snapshots of `session` as the module doc says: ms until return, ms until complete, and the first call's
+    ms until complete; the last capsule is kept as `name`."""
+    returned, done, first = [], [], 0.0
+    for i in range(iters + 1):
+        label = name if i == iters else f"{name}.{i}"
+        sync()
+        t0 = time.perf_counter()
+        eng.snapshot(session, label)
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        if i == 0:
+            first = (t2 - t0) * 1e3
+        else:
+            returned.append((t1 - t0) * 1e3)
+            done.append((t2 - t0) * 1e3)
+        if i < iters:
+            eng.store.delete(label)
+    return dict(snapshot_ms=median(returned), snapshot_done_ms=median(done), snapshot_first_ms=first)
 
 
 def decode_floor_gb(engine, batch: int) -> float:
@@ -99,8 +147,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tail-replay", choices=("auto", "on", "off"), default="auto",
                     help="EngineConfig.tail_replay (auto: the engine's default, off on CUDA)")
-    ap.add_argument("--model", default=f"random:{SHAPE}", help="random:<shape YAML> (default: the 9B shape) or a "
-                    "checkpoint directory")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--model", default=None, help="random:<shape YAML> (default on CUDA: the 9B shape), a checkpoint "
+                    "directory, or \"default\" (the embedded model, the default on the CPU)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--quick", action="store_true")
@@ -111,6 +160,13 @@ def main() -> int:
     ap.add_argument("--off-grid", action="store_true",
                     help=f"capsule TTFT where turns end anywhere: lengths {OFF_GRID} (ratios to the first)")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    cuda = DEVICE == "cuda"
+    if args.model is None:
+        args.model = f"random:{SHAPE}" if cuda else "default"
+    if not cuda:
+        args.no_hf = True  # HF's reference runs on the GPU here
     if args.quick:
         args.lengths, args.iters = [2048, 4096], 2
     if args.off_grid:
@@ -119,16 +175,18 @@ def main() -> int:
     c = args.prefill_chunk or default_prefill_chunk(args.model)
     max_seq = (max(args.lengths) + 2 * SUFFIX + 64 + c - 1) // c * c
     t0 = time.perf_counter()
-    torch.cuda.reset_peak_memory_stats()
-    eng = Engine.from_config(model=args.model, device="cuda", dtype="bfloat16",
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    eng = Engine.from_config(model=args.model, device=DEVICE, dtype="bfloat16" if cuda else "float32",
                              tail_replay=TAIL_REPLAY[args.tail_replay], slots=max(DECODE_BATCHES) + 2,
                              max_seq=max_seq, prefill_chunk=c)
     start_s = time.perf_counter() - t0
     weights_gb = sum(t.numel() * t.element_size() for t in eng.model_weights.values()) / 1e9
     state_gb = eng.state.nbytes / 1e9
-    mem_gb = torch.cuda.max_memory_allocated() / 1e9
-    log(f"engine up in {start_s:.1f} s: kernels={eng.model.kernels.name}, graphs={len(eng.graphs.graphs)} "
-        f"captured in {eng.graphs.capture_s:.1f} s; weights {weights_gb:.1f} GB, state set {state_gb:.1f} GB, "
+    mem_gb = torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0
+    n_graphs, capture_s = (len(eng.graphs.graphs), eng.graphs.capture_s) if eng.graphs is not None else (0, 0.0)
+    log(f"engine up in {start_s:.1f} s: kernels={eng.model.kernels.name}, graphs={n_graphs} "
+        f"captured in {capture_s:.1f} s; weights {weights_gb:.1f} GB, state set {state_gb:.1f} GB, "
         f"peak {mem_gb:.1f} GB (beyond weights+state: {mem_gb - weights_gb - state_gb:.1f} GB)")
     g = torch.Generator().manual_seed(1)
     vocab = eng.model_cfg.vocab_size
@@ -149,13 +207,12 @@ def main() -> int:
         s = eng.open()
         s.append(prefix)
         name = f"p{P}"
-        snap_ms, ref = timed(lambda: eng.snapshot(s, name) if not eng.store.contains(name) else None, 1, 0)
+        snaps = time_snapshots(eng, s, name, args.iters)
+        ref = eng.store.info(name)
         s.close()
-
-        def restore_only():
-            r = eng.restore(name)
-            r.close()
-        restore_ms, _ = timed(restore_only, args.iters)
+        restore_ms = timed_call(lambda: eng.restore(name), lambda r: r.close(), args.iters)
+        n_fork = min(64, eng.config.slots)
+        fork_ms = timed_call(lambda: eng.fork(name, n_fork), lambda br: [b.close() for b in br], args.iters)
 
         def capsule():
             r = eng.restore(name)
@@ -164,13 +221,17 @@ def main() -> int:
             return lg
         cap_ms, cap_logits = timed(capsule, args.iters)
         assert torch.equal(cap_logits, cold_logits), "capsule logits differ from cold logits"
-        mb = ref.nbytes / 1e6
+        nbytes = ref.meta.nbytes
+        mb = nbytes / 1e6
         # the weights the append must read (an MoE suffix of 32 random-routed tokens touches ~64% of the experts)
         # plus the capsule's bytes copied in at restore: its floor
-        floor_ms = decode_floor_gb(eng, SUFFIX) / HBM_TBPS + 2 * ref.nbytes / 1e9 / HBM_TBPS
-        row = dict(prefix=P, cold_ms=cold_ms, capsule_ms=cap_ms, speedup=cold_ms / cap_ms, snapshot_ms=snap_ms,
-                   restore_ms=restore_ms, capsule_mb=mb, restore_gbps=2 * ref.nbytes / restore_ms / 1e6,
-                   capsule_floor_ms=floor_ms, capsule_over_floor=cap_ms / floor_ms)
+        floor_ms = decode_floor_gb(eng, SUFFIX) / HBM_TBPS + 2 * nbytes / 1e9 / HBM_TBPS
+        row = dict(prefix=P, cold_ms=cold_ms, capsule_ms=cap_ms, speedup=cold_ms / cap_ms, **snaps,
+                   restore_ms=restore_ms, snapshot_over_restore=snaps["snapshot_ms"] / restore_ms,
+                   snapshot_done_over_restore=snaps["snapshot_done_ms"] / restore_ms, restore_n64_ms=fork_ms,
+                   restore_n64_per_session_ms=fork_ms / n_fork, capsule_mb=mb,
+                   restore_gbps=2 * nbytes / restore_ms / 1e6, capsule_floor_ms=floor_ms,
+                   capsule_over_floor=cap_ms / floor_ms)
         if hf is not None:
             ids = torch.tensor([prefix + suffix], device="cuda")
             log(f"P={P}: HF cold / prefix-kept")
@@ -194,7 +255,8 @@ def main() -> int:
         row["capsule_vs_first"] = cap_ms / (rows[0]["capsule_ms"] if rows else cap_ms)
         rows.append(row)
         eng.store.delete(name)
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
 
     # decode at a 4k context: batch-invariant engine (generate: sampling + grid re-derivation included) and
     # the graph replay alone, against the plain batch-dependent path (same weights, state and kernels)
@@ -204,18 +266,26 @@ def main() -> int:
     s.snapshot("ctx")
     s.close()
     decode = {}
-    fast_model = HybridModel(eng.model_cfg, eng.model_weights, eng.model.kernels)
-    fast = GraphPlans(fast_model, eng.state, eng.runner.scratch_slot, eng.config.max_seq, c, eng.graphs.decode_batches, eng.grid)
-    fast.capture(prefill=False)
-    for B in DECODE_BATCHES:
+    fast = None
+    if eng.graphs is not None:  # the batch-dependent comparison replays graphs: CUDA only
+        fast_model = HybridModel(eng.model_cfg, eng.model_weights, eng.model.kernels)
+        fast = GraphPlans(fast_model, eng.state, eng.runner.scratch_slot, eng.config.max_seq, c,
+                          eng.graphs.decode_batches, eng.grid)
+        fast.capture(prefill=False)
+    batches = DECODE_BATCHES if cuda else DECODE_BATCHES[:2]  # the CPU run is a smoke run: decode is slow there
+    for B in batches:
         sess = eng.fork("ctx", B)
         # each session its own next token, so the batch's rows differ as a real batch's do: forks of one
         # context would otherwise generate the same tokens, and an MoE step would read only their k experts
         for i, x in enumerate(sess):
             x.append([base[ctx + i]])
-        n = 32  # a warm-up call first: the process's first generate pays one-time costs
+        n = 32 if cuda else 8  # a warm-up call first: the process's first generate pays one-time costs
         ms, _ = timed(lambda: eng.generate(sess, n), 3, 1)
         decode[f"ours_b{B}_ms_per_token"] = ms / n
+        if fast is None:
+            for x in sess:
+                x.close()
+            continue
         slots, toks = [x.slot for x in sess], base[ctx + B:ctx + 2 * B]
         # replay alone; both paths advance the same slots, which is fine for timing (values are not used)
         inv_ms, _ = timed(lambda: [eng.graphs.decode(slots, toks) for _ in range(16)], 3, 1)
@@ -284,26 +354,31 @@ def main() -> int:
                                                      min_new_tokens=64, num_return_sequences=8), 1, 0)[0]
     log(f"fan-out: {fan}")
 
-    cols = ["prefix", "cold_ms", "capsule_ms", "speedup", "snapshot_ms", "restore_ms", "capsule_mb", "restore_gbps",
-            "capsule_vs_first", "capsule_floor_ms", "capsule_over_floor"]
+    cols = ["prefix", "cold_ms", "capsule_ms", "speedup", "snapshot_ms", "snapshot_done_ms", "snapshot_first_ms",
+            "restore_ms", "snapshot_over_restore", "snapshot_done_over_restore", "restore_n64_ms",
+            "restore_n64_per_session_ms", "capsule_mb", "restore_gbps", "capsule_vs_first", "capsule_floor_ms",
+            "capsule_over_floor"]
     if hf is not None:
         cols += ["hf_cold_ms", "hf_kept_ms", "hf_cold_over_ours", "hf_kept_over_capsule", "top1_agree"]
     print_table(rows, cols)
-    print_table([{"batch": B, "step_ms": decode[f"step_b{B}_invariant_ms"], "floor_ms": decode[f"floor_b{B}_ms"],
-                  "over_floor": decode[f"step_b{B}_over_floor"],
-                  "floor_with_state_ms": decode[f"floor_with_state_b{B}_ms"],
-                  "over_floor_with_state": decode[f"step_b{B}_over_floor_with_state"],
-                  "generate_ms_per_token": decode[f"ours_b{B}_ms_per_token"]} for B in DECODE_BATCHES],
+    print_table([{k: v for k, v in {"batch": B, "step_ms": decode.get(f"step_b{B}_invariant_ms"), "floor_ms": decode.get(f"floor_b{B}_ms"),
+                  "over_floor": decode.get(f"step_b{B}_over_floor"),
+                  "floor_with_state_ms": decode.get(f"floor_with_state_b{B}_ms"),
+                  "over_floor_with_state": decode.get(f"step_b{B}_over_floor_with_state"),
+                  "generate_ms_per_token": decode[f"ours_b{B}_ms_per_token"]}.items() if v is not None}
+                 for B in batches],
                 ["batch", "step_ms", "floor_ms", "over_floor", "floor_with_state_ms", "over_floor_with_state",
                  "generate_ms_per_token"])
     print("decode:", decode)
     print("fan-out best-of-8 from 8k, 64 tokens:", fan)
-    result = dict(machine=machine_info("cuda"), model=args.model, prefill_chunk=c, tail_replay=eng.runner.tail_replay, engine_start_s=start_s, kernels=eng.model.kernels.name,
-                  graphs=len(eng.graphs.graphs), capture_s=eng.graphs.capture_s, weights_gb=weights_gb,
+    result = dict(machine=machine_info(DEVICE), model=args.model, prefill_chunk=c, tail_replay=eng.runner.tail_replay,
+                  engine_start_s=start_s, kernels=eng.model.kernels.name, graphs=n_graphs, capture_s=capture_s,
+                  weights_gb=weights_gb,
                   state_gb=state_gb, peak_gb=mem_gb, ttft=rows, decode=decode, fanout=fan)
     write_json(OUT_DIR / "gpu.json", result)
     plot_lines(OUT_DIR / "gpu_ttft.png", args.lengths, {k: v for k, v in curves.items() if v}, "prefix tokens",
-               "TTFT ms (32-token suffix)", logy=True, logx=True, title=f"{Path(args.model).stem}, H200, bf16")
+               "TTFT ms (32-token suffix)", logy=True, logx=True, title=f"{Path(args.model).stem}, "
+               f"{torch.cuda.get_device_name() if cuda else 'CPU'}, {'bf16' if cuda else 'fp32'}")
     return 0
 
 

@@ -27,7 +27,7 @@ from capsulert.capsule_store.format.disk import read_capsule_parts, stage_capsul
 from capsulert.capsule_store.format.staging import StagedWrite, fsync_dir
 from capsulert.capsule_store.plan import DROP_DISK_COPY, Entry, Key, Plan
 from capsulert.capsule_store.tiers import MEMORY_TIERS, RANK, TierBook, pkey
-from capsulert.capsule_store.transfer import Run, copy_tensors
+from capsulert.capsule_store.transfer import SLAB_BLOCKS, copy_into, copy_tensors, empty, slab_source, slab_views
 from capsulert.errors import BudgetExceededError
 from capsulert.policies.base import TIERS
 
@@ -55,6 +55,18 @@ def distinct_events(events: Sequence[Any]) -> list:
     return list({id(ev): ev for ev in events if ev is not None}.values())
 
 
+def slab_ranges(indices: Sequence[int], limit: int = SLAB_BLOCKS) -> list[tuple[int, int]]:
+    """(first, count) of the runs of consecutive block indices, each run cut at `limit` blocks: the slabs
+    the blocks a tier lacks are allocated in."""
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and out[-1][0] + out[-1][1] == i and out[-1][1] < limit:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
+
+
 class Mover:
     def __init__(self, tiers: TierBook, writes: BackgroundWrites, *, device: torch.device, fingerprint: str,
                  layout_version: int):
@@ -65,33 +77,43 @@ class Mover:
         self._stream = torch.cuda.Stream(device=device) if self._cuda else None
 
     # -- copies -----------------------------------------------------------------------------------
-    def _copy(self, tensors: Mapping[str, torch.Tensor], tier: str, *, wait=None, copy_stream: bool = True,
-              runs: Sequence[Run] = ()):
-        dev = self.device if tier == "device" else torch.device("cpu")
-        return copy_tensors(tensors, dev, pin=tier == "host" and self._pin_host, wait=wait,
-                            stream=self._stream if copy_stream else None, runs=runs)
+    def _dest(self, tier: str) -> tuple[torch.device, bool]:
+        """The device a memory tier's tensors live on, and whether they are pinned host memory."""
+        return (self.device, False) if tier == "device" else (torch.device("cpu"), tier == "host" and self._pin_host)
 
     def materialize(self, e: Entry, tier: str, own: Mapping[str, torch.Tensor], own_wait: Any, blocks: BlockBytes,
                      *, copy_stream: bool = True, whole: Mapping[str, torch.Tensor] | None = None) -> None:
         """Copy e's own tensors into memory tier `tier` and reference its blocks there, copying (from
-        `blocks`) those the tier lacks: one grouped copy. `whole`: the tensors split() cut `own` and `blocks`
-        from (a put); when the tier lacks every KV block, each block tensor is copied as one run (its
-        blocks and its tail in one op) instead of one copy per block."""
-        pool = self._tiers.pools[tier]
-        missing = [k for k in e.block_keys if pool.get(k) is None]
-        flat, waits = {f"/{n}": t for n, t in own.items()}, [own_wait]
-        for k in missing:
-            tensors, ev = blocks[k]
-            flat.update({f"{k}/{n}": t for n, t in tensors.items()})
-            waits.append(ev)
-        refs, runs, lacking = e.blocks, [], set(missing)
-        if whole is not None and refs is not None and refs.keys and lacking.issuperset(refs.keys):
-            runs = [(whole[n], refs.token_dim, [f"{k}/{n}" for k in refs.keys] + [f"/{n}"]) for n in refs.specs]
-        copied, ev = self._copy(flat, tier, wait=waits, copy_stream=copy_stream, runs=runs)
-        e.tensors, e.event = {n: copied[f"/{n}"] for n in own}, ev
-        for k in missing:
-            tensors = {n: copied[f"{k}/{n}"] for n in e.blocks.specs_of(k)}  # type: ignore[union-attr]
-            pool.add(k, BlockRecord(e.blocks.nbytes_of(k), tensors, ev))  # type: ignore[union-attr]
+        `blocks`) those the tier lacks: one grouped copy, into KV blocks allocated in slabs (transfer.py).
+        `whole`: the tensors split() cut `own` and `blocks` from (a put); each slab is then copied from its
+        rows of the whole tensor as one pair instead of one per block."""
+        pool, refs = self._tiers.pools[tier], e.blocks
+        device, pin = self._dest(tier)
+        new_own = {n: empty(t.shape, t.dtype, device, pin) for n, t in own.items()}
+        pairs, waits = [(new_own[n], t) for n, t in own.items()], [own_wait]
+        fresh: dict[str, dict[str, torch.Tensor]] = {}
+        if refs is not None:
+            missing = [i for i, k in enumerate(refs.keys) if pool.get(k) is None]
+            for first, count in slab_ranges(missing):
+                slabs, views = slab_views(refs.specs, count, device, pin=pin)
+                keys = refs.keys[first:first + count]
+                fresh.update(zip(keys, views))
+                if whole is not None:
+                    pairs += [(slabs[n], slab_source(whole[n], refs.token_dim, first, count, refs.rows)) for n in slabs]
+                    continue
+                for k, view in zip(keys, views):
+                    tensors, ev = blocks[k]
+                    pairs += [(view[n], tensors[n]) for n in view]
+                    waits.append(ev)
+            if refs.state is not None and pool.get(refs.state) is None:
+                tensors, ev = blocks[refs.state]
+                fresh[refs.state] = {n: empty(t.shape, t.dtype, device, pin) for n, t in tensors.items()}
+                pairs += [(fresh[refs.state][n], t) for n, t in tensors.items()]
+                waits.append(ev)
+        ev = copy_into(pairs, stream=self._stream if copy_stream else None, wait=distinct_events(waits))
+        e.tensors, e.event = new_own, ev
+        for k, tensors in fresh.items():
+            pool.add(k, BlockRecord(refs.nbytes_of(k), tensors, ev))  # type: ignore[union-attr]
         self._tiers.ref(tier, e)
 
     def _held_blocks(self, e: Entry) -> BlockBytes:
@@ -121,7 +143,7 @@ class Mover:
         blocks = parts.by_key()
         for k, b in blocks.items():
             flat.update({f"{k}/{n}": t for n, t in b.items()})
-        copied, ev = self._copy(flat, "device", wait=waits, copy_stream=False)
+        copied, ev = copy_tensors(flat, self.device, pin=False, wait=waits, stream=None)
         return Parts.of({n: copied[f"/{n}"] for n in parts.own}, parts.refs,
                         {k: {n: copied[f"{k}/{n}"] for n in b} for k, b in blocks.items()}), ev
 

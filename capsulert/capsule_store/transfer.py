@@ -1,9 +1,17 @@
-"""Copies of capsule tensors between the device and host memory.
+"""Copies of capsule tensors within the device and between the device and host memory.
 
 On CUDA a copy runs on the store's copy stream (or the current one) and records an event; readers make
 their stream wait on it, so decode on the default stream is not blocked by a tier move. The copies within
 one device (a snapshot of a slot's strided rows into fresh blocks) go in one grouped launch
 (kernels/triton_copy.py), not one per block.
+
+Destinations are allocated before the copy: one tensor per own tensor, and the KV blocks of a capsule in
+*slabs*: one tensor of [n, *block shape] per block tensor for up to SLAB_BLOCKS consecutive blocks, each
+block a view of it (`slab_views`). A 16k-token capsule's 256 blocks were 512 allocations (and, with the
+allocator's cache cold, as many trips to cudaMalloc): the snapshot's main host cost. A slab's memory goes
+back when its last block does; blocks of one slab are consecutive blocks of one token chain, and a capsule
+that references a block references every block before it, so what a slab keeps beyond the live blocks is
+at most the tail of one chain (fewer than SLAB_BLOCKS blocks).
 """
 from __future__ import annotations
 
@@ -11,28 +19,42 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from capsulert.kernels.triton_copy import copy_pairs
+from capsulert.capsule_store.capsule import TensorSpec
+from capsulert.kernels.triton_copy import Pair, copy_pairs
 
-Run = tuple[torch.Tensor, int, Sequence[str]]  # (src, dim, names): see copy_tensors
+SLAB_BLOCKS = 16  # KV blocks per allocation (1024 tokens on the 64-token grid)
 
 
-def copy_tensors(tensors: Mapping[str, torch.Tensor], device: torch.device, *, pin: bool, stream: Any,
-                 wait: Any = None, runs: Sequence[Run] = ()) -> tuple[dict[str, torch.Tensor], Any]:
-    """Fresh copies of `tensors` on `device` (pinned host memory when `pin`), and the CUDA event that marks
-    the copy done (None when it ran synchronously). `stream`: the CUDA stream to copy on (None: current);
-    `wait`: a CUDA event (or a list of them) the sources are complete after. `runs`: (src, dim, names) where
-    tensors[names] are, in order, the consecutive pieces of `src` along `dim` that make all of it (a capsule
-    tensor cut into blocks); each piece is still copied into a tensor of its own, but a contiguous `src` on
-    the copies' device is copied in one op (on CUDA one kernel) instead of one copy per piece."""
-    dst = {k: torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin) for k, t in tensors.items()}
-    srcs = list(tensors.values())
-    if not srcs:
-        return dst, None
-    if not torch.cuda.is_available() or not (device.type == "cuda" or any(t.is_cuda for t in srcs)):
-        _copy_into(dst, tensors, runs, non_blocking=False)
-        return dst, None
-    cuda_dev = device if device.type == "cuda" else next(t.device for t in srcs if t.is_cuda)
-    cur = torch.cuda.current_stream(cuda_dev)
+def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=pin)
+
+
+def slab_views(specs: Mapping[str, TensorSpec], count: int, device: torch.device, *,
+               pin: bool) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """`count` blocks of these tensors in one allocation per tensor: the slabs ([count, *shape] each) and
+    each block's tensors (views of its row of every slab)."""
+    slabs = {n: empty((count, *s.shape), s.dtype, device, pin) for n, s in specs.items()}
+    rows = {n: t.unbind(0) for n, t in slabs.items()}
+    return slabs, [{n: rows[n][i] for n in slabs} for i in range(count)]
+
+
+def slab_source(whole: torch.Tensor, dim: int, first: int, count: int, rows: int) -> torch.Tensor:
+    """Blocks first..first+count of `whole` (cut every `rows` along `dim`) as one view shaped like their
+    slab, [count, *block shape]: one copy pair for the slab instead of one per block."""
+    return whole.narrow(dim, first * rows, count * rows).unflatten(dim, (count, rows)).movedim(dim, 0)
+
+
+def copy_into(pairs: Sequence[Pair], *, stream: Any = None, wait: Any = None) -> Any:
+    """Copy each (dst, src) pair (dsts allocated by the caller, none overlapping), and return the CUDA event
+    that marks the copies done (None when they ran synchronously). `stream`: the CUDA stream to copy on
+    (None: the current one); `wait`: a CUDA event (or a list of them) the sources are complete after."""
+    if not pairs:
+        return None
+    cuda = [t.device for p in pairs for t in p if t.is_cuda]
+    if not cuda:
+        _copy(pairs, non_blocking=False)
+        return None
+    cur = torch.cuda.current_stream(cuda[0])
     stream = stream if stream is not None else cur
     if stream is not cur:
         stream.wait_stream(cur)  # sources / fresh allocations are ordered on the current stream
@@ -40,30 +62,29 @@ def copy_tensors(tensors: Mapping[str, torch.Tensor], device: torch.device, *, p
         if ev is not None:
             stream.wait_event(ev)
     with torch.cuda.stream(stream):
-        _copy_into(dst, tensors, runs, non_blocking=True)
+        _copy(pairs, non_blocking=True)
     if stream is not cur:
-        for t in srcs + list(dst.values()):
-            if t.is_cuda:
-                t.record_stream(stream)  # the allocator must not reuse them before the copy ends
+        for p in pairs:
+            for t in p:
+                if t.is_cuda:
+                    t.record_stream(stream)  # the allocator must not reuse them before the copy ends
     ev = torch.cuda.Event()
     ev.record(stream)
-    return dst, ev
+    return ev
 
 
-def _copy_into(dst: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], runs: Sequence[Run], *,
-               non_blocking: bool) -> None:
-    rest = dict(tensors)
+def copy_tensors(tensors: Mapping[str, torch.Tensor], device: torch.device, *, pin: bool, stream: Any,
+                 wait: Any = None) -> tuple[dict[str, torch.Tensor], Any]:
+    """Fresh copies of `tensors` on `device` (pinned host memory when `pin`), and the CUDA event that marks
+    the copy done (None when it ran synchronously); `stream` and `wait` as for copy_into."""
+    dst = {k: empty(t.shape, t.dtype, device, pin) for k, t in tensors.items()}
+    return dst, copy_into([(dst[k], t) for k, t in tensors.items()], stream=stream, wait=wait)
+
+
+def _copy(pairs: Sequence[Pair], *, non_blocking: bool) -> None:
     with torch.no_grad():  # a copy, never part of a graph (and no detach per tensor)
-        for src, dim, names in runs:
-            out = [dst[n] for n in names]
-            # contiguous only: what the CUDA kernel of split_with_sizes_copy assumes (others gain nothing)
-            if src.is_contiguous() and all(o.device == src.device for o in out):
-                torch.split_with_sizes_copy(src, [o.shape[dim] for o in out], dim, out=out)
-                for n in names:
-                    del rest[n]
-        pairs = [(dst[k], t) for k, t in rest.items()]
-        if pairs and all(d.device == s.device for d, s in pairs):  # one launch on CUDA (a slot's strided rows)
+        if all(d.device == s.device for d, s in pairs):  # one launch on CUDA (a slot's strided rows)
             copy_pairs(pairs)
-        else:
-            for d, s in pairs:
-                d.copy_(s, non_blocking=non_blocking)
+            return
+        for d, s in pairs:
+            d.copy_(s, non_blocking=non_blocking)

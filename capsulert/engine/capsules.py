@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import functools
 import platform
+from contextlib import ExitStack
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
-from capsulert.capsule_store.blocks import BlockLayout
+from capsulert.capsule_store.blocks import BlockLayout, Parts
 from capsulert.capsule_store.capsule import (
     CapsuleMeta, CapsuleRef, TensorSpec, model_of, weights_identity_of, weights_version_of)
 from capsulert.capsule_store.prefix_index import PrefixMatch
@@ -44,14 +45,14 @@ from capsulert.engine.runner import ModelRunner, decode_groups
 from capsulert.engine.session import Session
 from capsulert.engine.session_table import SessionTable
 from capsulert.engine.slot_views import (
-    BLOCK_TENSORS, GRID_STATE, capsule_views, grid_state_views, grid_views, kv_pairs, state_views, stored_grid_state,
-    tail_views)
+    BLOCK_TENSORS, GRID_STATE, capsule_views, grid_state_views, grid_views, kv_pairs, kv_views, live_state_views,
+    set_positions, state_views, stored_grid_state, tail_views)
 from capsulert.engine.state import LAYOUT_VERSION
 from capsulert.errors import (
     CapsuleError, IncompatibleCapsuleError, InvalidRequestError, StaleCapsuleError, UnknownCapsuleError,
     UnsupportedStateModeError)
 from capsulert.kernels.ops import CUDA_KERNEL_BITS
-from capsulert.kernels.triton_copy import copy_pairs
+from capsulert.kernels.triton_copy import Pair, copy_pairs
 
 STATE_MODES = ("full", "replay")
 
@@ -66,9 +67,23 @@ class Replay:
 
 
 class Restored(NamedTuple):
-    """What restore_sessions made: the sessions, and the tier the capsule was read from."""
+    """What restore_sessions made: the sessions, and the tier the (first) capsule was read from."""
     sessions: list[Session]
     tier: str
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A capsule open for a restore: its metadata, its parts as the store holds them, every tensor but the KV
+    blocks by its capsule name (`own`), the tier it was read from, whether this engine's numerics computed
+    it, and the exact-replay rows this engine takes from it."""
+
+    meta: CapsuleMeta
+    parts: Parts
+    own: Mapping[str, torch.Tensor]
+    tier: str
+    canonical: bool
+    tail_rows: int
 
 
 def numerics_origin(runner: ModelRunner) -> str:
@@ -222,59 +237,115 @@ class CapsuleVerbs:
         specs.update({k: ((shape[0],) + shape[2:], dtype) for k, (shape, dtype) in layout.tail_shapes(1, tail_rows).items()})
         return specs
 
-    def _write(self, session: Session, name: str, namespace: str) -> tuple[str, Replay | None]:
-        """Overwrite the session's slot with the capsule; validates everything before the first byte moves.
-        Returns the tier the capsule was read from (gpu, host or disk) and, for a replay capsule, what the
-        engine still has to re-run (the session then holds the capsule's state at its replay point)."""
-        runner = self.runner
-        with self.store.reading_parts(name, namespace, check=self._check_compatible) as (meta, parts, tier):
-            canonical = parts.refs is not None and parts.refs.origin == self.store.block_origin
-            replay = meta.replay_from is not None
-            if replay and not canonical:
-                raise IncompatibleCapsuleError(
-                    f"capsule {name!r} is a replay capsule made under other numerics "
-                    f"({parts.refs.origin if parts.refs else 'unknown'}); re-running its tokens here would not "
-                    "rebuild its state: restore it where it was made")
-            slot, P, G = session.slot, meta.held, meta.held_grid  # a replay capsule: P == G, its replay point
-            st, own = runner.state, parts.own_view()
-            pairs = kv_pairs(st, slot, runner.grid, parts, 0, P)
-            dst = grid_state_views(st, slot) if replay else state_views(st, slot, P != G)
-            pairs += [(dst[k], own[k]) for k in dst]
-            # an engine that keeps no tails restores the rest and re-runs the tail (the same bits)
-            tail = tail_views(st, slot, own["tail_in"].shape[1] if "tail_in" in own and runner.tail_replay else 0)
-            pairs += [(tail[k], own[k]) for k in tail]
-            if P == G:  # at the grid point the live state is the grid checkpoint
-                live = (st.ssm, st.conv) if replay else (st.ssm_grid, st.conv_grid)
-                pairs += [(live[0][:, slot], own["ssm"]), (live[1][:, slot], own["conv"])]
-            copy_pairs(pairs)
-            st.pos[slot] = P
+    def _read(self, stack: ExitStack, name: str, namespace: str) -> _Read:
+        """Open a read of the capsule for the rest of `stack` (a read reference held: delete refuses, budget
+        moves skip it), after every check a restore makes: nothing has moved when one refuses."""
+        meta, parts, tier = stack.enter_context(self.store.reading_parts(name, namespace, check=self._check_compatible))
+        canonical = parts.refs is not None and parts.refs.origin == self.store.block_origin
+        if meta.replay_from is not None and not canonical:
+            raise IncompatibleCapsuleError(
+                f"capsule {name!r} is a replay capsule made under other numerics "
+                f"({parts.refs.origin if parts.refs else 'unknown'}); re-running its tokens here would not "
+                "rebuild its state: restore it where it was made")
+        own = parts.own_view()
+        # an engine that keeps no tails restores the rest and re-runs the tail (the same bits)
+        tail_rows = own["tail_in"].shape[1] if "tail_in" in own and self.runner.tail_replay else 0
+        return _Read(meta, parts, own, tier, canonical, tail_rows)
+
+    def _targets(self, slot: int, read: _Read) -> dict[str, tuple[torch.Tensor, str | None]]:
+        """The slot's views a restore of the capsule writes, each with the capsule tensor it takes (None: the
+        KV rows [0, P), written block by block from the capsule's blocks)."""
+        st, meta = self.runner.state, read.meta
+        P, G, replay = meta.held, meta.held_grid, meta.replay_from is not None  # a replay capsule: P == G
+        out: dict[str, tuple[torch.Tensor, str | None]] = {k: (v, None) for k, v in kv_views(st, slot, P).items()}
+        out.update({k: (v, k) for k, v in (grid_state_views(st, slot) if replay else state_views(st, slot, P != G)).items()})
+        out.update({k: (v, k) for k, v in tail_views(st, slot, read.tail_rows).items()})
+        if P == G:  # at the grid point the live state is the grid checkpoint
+            twin = live_state_views(st, slot) if replay else grid_state_views(st, slot)
+            out.update({f"{k}:twin": (v, k) for k, v in twin.items()})
+        return out
+
+    def _write_many(self, items: Sequence[tuple[Session, str]], namespace: str) -> list[tuple[str, Replay | None]]:
+        """Overwrite each session's slot with its capsule; every capsule is read and checked before the first
+        byte moves, so a refusal writes nothing. The bytes go in two grouped copies whatever the count: each
+        capsule's pieces into the first slot that takes it, then that slot's written rows into every other
+        slot that takes the same capsule (fork 1 -> N reads the capsule once). Returns, per item, the tier
+        the capsule was read from and, for a replay capsule, what the engine still has to re-run."""
+        st = self.runner.state
+        with ExitStack() as stack:
+            reads: dict[str, _Read] = {}
+            for _, name in items:
+                if name not in reads:
+                    reads[name] = self._read(stack, name, namespace)
+            first: dict[str, dict[str, tuple[torch.Tensor, str | None]]] = {}
+            direct: list[Pair] = []
+            fanout: list[Pair] = []
+            for session, name in items:
+                read = reads[name]
+                targets = self._targets(session.slot, read)
+                if name in first:
+                    fanout += [(dst, first[name][k][0]) for k, (dst, _) in targets.items()]
+                    continue
+                first[name] = targets
+                direct += kv_pairs(st, session.slot, self.runner.grid, read.parts, 0, read.meta.held)
+                direct += [(dst, read.own[src]) for dst, src in targets.values() if src is not None]
+            copy_pairs(direct)
+            copy_pairs(fanout)  # stream-ordered after the first copy, which wrote its sources
+            set_positions(st, [s.slot for s, _ in items], [reads[n].meta.held for _, n in items])
+        return [self._land(session, reads[name], namespace) for session, name in items]
+
+    def _land(self, session: Session, read: _Read, namespace: str) -> tuple[str, Replay | None]:
+        """The session's books after its slot took the capsule's bytes."""
+        meta = read.meta
+        P, G = meta.held, meta.held_grid
         # the tail rows replay only under the numerics that computed them (else the tail is re-run in full);
         # a capsule restores only under its own weights, so the session is current
         self.table.hold(session, meta.tokens[:P], P if P == G else meta.decoded_from,
-                        G + tail["tail_in"].shape[1] if tail and canonical else None)
+                        G + read.tail_rows if read.tail_rows and read.canonical else None)
         self.table.stopped(session, None)
-        self.prefix.restored(session, namespace, canonical)
-        if not replay:
-            return tier, None
+        self.prefix.restored(session, namespace, read.canonical)
+        if meta.replay_from is None:
+            return read.tier, None
         A = meta.decoded_from
-        return tier, Replay(meta.tokens[P:A], meta.tokens[A:])  # type: ignore[misc]
-
+        return read.tier, Replay(meta.tokens[P:A], meta.tokens[A:])  # type: ignore[misc]
 
     def restore_into(self, session: Session, name: str, namespace: str) -> str:
         """Restore the capsule into an open session in place; the tier it was read from (gpu, host or disk)."""
-        tier, replay = self._write(session, name, namespace)
-        self._replay([(session, replay)] if replay else [])
-        return tier
+        return self.restore_into_many([session], [name], namespace)[0]
+
+    def restore_into_many(self, sessions: Sequence[Session], names: Sequence[str], namespace: str) -> list[str]:
+        """Restore names[i] into sessions[i] in place, all in one batch (two grouped copies); the tier each
+        was read from. A refusal (an unknown or incompatible capsule) leaves every session as it was."""
+        sessions, names = list(sessions), list(names)
+        if len(sessions) != len(names):
+            raise InvalidRequestError(f"restore_into_many takes one capsule name per session, got "
+                                      f"{len(names)} names for {len(sessions)} sessions")
+        if len({s.slot for s in sessions}) != len(sessions):
+            raise InvalidRequestError("a session appears twice in one restore_into_many call")
+        for name in dict.fromkeys(names):
+            self.check_exists(name, namespace)
+        read = self._write_many(list(zip(sessions, names)), namespace)
+        self._replay([(s, replay) for s, (_, replay) in zip(sessions, read) if replay])
+        return [tier for tier, _ in read]
 
     def restore_sessions(self, name: str, n: int, namespace: str, wait_s: float | None) -> Restored:
-        """n new sessions holding the capsule (restore: 1, fork: n), and the tier the first read found it in
-        (gpu, host or disk; the later reads find it where the first one promoted it)."""
+        """n new sessions holding the capsule (restore: 1, fork: n), and the tier the read found it in
+        (gpu, host or disk): one read of the capsule, its bytes in two grouped copies whatever n is."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise InvalidRequestError(f"fork needs n >= 1 branches, got {n!r}")
-        self.check_exists(name, namespace)
-        sessions = self.table.take(n, wait_s, reset=False)
+        return self.restore_many([name] * n, namespace, wait_s)
+
+    def restore_many(self, names: Sequence[str], namespace: str, wait_s: float | None) -> Restored:
+        """A new session per name, each holding its capsule (names may repeat: a repeated one is read once),
+        in one batch; all or nothing: a refusal releases every slot taken."""
+        names = list(names)
+        if not names or not all(isinstance(n, str) for n in names):
+            raise InvalidRequestError(f"restore_many takes a non-empty list of capsule names, got {names!r:.80}")
+        for name in dict.fromkeys(names):
+            self.check_exists(name, namespace)
+        sessions = self.table.take(len(names), wait_s, reset=False)
         try:
-            read = [self._write(s, name, namespace) for s in sessions]
+            read = self._write_many(list(zip(sessions, names)), namespace)
             self._replay([(s, replay) for s, (_, replay) in zip(sessions, read) if replay])
         except BaseException:
             for s in sessions:

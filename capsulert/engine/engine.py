@@ -398,6 +398,23 @@ class Engine:
             self.table.own(session)
             return self.capsules.restore_into(session, name, namespace)
 
+    def restore_into_many(self, sessions: Sequence[Session], names: Sequence[str],
+                          namespace: str = DEFAULT_NAMESPACE) -> list[str]:
+        """`restore_into` for several sessions at once: names[i] into sessions[i] in place (RL resets, many
+        rollbacks), every capsule read and checked before any slot changes, the bytes of all of them in two
+        grouped copies; the tier each capsule was read from."""
+        with self.lock:
+            for s in sessions:
+                self.table.own(s)
+            return self.capsules.restore_into_many(sessions, names, namespace)
+
+    def restore_many(self, names: Sequence[str], namespace: str = DEFAULT_NAMESPACE, *,
+                     wait_s: float | None = None) -> list[Session]:
+        """A new session per capsule name (names may repeat), restored together: every capsule read and
+        checked before any byte moves, all the bytes in two grouped copies; all or nothing."""
+        with self.lock:
+            return self.capsules.restore_many(names, namespace, wait_s).sessions
+
     def fork(self, name: str, n: int, namespace: str = Fork.namespace, *, wait_s: float | None = None) -> list[Session]:
         return self.restore_sessions(name, n, namespace, wait_s).sessions
 

@@ -6,7 +6,7 @@ KV rows [0, G) and the state at G. capsules.py and prefix_reuse.py read and writ
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -22,8 +22,12 @@ GRID_STATE = (("ssm", "ssm_grid"), ("conv", "conv_grid"))
 
 def capsule_views(st: StateSet, slot: int, length: int, grid_pos: int) -> dict[str, torch.Tensor]:
     """The slot's bytes that make up a capsule of `length` tokens."""
-    return {"kv_k": st.kv_k[:, slot, :length], "kv_v": st.kv_v[:, slot, :length],
-            **state_views(st, slot, length != grid_pos)}
+    return {**kv_views(st, slot, length), **state_views(st, slot, length != grid_pos)}
+
+
+def kv_views(st: StateSet, slot: int, length: int) -> dict[str, torch.Tensor]:
+    """The slot's KV rows [0, length) of every block tensor."""
+    return {k: st.buffers[k][:, slot, :length] for k in BLOCK_TENSORS}
 
 
 def tail_views(st: StateSet, slot: int, rows: int) -> dict[str, torch.Tensor]:
@@ -44,11 +48,28 @@ def state_views(st: StateSet, slot: int, off_grid: bool) -> dict[str, torch.Tens
 
 def grid_views(st: StateSet, slot: int, grid_pos: int) -> dict[str, torch.Tensor]:
     """The slot's KV rows [0, grid_pos) and its state at its last grid point."""
-    return {"kv_k": st.kv_k[:, slot, :grid_pos], "kv_v": st.kv_v[:, slot, :grid_pos], **grid_state_views(st, slot)}
+    return {**kv_views(st, slot, grid_pos), **grid_state_views(st, slot)}
 
 
 def grid_state_views(st: StateSet, slot: int) -> dict[str, torch.Tensor]:
-    return {"ssm": st.ssm_grid[:, slot], "conv": st.conv_grid[:, slot]}
+    """The slot's grid checkpoint, by the names an on-grid capsule gives it."""
+    return {on: st.buffers[off][:, slot] for on, off in GRID_STATE}
+
+
+def live_state_views(st: StateSet, slot: int) -> dict[str, torch.Tensor]:
+    """The slot's live recurrent and conv state (what the grid checkpoint is a copy of on the grid)."""
+    return {on: st.buffers[on][:, slot] for on, _ in GRID_STATE}
+
+
+def set_positions(st: StateSet, slots: Sequence[int], positions: Sequence[int]) -> None:
+    """pos[slots[i]] = positions[i], in one stream-ordered copy (no host wait) however many slots."""
+    if len(slots) == 1:
+        st.pos[slots[0]] = positions[0]
+        return
+    pin = st.pos.is_cuda
+    index = torch.tensor(list(slots), dtype=torch.long, pin_memory=pin).to(st.pos.device, non_blocking=True)
+    values = torch.tensor(list(positions), dtype=st.pos.dtype, pin_memory=pin).to(st.pos.device, non_blocking=True)
+    st.pos.index_copy_(0, index, values)
 
 
 def stored_grid_state(meta: CapsuleMeta, own: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

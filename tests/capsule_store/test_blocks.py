@@ -70,27 +70,37 @@ def test_shared_prefix_is_held_once_and_counted_by_reference():
     assert st["device"]["bytes"] == 0 and st["blocks"]["device"] == 0
 
 
-def test_a_put_of_new_blocks_copies_each_block_tensor_in_one_op(monkeypatch):
-    """A put whose blocks the tier lacks copies each block tensor, its blocks and its tail, in one split copy
-    (on CUDA one kernel, not one per block), each block still into memory of its own (freed on its own); a
-    put that shares blocks copies only its own pieces."""
-    calls, real = [], torch.split_with_sizes_copy
+def test_a_put_of_new_blocks_allocates_them_in_slabs_and_copies_once(monkeypatch):
+    """A put whose blocks the tier lacks allocates them in slabs of SLAB_BLOCKS consecutive blocks (one
+    allocation per slab, each block a view of its row) and copies everything in one grouped copy, a slab
+    as one pair from the rows of the whole tensor; a put that shares blocks allocates and copies only its
+    own pieces and the blocks the tier lacks."""
+    from capsulert.capsule_store import transfer
 
-    def spy(src, sizes, dim, out):
-        calls.append((list(sizes), dim))
-        return real(src, sizes, dim, out=out)
+    calls, real = [], transfer.copy_pairs
 
-    monkeypatch.setattr(torch, "split_with_sizes_copy", spy)
+    def spy(pairs):
+        calls.append([tuple(d.shape) for d, _ in pairs])
+        return real(pairs)
+
+    monkeypatch.setattr(transfer, "copy_pairs", spy)
     s = store()
-    _, ta = put(s, "a", SHARED + tokens(5, 1))
-    assert calls == [([ROWS] * 5 + [5], 1)]
+    n = transfer.SLAB_BLOCKS + 4
+    long = tokens(n * ROWS + 5, 3)
+    _, ta = put(s, "a", long)
+    assert len(calls) == 1  # one grouped copy: own tensors and two slabs
+    assert sorted(calls[0]) == sorted([(transfer.SLAB_BLOCKS, 2, ROWS, 4), (4, 2, ROWS, 4), (2, 5, 4), (16,)])
     held = [r.tensors["kv"] for r in s._tiers.pools["device"].records.values()]
-    assert len({t.data_ptr() for t in held}) == 5
-    assert all(t.untyped_storage().nbytes() == t.nbytes == ROWS * ROW_BYTES for t in held)
+    assert len(held) == n and len({t.data_ptr() for t in held}) == n
+    storages = [t.untyped_storage().data_ptr() for t in held]
+    assert len(set(storages[:transfer.SLAB_BLOCKS])) == 1 and len(set(storages[transfer.SLAB_BLOCKS:])) == 1
+    assert held[0].untyped_storage().nbytes() == transfer.SLAB_BLOCKS * ROWS * ROW_BYTES
     calls.clear()
-    _, tb = put(s, "b", SHARED + tokens(13, 2))
-    assert calls == []
+    _, tb = put(s, "b", long[:n * ROWS] + tokens(13, 2))  # n shared blocks, 1 of its own and 5 rows
+    assert len(calls) == 1 and sorted(calls[0]) == sorted([(1, 2, ROWS, 4), (2, 5, 4), (16,)])
     assert exact(s.get("a")[1], ta) and exact(s.get("b")[1], tb)
+    s.delete("a")
+    assert exact(s.get("b")[1], tb)
 
 
 def test_capsules_of_other_origins_or_namespaces_share_nothing():

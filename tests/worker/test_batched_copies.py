@@ -1,0 +1,190 @@
+"""Batched capsule copies: many restores and forks in two grouped copies, each slot bitwise what a restore of
+its capsule alone writes (every buffer of the state set); refusals write nothing; a snapshot is immutable
+from the moment it returns."""
+import pytest
+import torch
+
+from capsulert.engine import capsules
+from capsulert.engine.default_model import CORPUS_PATH
+from capsulert.errors import InvalidRequestError, UnknownCapsuleError
+
+ON, OFF = 256, 301
+
+
+def corpus_of(engine):
+    return engine.tokenize(CORPUS_PATH.read_text()[:20000])
+
+
+@pytest.fixture
+def corpus(engine):
+    return corpus_of(engine)
+
+
+def wipe(engine, slot):
+    for name in engine.state.buffers:
+        engine.state.slot_view(name, slot).zero_()
+
+
+def slot_bytes(engine, slot):
+    """Every buffer of the state set, the slot's whole view (what a restore did not write is zero)."""
+    return {name: engine.state.slot_view(name, slot).clone() for name in engine.state.buffers}
+
+
+def assert_slots_equal(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def alone(engine, name):
+    """The slot bytes and tokens one restore of the capsule writes into a zeroed slot."""
+    s = engine.open()
+    wipe(engine, s.slot)
+    s.restore(name)
+    out = slot_bytes(engine, s.slot), list(s.tokens)
+    s.close()
+    return out
+
+
+def capsules_of(engine, corpus):
+    """On the grid, off it, and a decoded tail (no exact-replay rows past the prefilled ones)."""
+    for name, n in (("on", ON), ("off", OFF)):
+        s = engine.open()
+        s.append(corpus[:n])
+        s.snapshot(name)
+        s.close()
+    s = engine.open()
+    s.append(corpus[:200])
+    s.generate(5)
+    s.snapshot("decoded")
+    s.close()
+    return {name: alone(engine, name) for name in ("on", "off", "decoded")}
+
+
+def count_copies(monkeypatch):
+    calls = []
+    real = capsules.copy_pairs
+
+    def spy(pairs):
+        calls.append(len(pairs))
+        return real(pairs)
+
+    monkeypatch.setattr(capsules, "copy_pairs", spy)
+    return calls
+
+
+def free_slots(engine, n):
+    """Open n sessions, zero their slots and close them: the next n sessions taken get these slots."""
+    sessions = [engine.open() for _ in range(n)]
+    for s in sessions:
+        wipe(engine, s.slot)
+        s.close()
+
+
+@pytest.mark.parametrize("name", ["on", "off", "decoded"])
+def test_fork_writes_every_slot_bitwise_as_a_restore_alone_in_two_copies(engine, corpus, name, monkeypatch):
+    want = capsules_of(engine, corpus)[name]
+    free_slots(engine, 3)
+    calls = count_copies(monkeypatch)
+    branches = engine.fork(name, 3)
+    assert len(calls) == 2  # the capsule into the first slot, then the first slot into the others
+    for b in branches:
+        assert_slots_equal(slot_bytes(engine, b.slot), want[0])
+        assert b.tokens == want[1]
+    assert [b.generate(6) for b in branches[1:]] == [branches[0].generate(6)] * 2
+
+
+def test_restore_into_many_writes_each_slot_as_its_own_restore(engine, corpus, monkeypatch):
+    want = capsules_of(engine, corpus)
+    sessions = [engine.open() for _ in range(4)]
+    for s in sessions:
+        s.append(corpus[500:520])  # something else in every slot first
+        wipe(engine, s.slot)
+    names = ["off", "on", "decoded", "off"]  # a repeated capsule is read once and fanned out
+    calls = count_copies(monkeypatch)
+    tiers = engine.restore_into_many(sessions, names)
+    assert tiers == ["device"] * 4 and len(calls) == 2
+    for s, name in zip(sessions, names):
+        assert_slots_equal(slot_bytes(engine, s.slot), want[name][0])
+        assert s.tokens == want[name][1]
+    # each continues as the capsule's session does alone
+    sessions[1].close()
+    ref = engine.restore("off")
+    assert sessions[0].generate(6) == sessions[3].generate(6) == ref.generate(6)
+
+
+def test_restore_many_makes_a_session_per_capsule(engine, corpus, monkeypatch):
+    want = capsules_of(engine, corpus)
+    free_slots(engine, 3)
+    calls = count_copies(monkeypatch)
+    made = engine.restore_many(["decoded", "on", "off"])
+    assert len(calls) == 2
+    for s, name in zip(made, ["decoded", "on", "off"]):
+        assert_slots_equal(slot_bytes(engine, s.slot), want[name][0])
+        assert s.tokens == want[name][1] and s.restored_from == "device"
+
+
+def test_a_refused_batch_writes_nothing_and_takes_no_slot(engine, corpus):
+    capsules_of(engine, corpus)
+    a, b = engine.open(), engine.open()
+    a.append(corpus[:40])
+    b.append(corpus[40:90])
+    before = [(slot_bytes(engine, s.slot), list(s.tokens)) for s in (a, b)]
+    with pytest.raises(UnknownCapsuleError):
+        engine.restore_into_many([a, b], ["on", "missing"])
+    with pytest.raises(InvalidRequestError):
+        engine.restore_into_many([a, b], ["on"])
+    with pytest.raises(InvalidRequestError):
+        engine.restore_into_many([a, a], ["on", "off"])
+    for s, (state, tokens) in zip((a, b), before):
+        assert_slots_equal(slot_bytes(engine, s.slot), state)
+        assert s.tokens == tokens
+    with pytest.raises(UnknownCapsuleError):
+        engine.restore_many(["on", "missing"])
+    with pytest.raises(InvalidRequestError):
+        engine.restore_many([])
+    # both slots left are still free (a blocking verb given no wait_s refuses at once when they are not)
+    assert len(engine.restore_many(["on", "off"])) == 2
+
+
+def snapshot_then_write_at_once(engine, corpus, P):
+    s = engine.open()
+    s.append(corpus[:P])
+    want = slot_bytes(engine, s.slot)
+    s.snapshot("c")
+    s.append(corpus[P:P + 70])  # writes the slot's state, KV rows past P and crosses a grid point
+    s.generate(3)
+    r = engine.open()
+    wipe(engine, r.slot)
+    r.restore("c")
+    got = slot_bytes(engine, r.slot)
+    for name, t in got.items():  # what a restore writes: the state at P, KV rows [0, P)
+        if name.startswith("kv_"):
+            assert torch.equal(t[:, :P], want[name][:, :P]), name
+        elif name in ("ssm", "conv", "last_hidden", "pos"):
+            assert torch.equal(t, want[name]), name
+    return s, r
+
+
+@pytest.mark.parametrize("P", [ON, OFF], ids=["on-grid", "off-grid"])
+def test_a_capsule_is_immutable_from_the_moment_snapshot_returns(engine, corpus, P):
+    snapshot_then_write_at_once(engine, corpus, P)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [ON, OFF], ids=["on-grid", "off-grid"])
+def test_a_capsule_on_cuda_is_immutable_under_writes_queued_right_after(make_engine, P):
+    """On CUDA nothing waits for the snapshot's copy: the writes after it are ordered behind it on the stream."""
+    if not torch.cuda.is_available():
+        pytest.fail("a CUDA test: run it with -m gpu on the GPU machine")
+    engine = make_engine(device="cuda")
+    corpus = corpus_of(engine)
+    snapshot_then_write_at_once(engine, corpus, P)
+    s = engine.open()
+    s.append(corpus[:P])
+    s.snapshot("d")
+    s.close()
+    want = alone(engine, "d")
+    free_slots(engine, 3)
+    for b in engine.fork("d", 3):
+        assert_slots_equal(slot_bytes(engine, b.slot), want[0])
