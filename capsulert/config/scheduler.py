@@ -14,5 +14,7 @@ class SchedulerConfig(BaseModel):
                                             "sessions before the next decode step (a long prompt cannot stall the "
                                             "others' decoding for longer); None: the engine's prefill_chunk")
     batch_prefill: bool = Field(True, description="a step's prefill pieces of many sessions run as one batched "
-                                "append (one forward per round); False: one forward per session's piece, the way "
-                                "before batching (benchmarks compare the two; the tokens are the same)")
+                                "append (one forward per round), and its requests' capsule restores as one batch "
+                                "(two grouped copies); False: one forward per session's piece and one restore per "
+                                "request, the way before batching (benchmarks compare the two; the tokens are the "
+                                "same)")

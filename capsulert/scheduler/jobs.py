@@ -82,5 +82,8 @@ class Job:
     close_after: bool = False  # its session closes once it finished (Turn(close=True))
     restored_from: str | None = None  # the tier its restore read the capsule from
     restore_s: float | None = None  # and the time that restore took here
+    # its capsule restored already, with the step's other restores (scheduler/restore_batch.py): the session
+    # it went into (new or its own), the tier and the time
+    restored: tuple[object, str, float] | None = None
     cached_tokens: int = 0  # tokens its appends restored from the prefix cache instead of prefilling
     bar: Bar = field(default_factory=NullBar)  # a long prefill's progress, one chunk piece per update

@@ -4,7 +4,8 @@ Requests (typed verbs, protocol/requests.py) from any thread enter one bounded q
 the engine and runs steps. Each step:
 1. starts the requests that can start, in arrival order (a session's requests run one after another, in
    order; requests on different sessions do not wait for each other). Capsule verbs (snapshot, restore,
-   fork, close, delete) run here, between decode steps, so a delete never meets a restore mid-copy.
+   fork, close, delete) run here, between decode steps, so a delete never meets a restore mid-copy; the
+   restores of the step's starting requests are done first, together (restore_batch.py).
    Requests that need free slots (open, restore, fork, a turn restoring into a new session) start in
    arrival order: one that finds too few waits, without blocking anything else, and the slot-needing
    requests after it wait behind it (a fork of 8 is never starved by a stream of opens), each up to
@@ -44,6 +45,7 @@ from capsulert.protocol.requests import SESSION, Request
 from capsulert.protocol.results import GenerateResult, SessionInfo
 from capsulert.scheduler.jobs import Decode, Job, Phase, Prefill, Sink, queue_sink, stream_item
 from capsulert.scheduler.prefill_undo import roll_back
+from capsulert.scheduler.restore_batch import restore_together
 from capsulert.scheduler.session_ids import SessionIds
 from capsulert.scheduler.starters import starter, takes_slots
 
@@ -84,6 +86,7 @@ class StepScheduler:
         self._stopped = False
         self.steps = 0
         self.prefill_forwards = 0  # batched appends run (one per round of a step's prefill work)
+        self.restore_batches = 0  # restores of several starting requests run together (restore_batch.py)
         # where the loop's time goes (seconds): starting requests and capsule copies, prefill pieces, decode
         # steps (sampling, the batched step, stop rules and the events handed to sinks); read by Stats
         self.busy_s = {"start": 0.0, "prefill": 0.0, "decode": 0.0}
@@ -170,6 +173,8 @@ class StepScheduler:
 
     def _start_ready(self) -> None:
         busy = self._busy()
+        if self.batch_prefill:  # the capsules the starting requests restore, in one batch (restore_batch.py)
+            self.restore_batches += restore_together(self.engine, self._sessions, self._waiting, busy)
         still = []
         blocked: NoFreeSlotError | None = None  # an earlier request waits for slots: later ones queue behind it
         for job in self._waiting:
