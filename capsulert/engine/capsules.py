@@ -44,8 +44,7 @@ from capsulert.engine.runner import ModelRunner, decode_groups
 from capsulert.engine.session import Session
 from capsulert.engine.session_table import SessionTable
 from capsulert.engine.slot_views import (
-    BLOCK_TENSORS, GRID_STATE, capsule_views, grid_state_views, grid_views, kv_pairs, state_views, stored_grid_state,
-    tail_views)
+    capsule_views, grid_state_views, grid_views, kv_pairs, live_state_views, state_views, stored_grid_state, tail_views)
 from capsulert.engine.state import LAYOUT_VERSION
 from capsulert.errors import (
     CapsuleError, IncompatibleCapsuleError, InvalidRequestError, StaleCapsuleError, UnknownCapsuleError,
@@ -92,8 +91,8 @@ def open_store(runner: ModelRunner) -> CapsuleStore:
         budgets=cfg.capsule_budgets.as_dict(),
         disk_dir=Path(cfg.disk_dir) if cfg.disk_dir else None,
         policy=cfg.policy,
-        blocks=BlockLayout(BLOCK_TENSORS, token_dim=1, origin=numerics_origin(runner), complete="last_hidden",
-                           grid_state=GRID_STATE),
+        blocks=BlockLayout(runner.state.layout.block_tensors, token_dim=1, origin=numerics_origin(runner),
+                           complete="last_hidden", grid_state=runner.state.layout.grid_state),
         prefix_policy=cfg.prefix_policy,
         prefix_bytes=cfg.prefix_cache_bytes if cfg.prefix_cache else 0,
     )
@@ -136,7 +135,7 @@ class CapsuleVerbs:
             try:
                 with self.store.reading_prefix(match, count=False) as (meta, parts):
                     views = grid_views(runner.state, session.slot, match.grid)
-                    views.update(zip(("ssm", "conv"), stored_grid_state(meta, parts.own_view())))
+                    views.update(stored_grid_state(runner.state, meta, parts.own_view()))
                     return self._put(session, name, namespace, tier, pin, canonical, views, match.grid)
             except UnknownCapsuleError:  # the shared state left the store since the lookup: keep the own one
                 pass
@@ -244,8 +243,8 @@ class CapsuleVerbs:
             tail = tail_views(st, slot, own["tail_in"].shape[1] if "tail_in" in own and runner.tail_replay else 0)
             pairs += [(tail[k], own[k]) for k in tail]
             if P == G:  # at the grid point the live state is the grid checkpoint
-                live = (st.ssm, st.conv) if replay else (st.ssm_grid, st.conv_grid)
-                pairs += [(live[0][:, slot], own["ssm"]), (live[1][:, slot], own["conv"])]
+                other = live_state_views(st, slot) if replay else grid_state_views(st, slot)
+                pairs += [(other[k], own[k]) for k in other]
             copy_pairs(pairs)
             st.pos[slot] = P
         # the tail rows replay only under the numerics that computed them (else the tail is re-run in full);
