@@ -1,8 +1,8 @@
 """The multi-token-prediction (MTP) head of Qwen3.5 (dense and MoE), and its rows of every forward.
 
 Architecture (Qwen3-Next / Qwen3.5 MTP; transformers has no MTP module: read from vLLM's
-`model_executor/models/qwen3_5_mtp.py` and `qwen3_next_mtp.py`, and LightLLM's `models/qwen3next_mtp/`, which
-agree on it). For the hidden state h_i of position i (the main model's, after its final norm: what its LM head
+Qwen3.5 and Qwen3-Next MTP models (qwen3_5_mtp, qwen3_next_mtp) and LightLLM's qwen3next_mtp, which agree
+on it). For the hidden state h_i of position i (the main model's, after its final norm: what its LM head
 reads) and the next token x_{i+1}:
 
     e = pre_fc_norm_embedding(embed(x_{i+1}))        the model's embedding, shared

@@ -1,7 +1,7 @@
 """The MTP head (engine/mtp.py): parity with a plain-torch reference, its state through every verb, drafting.
 
-The reference below is written from the architecture as vLLM (`model_executor/models/qwen3_5_mtp.py`,
-`qwen3_next_mtp.py`) and LightLLM (`models/qwen3next_mtp/`) implement it; transformers has no MTP module. The
+The reference below is written from the architecture as vLLM (its qwen3_5_mtp and
+qwen3_next_mtp models) and LightLLM (its qwen3next_mtp model) implement it; transformers has no MTP module. The
 main model's hidden states it starts from come from HF transformers' Qwen3_5ForCausalLM /
 Qwen3_5MoeForCausalLM on the same weights (its final-normed last hidden state, what its LM head reads)."""
 import math
@@ -100,7 +100,8 @@ def rel_err(a, b):
 
 @pytest.mark.usefixtures("hf_on_cpu")
 @pytest.mark.parametrize("model_dir", MODELS, indirect=True)
-def test_head_matches_the_reference(model_dir, engine):
+def test_head_matches_the_reference(model_dir, make_engine):
+    engine = make_engine(device="cpu")  # fp32 on the CPU, whatever device the suite runs
     cfg, W = load_checkpoint(model_dir)
     assert cfg.has_mtp and "mtp.fc.weight" in W
     prompt = toks(150, 1)
@@ -249,14 +250,14 @@ def test_capsules_of_the_older_layout_are_refused(make_engine, monkeypatch, tmp_
     assert engine.store.list() == []
 
 
-def test_a_checkpoint_without_mtp_weights_runs_without_a_head(default_model_dir, tmp_path):
+def test_a_checkpoint_without_mtp_weights_runs_without_a_head(default_model_dir, device, tmp_path):
     path = tmp_path / "no-mtp"
     shutil.copytree(default_model_dir, path)
     weights = load_file(str(path / "model.safetensors"))
     save_file({k: v for k, v in weights.items() if not k.startswith("mtp.")}, str(path / "model.safetensors"))
     cfg, _ = load_checkpoint(path)
     assert not cfg.has_mtp
-    engine = Engine.from_config(dict(model=str(path), device="cpu", slots=2, max_seq=512, prefill_chunk=128))
+    engine = Engine.from_config(dict(model=str(path), device=device, slots=2, max_seq=512, prefill_chunk=128))
     assert not engine.runner.has_mtp and "mtp_k" not in engine.state.buffers
     s = engine.open()
     s.append(toks(70, 10))
