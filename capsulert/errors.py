@@ -124,6 +124,10 @@ class InvalidRequestError(CapsuleRTError, ValueError):
     slower tier, ...). Also a ValueError, so generic callers can catch it as one."""
 
 
+class NoMtpHeadError(InvalidRequestError):
+    """Drafts asked of a model without a multi-token-prediction head (no mtp.* weights)."""
+
+
 class ExceedsCapacityError(NoFreeSlotError, InvalidRequestError):
     """A request needs more sessions at once than the engine or the orchestrator has slots: it could never
     start, so it is refused at once instead of waiting (split it, or raise `slots`). Also a NoFreeSlotError

@@ -49,6 +49,8 @@ class ModelConfig:
     # the top-k routing weights renormalised to sum to 1 (HF's qwen3_5_moe always does; Qwen3-Next's
     # config names it); False keeps the softmax probabilities of the whole expert set
     norm_topk_prob: bool = True
+    # the multi-token-prediction head (engine/mtp.py): 0 (none) or 1 full-attention layer, as Qwen3.5 ships it
+    mtp_num_hidden_layers: int = 0
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -70,6 +72,9 @@ class ModelConfig:
             raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ConfigError(f"rotary dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
+        if self.mtp_num_hidden_layers not in (0, 1):
+            raise UnsupportedModelError(f"mtp_num_hidden_layers {self.mtp_num_hidden_layers} is not supported "
+                                        "(0: no MTP head, or 1 layer, as Qwen3.5 ships it)")
         if self.is_moe:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
@@ -101,6 +106,10 @@ class ModelConfig:
     @property
     def conv_dim(self) -> int:
         return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp_num_hidden_layers > 0
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
@@ -166,6 +175,7 @@ class ModelConfig:
                 layer_types=tuple(layer_types),
                 eos_token_id=eos,
                 max_position_embeddings=d.get("max_position_embeddings", 262144),
+                mtp_num_hidden_layers=d.get("mtp_num_hidden_layers", 0),
                 **mlp,
             )
         except KeyError as e:
@@ -173,8 +183,11 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json HF transformers writes for Qwen3_5ForCausalLM (or Qwen3_5MoeForCausalLM) with these
-        values. A dense model's dict has no MoE field, so its fingerprint is what it was before MoE support."""
+        values. A dense model's dict has no MoE field, and a model without an MTP head no MTP field, so their
+        fingerprints are what they were before MoE and MTP support."""
         d = asdict(self)
+        if not self.mtp_num_hidden_layers:
+            d.pop("mtp_num_hidden_layers")
         d.pop("rope_theta")
         d.pop("partial_rotary_factor")
         if self.is_moe:

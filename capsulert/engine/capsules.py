@@ -45,8 +45,8 @@ from capsulert.engine.runner import ModelRunner, decode_groups
 from capsulert.engine.session import Session
 from capsulert.engine.session_table import SessionTable
 from capsulert.engine.slot_views import (
-    BLOCK_TENSORS, GRID_STATE, capsule_views, grid_state_views, grid_views, kv_pairs, kv_views, live_state_views,
-    set_positions, state_views, stored_grid_state, tail_views)
+    capsule_views, grid_state_views, grid_views, kv_pairs, live_state_views, row_views, set_positions,
+    state_views, stored_grid_state, tail_views)
 from capsulert.engine.state import LAYOUT_VERSION
 from capsulert.errors import (
     CapsuleError, IncompatibleCapsuleError, InvalidRequestError, StaleCapsuleError, UnknownCapsuleError,
@@ -107,8 +107,8 @@ def open_store(runner: ModelRunner) -> CapsuleStore:
         budgets=cfg.capsule_budgets.as_dict(),
         disk_dir=Path(cfg.disk_dir) if cfg.disk_dir else None,
         policy=cfg.policy,
-        blocks=BlockLayout(BLOCK_TENSORS, token_dim=1, origin=numerics_origin(runner), complete="last_hidden",
-                           grid_state=GRID_STATE),
+        blocks=BlockLayout(runner.state.layout.block_tensors, token_dim=1, origin=numerics_origin(runner),
+                           complete="last_hidden", grid_state=runner.state.layout.grid_state),
         prefix_policy=cfg.prefix_policy,
         prefix_bytes=cfg.prefix_cache_bytes if cfg.prefix_cache else 0,
     )
@@ -151,7 +151,7 @@ class CapsuleVerbs:
             try:
                 with self.store.reading_prefix(match, count=False) as (meta, parts):
                     views = grid_views(runner.state, session.slot, match.grid)
-                    views.update(zip(("ssm", "conv"), stored_grid_state(meta, parts.own_view())))
+                    views.update(stored_grid_state(runner.state, meta, parts.own_view()))
                     return self._put(session, name, namespace, tier, pin, canonical, views, match.grid)
             except UnknownCapsuleError:  # the shared state left the store since the lookup: keep the own one
                 pass
@@ -257,7 +257,7 @@ class CapsuleVerbs:
         KV rows [0, P), written block by block from the capsule's blocks)."""
         st, meta = self.runner.state, read.meta
         P, G, replay = meta.held, meta.held_grid, meta.replay_from is not None  # a replay capsule: P == G
-        out: dict[str, tuple[torch.Tensor, str | None]] = {k: (v, None) for k, v in kv_views(st, slot, P).items()}
+        out: dict[str, tuple[torch.Tensor, str | None]] = {k: (v, None) for k, v in row_views(st, slot, P).items()}
         out.update({k: (v, k) for k, v in (grid_state_views(st, slot) if replay else state_views(st, slot, P != G)).items()})
         out.update({k: (v, k) for k, v in tail_views(st, slot, read.tail_rows).items()})
         if P == G:  # at the grid point the live state is the grid checkpoint

@@ -61,6 +61,9 @@ LINEAR_OUT_GAIN = 1.0
 ATTN_OUT_GAIN = 1.0
 MLP_OUT_GAIN = 1.0
 LOGIT_STD = 10.0
+# the zero-centred (1 + w) RMSNorm weights by leaf name (the MTP head's input norms among them)
+NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "pre_fc_norm_embedding",
+         "pre_fc_norm_hidden")
 # per-head decay: g = -A * softplus(a + dt_bias); A and softplus(dt_bias) log-uniform in these ranges
 A_RANGE = (0.02, 0.2)
 DT_RANGE = (0.01, 0.1)
@@ -126,7 +129,7 @@ def init_weights(cfg: ModelConfig, seed: int = SEED, device: str | torch.device 
             t = normal(shape, EMBED_STD)
         elif name == "lm_head.weight":
             t = normal(shape, LOGIT_STD / math.sqrt(h))
-        elif leaf in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm") or name == "model.norm.weight":
+        elif leaf in NORMS or name in ("model.norm.weight", "mtp.norm.weight"):
             t = normal(shape, NORM_STD)
         elif name.endswith("linear_attn.norm.weight"):
             t = normal(shape, GATED_NORM_STD, mean=1.0)

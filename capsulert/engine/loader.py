@@ -3,14 +3,18 @@
 Weight names are normalised to the form `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` hold
 (`model.layers.{i}....`, `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight`). Checkpoints
 written by `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` (`model.language_model....`)
-are accepted; their vision tower (`model.visual.*`) and multi-token-prediction head (`mtp.*`) are ignored
-(one INFO line says how many tensors). An MoE checkpoint's experts may be stored fused (3-D tensors) or one by
+are accepted; their vision tower (`model.visual.*`) is ignored (one INFO line says how many tensors). The
+multi-token-prediction head (`mtp.*`, engine/mtp.py) is loaded when the config names one
+(`mtp_num_hidden_layers`) and the checkpoint holds its tensors; a checkpoint without them (HF's
+save_pretrained of a CausalLM drops them) loads as a model without an MTP head (one INFO line says so), and
+a config without the field ignores them. An MoE checkpoint's experts may be stored fused (3-D tensors) or one by
 one (as HF's save_pretrained writes them): they are fused on load (engine/moe_weights.py). Only safetensors is read,
 never pickle. A load that takes a while shows a progress bar over the tensors on a terminal, naming the
 shard it reads (capsulert/progress.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -35,7 +39,8 @@ INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 
 _VLM_PREFIX = "model.language_model."
-_IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.")
+_IGNORED_PREFIXES = ("model.visual.", "visual.")
+MTP_PREFIX = "mtp."
 _MAX_NAMES = 8
 
 
@@ -45,40 +50,62 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if kind == LINEAR:
-            nv = cfg.linear_num_value_heads
-            la = p + "linear_attn."
-            shapes[la + "in_proj_qkv.weight"] = (cfg.conv_dim, h)
-            shapes[la + "in_proj_z.weight"] = (cfg.linear_value_dim, h)
-            shapes[la + "in_proj_b.weight"] = (nv, h)
-            shapes[la + "in_proj_a.weight"] = (nv, h)
-            shapes[la + "conv1d.weight"] = (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim)
-            shapes[la + "dt_bias"] = (nv,)
-            shapes[la + "A_log"] = (nv,)
-            shapes[la + "norm.weight"] = (cfg.linear_value_head_dim,)
-            shapes[la + "out_proj.weight"] = (h, cfg.linear_value_dim)
-        elif kind == FULL:
-            sa = p + "self_attn."
-            q = cfg.num_attention_heads * cfg.head_dim
-            kv = cfg.num_key_value_heads * cfg.head_dim
-            shapes[sa + "q_proj.weight"] = (2 * q, h)  # query and output gate, interleaved per head
-            shapes[sa + "k_proj.weight"] = (kv, h)
-            shapes[sa + "v_proj.weight"] = (kv, h)
-            shapes[sa + "o_proj.weight"] = (h, q)
-            shapes[sa + "q_norm.weight"] = (cfg.head_dim,)
-            shapes[sa + "k_norm.weight"] = (cfg.head_dim,)
-        if cfg.is_moe:
-            shapes.update(moe_mlp_shapes(cfg, p))
-        else:
-            shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
-            shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+        shapes.update(layer_shapes(cfg, f"model.layers.{i}.", kind))
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    if cfg.has_mtp:  # after the main model's: the default model's generator draws them last
+        shapes.update(mtp_shapes(cfg))
+    return shapes
+
+
+def mtp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The MTP head's weights (engine/mtp.py) by checkpoint name: the two input norms, the fusion projection
+    [h, 2h] (embedding | hidden), its full-attention decoder layers and its final norm. It shares the model's
+    embedding and LM head."""
+    h = cfg.hidden_size
+    shapes = {f"{MTP_PREFIX}pre_fc_norm_embedding.weight": (h,), f"{MTP_PREFIX}pre_fc_norm_hidden.weight": (h,),
+              f"{MTP_PREFIX}fc.weight": (h, 2 * h)}
+    for i in range(cfg.mtp_num_hidden_layers):
+        shapes.update(layer_shapes(cfg, f"{MTP_PREFIX}layers.{i}.", FULL))
+    shapes[f"{MTP_PREFIX}norm.weight"] = (h,)
+    return shapes
+
+
+def layer_shapes(cfg: ModelConfig, p: str, kind: str) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's weights (names under the prefix `p`) with their shapes."""
+    h = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    shapes[p + "input_layernorm.weight"] = (h,)
+    shapes[p + "post_attention_layernorm.weight"] = (h,)
+    if kind == LINEAR:
+        nv = cfg.linear_num_value_heads
+        la = p + "linear_attn."
+        shapes[la + "in_proj_qkv.weight"] = (cfg.conv_dim, h)
+        shapes[la + "in_proj_z.weight"] = (cfg.linear_value_dim, h)
+        shapes[la + "in_proj_b.weight"] = (nv, h)
+        shapes[la + "in_proj_a.weight"] = (nv, h)
+        shapes[la + "conv1d.weight"] = (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim)
+        shapes[la + "dt_bias"] = (nv,)
+        shapes[la + "A_log"] = (nv,)
+        shapes[la + "norm.weight"] = (cfg.linear_value_head_dim,)
+        shapes[la + "out_proj.weight"] = (h, cfg.linear_value_dim)
+    elif kind == FULL:
+        sa = p + "self_attn."
+        q = cfg.num_attention_heads * cfg.head_dim
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        shapes[sa + "q_proj.weight"] = (2 * q, h)  # query and output gate, interleaved per head
+        shapes[sa + "k_proj.weight"] = (kv, h)
+        shapes[sa + "v_proj.weight"] = (kv, h)
+        shapes[sa + "o_proj.weight"] = (h, q)
+        shapes[sa + "q_norm.weight"] = (cfg.head_dim,)
+        shapes[sa + "k_norm.weight"] = (cfg.head_dim,)
+    if cfg.is_moe:
+        shapes.update(moe_mlp_shapes(cfg, p))
+    else:
+        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
     return shapes
 
 
@@ -165,7 +192,7 @@ def load_checkpoint(
                     for key in keys:
                         bar.update()
                         name = _normalise(key)
-                        if name is None:
+                        if name is None or (name.startswith(MTP_PREFIX) and not cfg.has_mtp):
                             ignored += 1
                             continue
                         if name in origin:
@@ -194,6 +221,11 @@ def load_checkpoint(
 
     if unexpected:
         raise ModelLoadError(f"unexpected tensor(s) in {path} for this config: {_names(unexpected)}")
+    if cfg.has_mtp and not any(n.startswith(MTP_PREFIX) for n in [*found, *per_expert]):
+        log.info("%s names an MTP head (mtp_num_hidden_layers=%d) but holds no mtp.* tensor: loaded without one "
+                 "(no MTP state, no drafts)", path, cfg.mtp_num_hidden_layers)
+        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=0)
+        shapes = expected_shapes(cfg)
     found.update(fuse_experts(per_expert, cfg, set(found), ModelLoadError))
     per_expert.clear()
     missing = [n for n in shapes if n not in found]
@@ -206,7 +238,8 @@ def load_checkpoint(
                 f"tie_word_embeddings is true but lm_head.weight in {path} differs from model.embed_tokens.weight"
             )
     if ignored:
-        log.info("ignored %d tensor(s) of the vision tower / MTP head (model.visual.*, mtp.*) in %s", ignored, path)
+        log.info("ignored %d tensor(s) of the vision tower (model.visual.*) or of an MTP head the config does not "
+                 "name (mtp.*) in %s", ignored, path)
 
     weights = {n: found[n].to(device=device, dtype=dtype) for n in shapes}
     return cfg, weights

@@ -28,6 +28,7 @@ path; the engine never runs it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +50,32 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))])
 
 
+class MtpRows(Protocol):
+    """The MTP head's part of a forward (engine/mtp.py: MtpHead), run by HybridModel.forward on the same slots:
+    its KV rows are session state like the model's, so every prefill piece and decode step keeps them."""
+
+    def piece(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, h: torch.Tensor, seed: torch.Tensor,
+              start: torch.Tensor, kv_len: int) -> None: ...
+
+    def step(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor,
+             kv_len: int) -> torch.Tensor: ...
+
+    def gemm_weights(self) -> list[torch.Tensor]: ...
+
+
 @dataclass(frozen=True)
 class Layer:
     index: int
     kind: str  # "linear_attention" or "full_attention"
     state_index: int  # index into the linear-layer or attention-layer buffers
     w: dict[str, torch.Tensor]
+
+
+def layer_gemm_weights(layer: Layer) -> list[torch.Tensor]:
+    """The weights a layer multiplies by through F.linear: its packed projections (not the named views into
+    them) and the others, but the conv and what the MoE kernels read themselves."""
+    skip = {n for pack, names in PACKS.items() if pack in layer.w for n in names} | set(MOE_KERNEL_WEIGHTS)
+    return [t for n, t in layer.w.items() if t.dim() == 2 and n not in skip and n != "conv"]
 
 
 class HybridModel:
@@ -82,17 +103,28 @@ class HybridModel:
                 pack_layer(weights, prefix, w)
             state_index = attn_idx[i] if kind == FULL else lin_idx[i]
             self.layers.append(Layer(i, kind, state_index, w))
+        self.mtp: MtpRows | None = None  # the MTP head's rows of each forward (attach_mtp)
         rot = cfg.rotary_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=self.device) / rot))
 
+    def attach_mtp(self, head: MtpRows) -> None:
+        """Run the MTP head's rows in every forward from now on (the runner attaches it at start)."""
+        self.mtp = head
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., rotary_dim] in the model dtype for integer positions [...]."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
     def gemm_weights(self) -> list[torch.Tensor]:
         """Every weight a forward multiplies by through F.linear: the LM head and each layer's projections (the
-        packed ones, not the named views into them; an MoE MLP's router and experts run in the MoE kernels)."""
+        packed ones, not the named views into them; an MoE MLP's router and experts run in the MoE kernels),
+        the MTP head's included."""
         out = [self.lm_head]
         for layer in self.layers:
-            skip = {n for pack, names in PACKS.items() if pack in layer.w for n in names} | set(MOE_KERNEL_WEIGHTS)
-            out += [t for n, t in layer.w.items() if t.dim() == 2 and n not in skip and n != "conv"]
-        return out
+            out += layer_gemm_weights(layer)
+        return out + (self.mtp.gemm_weights() if self.mtp is not None else [])
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -130,6 +162,8 @@ class HybridModel:
                 self.forward(state, slots[i:i + 1], tokens[i:i + 1], kv_len, decode=True)
             return
         start = state.pos[slots].long()
+        if decode and self.mtp is not None:  # the head's row of the token before this one: reads the seed first
+            self.mtp.step(state, slots, tokens, start, kv_len)
         if decode and self.decode_rows is not None:
             if B > self.decode_rows:
                 raise ValueError(f"a decode step holds at most {self.decode_rows} rows, got {B}")
@@ -138,10 +172,7 @@ class HybridModel:
         else:
             rope_start = start
         h = self.embed[tokens]
-        positions = rope_start[:, None] + torch.arange(tokens.shape[1], device=self.device)
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        rope = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
+        rope = self.rope(rope_start[:, None] + torch.arange(tokens.shape[1], device=self.device))
         eps = self.cfg.rms_norm_eps
         add_rms_norm = self.kernels.add_rms_norm
         delta = None  # the previous block's output, added to the residual stream by the next norm
@@ -155,7 +186,7 @@ class HybridModel:
             w = layer.w
             h, x = normed if normed is not None else add_rms_norm(h, delta, w["input_layernorm.weight"], eps)
             if layer.kind == FULL:
-                x = self._attention(layer, x, state, slots, start, kv_len, rope, decode)
+                x = self.attend(layer, x, state, slots, start, kv_len, rope, decode)
             else:
                 x = self._gated_delta_net(layer, x, state, slots, decode, lin_valid, lin_grid_at, replay, tail_from)
             h, x = add_rms_norm(h, x, w["post_attention_layernorm.weight"], eps)
@@ -163,11 +194,17 @@ class HybridModel:
                 next_norm = AddNorm(h, self.layers[i + 1].w["input_layernorm.weight"], eps)
                 delta, normed = None, moe_mlp(self.cfg, self.kernels, w, x, B, next_norm)
             else:
-                delta, normed = self._mlp(w, x, B), None
+                delta, normed = self.mlp(w, x, B), None
         h = (h + delta)[:B]
+        seed = state.last_hidden[slots]  # the hidden state before the piece (a copy: overwritten below)
         if grid_at is not None:  # the hidden state before the grid point: the logits a checkpoint there gives
-            before = h[:, grid_at - 1] if isinstance(grid_at, int) else h[torch.arange(B, device=self.device), grid_at - 1]
+            if isinstance(grid_at, int):
+                before = h[:, grid_at - 1]
+            else:  # a row whose grid point is where it starts (0) keeps the hidden state before the piece
+                before = torch.cat([seed[:, None], h], dim=1)[torch.arange(B, device=self.device), grid_at]
             state.grid_hidden.index_copy_(0, slots, before)
+        if self.mtp is not None and not decode:
+            self.mtp.piece(state, slots, tokens, h, seed, start, kv_len)
         if valid is None:
             state.last_hidden.index_copy_(0, slots, h[:, -1])
             state.pos.index_add_(0, slots, torch.full_like(slots, tokens.shape[1], dtype=torch.int32))
@@ -189,7 +226,9 @@ class HybridModel:
         return F.linear(h, self.lm_head).float()
 
     # ------------------------------------------------------------------ mixers
-    def _attention(self, layer, x, state, slots, start, kv_len, rope, decode: bool):
+    def attend(self, layer, x, state, slots, start, kv_len, rope, decode: bool, kv=None):
+        """A full-attention layer's mixer on x [R, T, H]: KV rows written at start[b] + t of the layer's cache
+        (`kv`: (k, v) cache tensors [slots, rows, kv_heads, head_dim] instead, the MTP head's)."""
         cfg, w = self.cfg, layer.w
         R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
         B = slots.shape[0]
@@ -197,7 +236,7 @@ class HybridModel:
         q_gate, k, v = self._project(w, "attn_in", x)
         q, gate = q_gate.view(R, T, -1, 2 * D).chunk(2, dim=-1)
         cos, sin = rope
-        kv_k, kv_v = state.kv_k[layer.state_index], state.kv_v[layer.state_index]
+        kv_k, kv_v = kv if kv is not None else (state.kv_k[layer.state_index], state.kv_v[layer.state_index])
         # the real rows only: q, k through their norms and the rotary embedding, k and v into the cache
         q = self.kernels.attention_prep(q[:B], w["self_attn.q_norm.weight"], k.view(R, T, -1, D)[:B],
                                         w["self_attn.k_norm.weight"], v.view(R, T, -1, D)[:B], cos[:B], sin[:B],
@@ -254,7 +293,7 @@ class HybridModel:
             return list(F.linear(x, w[pack])[..., :sum(sizes)].split(sizes, dim=-1))
         return [F.linear(x, w[n]) for n in PACKS[pack]]
 
-    def _mlp(self, w: dict[str, torch.Tensor], x: torch.Tensor, real_rows: int) -> torch.Tensor:
+    def mlp(self, w: dict[str, torch.Tensor], x: torch.Tensor, real_rows: int) -> torch.Tensor:
         """The dense MLP, or the MoE block of an MoE model (engine/moe.py); rows from real_rows on are the
         padding of a fixed-shape decode step (the MoE routes only the real ones)."""
         if self.cfg.is_moe:

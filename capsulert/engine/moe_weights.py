@@ -30,7 +30,8 @@ SHARED_GATE = "mlp.shared_expert_gate.weight"  # [1, H]: the sigmoid gate of the
 # the model's
 MOE_KERNEL_WEIGHTS = (ROUTER, SHARED_GATE, SHARED_GATE_PROJ, SHARED_UP_PROJ, SHARED_DOWN_PROJ)
 
-_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# the main model's layers, and the MTP head's (mtp.layers.{i}., engine/mtp.py)
+_PER_EXPERT = re.compile(r"^(model|mtp)\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MAX_NAMES = 8
 
 
@@ -68,28 +69,30 @@ def fuse_experts(per_expert: Mapping[str, torch.Tensor], cfg: ModelConfig, fused
         raise error(f"per-expert tensor(s) in a dense model's weights: {_some(per_expert)}")
     h, e_count, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     want = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
-    layers: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
+    layers: dict[tuple[str, int], dict[tuple[int, str], torch.Tensor]] = {}
+    counts = {"model": cfg.num_hidden_layers, "mtp": cfg.mtp_num_hidden_layers}
     bad = []
     for name, t in per_expert.items():
-        layer, expert, kind = _PER_EXPERT.match(name).groups()
+        group, layer, expert, kind = _PER_EXPERT.match(name).groups()
         layer, expert = int(layer), int(expert)
         if not isinstance(t, torch.Tensor):
             bad.append(f"{name} is a {type(t).__name__}, not a tensor")
-        elif layer >= cfg.num_hidden_layers or expert >= e_count:
-            bad.append(f"{name} (the model has {cfg.num_hidden_layers} layers of {e_count} experts)")
+        elif layer >= counts[group] or expert >= e_count:
+            bad.append(f"{name} (the model has {counts[group]} {group}.layers of {e_count} experts)")
         elif tuple(t.shape) != want[kind]:
             bad.append(f"{name} has shape {list(t.shape)}, expected {list(want[kind])}")
         else:
-            layers.setdefault(layer, {})[(expert, kind)] = t
+            layers.setdefault((group, layer), {})[(expert, kind)] = t
     if bad:
         raise error(f"bad per-expert tensor(s): {_some(bad)}")
     out: dict[str, torch.Tensor] = {}
-    for layer in sorted(layers):
-        parts = layers[layer]
-        prefix = f"model.layers.{layer}."
+    for group, layer in sorted(layers):
+        parts = layers[(group, layer)]
+        prefix = f"{group}.layers.{layer}."
         both = {prefix + GATE_UP, prefix + DOWN} & fused_present
         if both:
-            raise error(f"layer {layer} has its experts both fused ({_some(both)}) and one by one")
+            where = "layer" if group == "model" else "mtp layer"
+            raise error(f"{where} {layer} has its experts both fused ({_some(both)}) and one by one")
         missing = [f"{prefix}mlp.experts.{e}.{kind}.weight" for e in range(e_count) for kind in want
                    if (e, kind) not in parts]
         if missing:

@@ -33,7 +33,7 @@ from capsulert.capsule_store.store import CapsuleStore
 from capsulert.engine.runner import ModelRunner
 from capsulert.engine.session import Session
 from capsulert.engine.session_table import SessionTable
-from capsulert.engine.slot_views import grid_views, kv_pairs, stored_grid_state
+from capsulert.engine.slot_views import grid_state_views, grid_views, kv_pairs, live_state_views, stored_grid_state
 from capsulert.engine.state import LAYOUT_VERSION
 from capsulert.errors import UnknownCapsuleError
 from capsulert.kernels.triton_copy import copy_pairs
@@ -141,11 +141,11 @@ class PrefixCache:
             with self.store.reading_prefix(match, start) as (meta, parts):
                 st, own = runner.state, parts.own_view()
                 on_grid = meta.held == meta.held_grid
-                ssm, conv = stored_grid_state(meta, own)
+                state = stored_grid_state(st, meta, own)  # with an MTP head, its seed (last_hidden) too
                 pairs = kv_pairs(st, slot, runner.grid, parts, start // runner.grid, None)
-                pairs += [(st.ssm[:, slot], ssm), (st.conv[:, slot], conv),
-                          (st.ssm_grid[:, slot], ssm), (st.conv_grid[:, slot], conv)]
-                if on_grid and "last_hidden" in own:
+                for views in (live_state_views(st, slot), grid_state_views(st, slot)):
+                    pairs += [(views[k], t) for k, t in state.items()]
+                if on_grid and "last_hidden" in own and "last_hidden" not in state:
                     pairs.append((st.last_hidden[slot], own["last_hidden"]))
                 copy_pairs(pairs)
                 st.pos[slot] = match.grid

@@ -25,9 +25,11 @@ from capsulert.config.model import FULL, ModelConfig
 from capsulert.engine.graphs import GraphPlans, decode_buckets
 from capsulert.engine.model import HybridModel, pad_rows
 from capsulert.engine.rollback import RollbackStates
+from capsulert.engine.mtp import MtpHead, check_draft
 from capsulert.engine.numerics import (
     CPU_PIECE_ROWS_CHOICES, check_split_invariant_gemm, configure_cuda, cpu_piece_rows, first_row_variant_gemm)
 from capsulert.engine.state import StateLayout, StateSet
+from capsulert.errors import InvalidRequestError, NoMtpHeadError
 from capsulert.kernels import ops
 from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK
 from capsulert.kernels.triton_copy import check_copy_pairs
@@ -112,6 +114,10 @@ class ModelRunner:
                          "bits in shorter pieces", self.cpu_piece_rows)
         self.model = HybridModel(model_cfg, weights, self._kernels(config),
                                  decode_rows=MAX_DECODE_BATCH if cuda else None, rowwise=not cuda)
+        # the MTP head (engine/mtp.py) when the checkpoint has one: its rows run in every forward
+        self.mtp = MtpHead(self.model, weights) if model_cfg.has_mtp else None
+        if self.mtp is not None:
+            self.model.attach_mtp(self.mtp)
         if cuda:
             self.choose_decode_rows()
         self.fingerprint = fingerprint
@@ -185,9 +191,10 @@ class ModelRunner:
         return torch.tensor(list(slots), device=self.device)
 
     def reset_slot(self, slot: int) -> None:
-        """An empty slot: zero recurrent and conv state (live and grid), position 0."""
+        """An empty slot: zero recurrent and conv state (live and grid), the hidden state at its grid point,
+        position 0."""
         st = self.state
-        for name in ("ssm", "conv", "ssm_grid", "conv_grid"):
+        for name in ("ssm", "conv", "ssm_grid", "conv_grid", "grid_hidden"):
             st.slot_view(name, slot).zero_()
         st.pos[slot] = 0
 
@@ -350,6 +357,34 @@ class ModelRunner:
     def roll_back(self, slot: int, position: int) -> None:
         """The slot's state goes back to where `verify` left it after its `position`-th token (0-based)."""
         self.rollback.restore(slot, position)
+    def mtp_draft(self, slots: Sequence[int], tokens: Sequence[int], k: int) -> torch.Tensor:
+        """k draft tokens per slot from the MTP head: [len(slots), k] (int64, on the device), row r for
+        slots[r]. tokens[r] is slots[r]'s next token, not fed yet (what decode would feed next); the head runs
+        k times chained, each step on its previous output and greedy token (engine/mtp.py).
+
+        Leaves no trace in committed state: it writes only the head's cache rows from the slot's length on
+        (scratch: the next prefill or decode step writes its own rows there before anything reads them), and
+        no position, hidden state or recurrent state. Each row is what the slot gets drafting alone (batch
+        invariance, as decode). NoMtpHeadError on a model without a head; InvalidRequestError for k outside
+        [1, MAX_DRAFT_TOKENS], a slot without tokens, or a token outside the vocabulary."""
+        if self.mtp is None:
+            raise NoMtpHeadError("this model has no MTP head (no mtp.* weights, or a config without "
+                                 "mtp_num_hidden_layers): it cannot draft")
+        slots, tokens = list(slots), list(tokens)
+        if len(tokens) != len(slots) or not slots:
+            raise InvalidRequestError(f"mtp_draft takes one next token per slot, got {len(tokens)} for {len(slots)}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.model_cfg.vocab_size for t in tokens):
+            raise InvalidRequestError(f"mtp_draft tokens must be ids in [0, {self.model_cfg.vocab_size})")
+        check_draft(k, [int(n) for n in self.state.pos[self.slot_ids(slots)].tolist()])
+        rows = []
+        for group in decode_groups(list(zip(slots, tokens))):
+            rows.append(self.mtp.draft(self.state, self.slot_ids([s for s, _ in group]),
+                                       torch.tensor([t for _, t in group], device=self.device), k, self.config.max_seq))
+        return torch.cat(rows)
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp is not None
 
     def logits_rows(self, slots: Sequence[int]) -> list[torch.Tensor]:
         """Each slot's next-token logits row (fp32 [vocab]) from its last hidden state, computed on the

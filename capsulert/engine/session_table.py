@@ -124,7 +124,9 @@ class SessionTable:
         t = session.tail_end
         prefilled = session.decoded_from if session.decoded_from is not None else G
         if self.runner.tail_replay and t is not None and t // grid * grid == G and G < t <= min(P, prefilled):
-            return t
+            # an MTP head's rows of a re-run from t start with the hidden state before t, kept only at P
+            if not self.runner.has_mtp or t == P:
+                return t
         return G
 
     # ------------------------------------------------------------------ compute on sessions
@@ -138,7 +140,7 @@ class SessionTable:
         E = G
         if P != G:
             E = self.replayable_end(session)
-            runner.state.load_grid(session.slot)
+            runner.state.load_grid(session.slot, seed=E == G)
             runner.state.pos[session.slot] = E
         grid_hidden = runner.prefill(session.slot, session.tokens[E:] + new, E, replay=E - G)
         session.tokens.extend(new)

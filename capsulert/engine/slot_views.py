@@ -1,8 +1,10 @@
 """The bytes of one slot that make up a capsule or a prefix checkpoint: views into the state set, no copies.
 
-A capsule of a session of length P holds KV rows [0, P), the live recurrent and conv state at P, the last
-hidden state at P and, off the grid (P != G = floor(P / grid) * grid), the grid checkpoint; a grid view holds
-KV rows [0, G) and the state at G. capsules.py and prefix_reuse.py read and write slots through these.
+A capsule of a session of length P holds the rows [0, P) of the per-token buffers (the KV, and an MTP head's
+KV: StateLayout.block_tensors), the live recurrent and conv state at P, the last hidden state at P and, off
+the grid (P != G = floor(P / grid) * grid), the grid checkpoint (StateLayout.grid_state: with an MTP head the
+hidden state before G too); a grid view holds the rows [0, G) and the state at G. capsules.py and
+prefix_reuse.py read and write slots through these.
 """
 from __future__ import annotations
 
@@ -15,19 +17,15 @@ from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.engine.state import StateSet
 from capsulert.kernels.triton_copy import Pair
 
-BLOCK_TENSORS = ("kv_k", "kv_v")  # [attn_layers, P, kv_heads, head_dim]: token rows along dim 1
-# the state at the grid point (on the grid: the live state; off it: the grid checkpoint), shared as one block
-GRID_STATE = (("ssm", "ssm_grid"), ("conv", "conv_grid"))
+def row_views(st: StateSet, slot: int, length: int) -> dict[str, torch.Tensor]:
+    """The slot's rows [0, length) of every per-token buffer ([layers, length, heads, head_dim]: token rows
+    along dim 1, cut into prefix blocks)."""
+    return {name: st.buffers[name][:, slot, :length] for name in st.layout.block_tensors}
 
 
 def capsule_views(st: StateSet, slot: int, length: int, grid_pos: int) -> dict[str, torch.Tensor]:
     """The slot's bytes that make up a capsule of `length` tokens."""
-    return {**kv_views(st, slot, length), **state_views(st, slot, length != grid_pos)}
-
-
-def kv_views(st: StateSet, slot: int, length: int) -> dict[str, torch.Tensor]:
-    """The slot's KV rows [0, length) of every block tensor."""
-    return {k: st.buffers[k][:, slot, :length] for k in BLOCK_TENSORS}
+    return {**row_views(st, slot, length), **state_views(st, slot, length != grid_pos)}
 
 
 def tail_views(st: StateSet, slot: int, rows: int) -> dict[str, torch.Tensor]:
@@ -41,24 +39,18 @@ def state_views(st: StateSet, slot: int, off_grid: bool) -> dict[str, torch.Tens
     live state and the grid checkpoint differ), the grid checkpoint."""
     views = {"ssm": st.ssm[:, slot], "conv": st.conv[:, slot], "last_hidden": st.last_hidden[slot]}
     if off_grid:
-        views["ssm_grid"] = st.ssm_grid[:, slot]
-        views["conv_grid"] = st.conv_grid[:, slot]
+        views.update({off: st.slot_view(off, slot) for _, off in st.layout.grid_state})
     return views
 
 
 def grid_views(st: StateSet, slot: int, grid_pos: int) -> dict[str, torch.Tensor]:
-    """The slot's KV rows [0, grid_pos) and its state at its last grid point."""
-    return {**kv_views(st, slot, grid_pos), **grid_state_views(st, slot)}
+    """The slot's per-token rows [0, grid_pos) and its state at its last grid point."""
+    return {**row_views(st, slot, grid_pos), **grid_state_views(st, slot)}
 
 
 def grid_state_views(st: StateSet, slot: int) -> dict[str, torch.Tensor]:
-    """The slot's grid checkpoint, by the names an on-grid capsule gives it."""
-    return {on: st.buffers[off][:, slot] for on, off in GRID_STATE}
-
-
-def live_state_views(st: StateSet, slot: int) -> dict[str, torch.Tensor]:
-    """The slot's live recurrent and conv state (what the grid checkpoint is a copy of on the grid)."""
-    return {on: st.buffers[on][:, slot] for on, _ in GRID_STATE}
+    """The slot's grid checkpoint, by the names an on-grid capsule gives it (ssm, conv, last_hidden)."""
+    return {on: st.slot_view(off, slot) for on, off in st.layout.grid_state}
 
 
 def set_positions(st: StateSet, slots: Sequence[int], positions: Sequence[int]) -> None:
@@ -72,10 +64,16 @@ def set_positions(st: StateSet, slots: Sequence[int], positions: Sequence[int]) 
     st.pos.index_copy_(0, index, values)
 
 
-def stored_grid_state(meta: CapsuleMeta, own: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A stored checkpoint's recurrent and conv state at its grid point (the live state of one held on
-    the grid, the grid checkpoint of one held past it)."""
-    return (own["ssm"], own["conv"]) if meta.held == meta.held_grid else (own["ssm_grid"], own["conv_grid"])
+def live_state_views(st: StateSet, slot: int) -> dict[str, torch.Tensor]:
+    """The slot's live buffers of the grid checkpoint's names: at a grid point they hold the same state."""
+    return {on: st.slot_view(on, slot) for on, _ in st.layout.grid_state}
+
+
+def stored_grid_state(st: StateSet, meta: CapsuleMeta, own: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A stored checkpoint's state at its grid point by on-grid name (the live state of one held on the
+    grid, the grid checkpoint of one held past it)."""
+    on_grid = meta.held == meta.held_grid
+    return {on: own[on if on_grid else off] for on, off in st.layout.grid_state}
 
 
 def kv_pairs(st: StateSet, slot: int, grid: int, parts: Parts, first: int, end: int | None) -> list[Pair]:
@@ -85,7 +83,7 @@ def kv_pairs(st: StateSet, slot: int, grid: int, parts: Parts, first: int, end: 
     n = len(parts.blocks)
     sizes = [grid] * (n - first) + ([end - n * grid] if end is not None else [])
     pairs: list[Pair] = []
-    for k in BLOCK_TENSORS:
+    for k in st.layout.block_tensors:
         rows = st.buffers[k][:, slot].narrow(1, first * grid, sum(sizes)).split_with_sizes(sizes, 1)
         pieces = [b[k] for b in parts.blocks[first:]] + ([parts.own[k]] if end is not None else [])
         pairs += zip(rows, pieces)

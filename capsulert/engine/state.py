@@ -13,6 +13,13 @@ gate projections (b | a) of the prefilled tokens past the grid point, at most GR
 append re-runs those tokens through the linear-attention layers' conv and chunk math only (their projections,
 MLPs and attention rows, KV included, are what they were: split-invariant prefill), instead of through the
 whole model. Decoded tokens have none (decode computes other bits), so they are re-run in full.
+
+`mtp_k` / `mtp_v` (a model with an MTP head, engine/mtp.py) are the head's KV cache, one row per token like
+`kv_k`: row p holds the head's entry for token p (computed from the main model's hidden state at p - 1 and
+token p; row 0 has none and is never read), so the rows [0, G) of a prefix are a function of tokens[:G] and
+are cut into prefix blocks with the model's KV. The head's seed (the hidden state its next row starts from)
+is `last_hidden`; on such a model `grid_hidden` is kept at every grid point (the seed there: a re-run from
+the grid point starts with it), as part of the grid checkpoint.
 """
 from __future__ import annotations
 
@@ -26,17 +33,14 @@ from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK
 # 3: as 2 (the live state at P, KV [0, P), plus the grid checkpoint off the grid) on the 64-token grid; 2 kept
 # its grid checkpoint and prefix blocks every prefill_chunk tokens. A v3 capsule off the grid may also hold
 # the exact-replay rows of its tail (tail_in, tail_gates); one without them re-runs its tail in full.
-LAYOUT_VERSION = 3
+# 4: as 3, plus on a model with an MTP head its KV rows (mtp_k, mtp_v, cut into blocks like the KV) and the
+# hidden state before the grid point (grid_hidden, in the grid-state block).
+LAYOUT_VERSION = 4
 # rows of the exact-replay buffer: a grid chunk (engine.GRID, the gated delta rule's chunk)
 TAIL_ROWS = GATED_DELTA_CHUNK
 # buffers that only prefill writes (the grid checkpoint and what a piece keeps with it): a decode step leaves
 # them as they are, so a speculative step has nothing of them to roll back
 PREFILL_ONLY = frozenset({"ssm_grid", "conv_grid", "grid_hidden", "tail_in", "tail_gates"})
-# buffers holding a row per position (the KV): a step writes only its own positions' rows and reads none past its
-# position, so a speculative step that rolls back leaves them as they are. Named, not guessed from shapes (a
-# conv_dim can equal max_seq): a positional buffer a later layout adds and does not list here is rolled back
-# whole, which is exact, only slower
-POSITIONAL = frozenset({"kv_k", "kv_v"})
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class StateLayout:
     dtype: torch.dtype
     device: torch.device
     tail_rows: int = 0  # rows of the exact-replay buffer (TAIL_ROWS), 0: no such buffer
+    mtp_layers: int = 0  # the MTP head's attention layers (0: no head, no MTP state)
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, slots: int, max_seq: int, dtype, device,
@@ -76,7 +81,20 @@ class StateLayout:
             dtype=dtype,
             device=torch.device(device),
             tail_rows=TAIL_ROWS if tail_replay else 0,
+            mtp_layers=cfg.mtp_num_hidden_layers,
         )
+
+    @property
+    def block_tensors(self) -> tuple[str, ...]:
+        """The buffers with one row per token ([layers, slots, rows, ...]): a capsule holds rows [0, P) of
+        them, and its rows [0, G) are cut into prefix blocks."""
+        return ("kv_k", "kv_v") + (("mtp_k", "mtp_v") if self.mtp_layers else ())
+
+    @property
+    def grid_state(self) -> tuple[tuple[str, str], ...]:
+        """The state at a grid point, shared as one block: (its name in an on-grid capsule, in an off-grid one)."""
+        hidden = (("last_hidden", "grid_hidden"),) if self.mtp_layers else ()
+        return (("ssm", "ssm_grid"), ("conv", "conv_grid")) + hidden
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Buffer name -> (shape, dtype). The slot dimension is 1 for attention/linear buffers, 0 otherwise."""
@@ -96,13 +114,23 @@ class StateLayout:
             # the checkpoint kept there needs no cut of the piece; meaningful only right after that piece
             "grid_hidden": ((self.slots, self.hidden), self.dtype),
             **self.tail_shapes(self.slots, self.tail_rows),
+            **self.mtp_shapes(),
         }
 
     def rollback_names(self) -> list[str]:
-        """The buffers a decode step may change as a whole for its slot: every buffer but the positional
-        (POSITIONAL) and the prefill-only ones (PREFILL_ONLY). A speculative step rolls these back to its last
-        accepted token; a buffer added to the layout is in it unless listed in one of those."""
-        return [n for n in self.shapes() if n not in PREFILL_ONLY | POSITIONAL]
+        """The buffers a decode step may change as a whole for its slot: every buffer but the per-token
+        ones (block_tensors: the KV and the MTP head's KV, whose rows past a position no step reads before it
+        writes them) and the prefill-only ones (PREFILL_ONLY). A speculative step rolls these back to its last
+        accepted token; a buffer added to the layout is in it unless it is one of those."""
+        return [n for n in self.shapes() if n not in PREFILL_ONLY and n not in self.block_tensors]
+
+    def mtp_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The MTP head's KV (module doc), none without a head. One row more than the model's KV: the head's
+        kernels see it from row 1 on, and a padded piece may write one row further."""
+        if not self.mtp_layers:
+            return {}
+        kv = (self.mtp_layers, self.slots, self.max_seq + 1, self.kv_heads, self.head_dim)
+        return {"mtp_k": (kv, self.dtype), "mtp_v": (kv, self.dtype)}
 
     def tail_shapes(self, slots: int, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The exact-replay buffers (module doc) for `slots` slots of `rows` rows: conv inputs, and b | a;
@@ -142,11 +170,17 @@ class StateSet:
         return t[:, slot] if t.dim() >= 4 else t[slot]
 
     def save_grid(self, slot: int) -> None:
-        """The slot's live recurrent/conv state becomes its grid checkpoint."""
+        """The slot's live recurrent/conv state (and, with an MTP head, its seed) becomes its grid checkpoint."""
         self.ssm_grid[:, slot].copy_(self.ssm[:, slot])
         self.conv_grid[:, slot].copy_(self.conv[:, slot])
+        if self.layout.mtp_layers:
+            self.grid_hidden[slot].copy_(self.last_hidden[slot])
 
-    def load_grid(self, slot: int) -> None:
-        """Rewind the slot's live recurrent/conv state to its grid checkpoint."""
+    def load_grid(self, slot: int, seed: bool = True) -> None:
+        """Rewind the slot's live recurrent/conv state to its grid checkpoint and, with an MTP head and `seed`,
+        its seed (last_hidden) too: a re-run from the grid point starts the head's rows with it. seed=False
+        for a re-run whose full-model rows start past the grid point (the linear layers replay the tail)."""
         self.ssm[:, slot].copy_(self.ssm_grid[:, slot])
         self.conv[:, slot].copy_(self.conv_grid[:, slot])
+        if self.layout.mtp_layers and seed:
+            self.last_hidden[slot].copy_(self.grid_hidden[slot])

@@ -8,6 +8,7 @@ own tokens under the new weights).
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from pathlib import Path
 from typing import Mapping
@@ -16,6 +17,7 @@ import torch
 
 from capsulert.errors import CapsuleRTError, InvalidRequestError, WeightUpdateError
 from capsulert.config.model import ModelConfig
+from capsulert.engine.loader import MTP_PREFIX
 from capsulert.engine.moe_weights import fuse_experts, is_per_expert
 
 
@@ -31,6 +33,8 @@ def read_update(source, cfg: ModelConfig, dtype: torch.dtype,
             new_cfg, tensors = load_checkpoint(source, dtype=dtype, device="cpu", progress=progress)
         except CapsuleRTError as e:
             raise WeightUpdateError(f"cannot load the update from {source}: {e}") from None
+        if not new_cfg.has_mtp:  # a checkpoint without the MTP head (transformers writes none): the main model's
+            new_cfg = dataclasses.replace(new_cfg, mtp_num_hidden_layers=cfg.mtp_num_hidden_layers)
         if new_cfg.to_hf_dict() != cfg.to_hf_dict():
             raise WeightUpdateError(f"the checkpoint at {source} has another architecture than the running model")
         return tensors
@@ -47,14 +51,16 @@ def check_update(current: Mapping[str, torch.Tensor], new: Mapping[str, torch.Te
                  tied: bool) -> dict[str, torch.Tensor]:
     """The tensors to copy, by name; WeightUpdateError (naming the offending tensors) unless the update has
     exactly the model's weights with their shapes and floating dtypes, every value finite. An update of a model with tied
-    embeddings may carry lm_head.weight as well (HF state dicts do); it must then equal the embedding."""
+    embeddings may carry lm_head.weight as well (HF state dicts do); it must then equal the embedding. The MTP
+    head's weights (mtp.*) may be left out (a trainer built on transformers has no head): the head keeps its own."""
     new = dict(new)
     if tied and "lm_head.weight" in new and "lm_head.weight" not in current:
         head = new.pop("lm_head.weight")
         emb = new.get("model.embed_tokens.weight")
         if emb is not None and not (head is emb or torch.equal(head, emb)):
             raise WeightUpdateError("the model ties lm_head to the embeddings but the update's lm_head.weight differs")
-    missing, extra = sorted(set(current) - set(new)), sorted(set(new) - set(current))
+    missing = sorted(n for n in set(current) - set(new) if not n.startswith(MTP_PREFIX))
+    extra = sorted(set(new) - set(current))
     if missing or extra:
         raise WeightUpdateError(f"update does not match the model's weights: missing {missing[:5]}"
                                 f"{'…' if len(missing) > 5 else ''}, unexpected {extra[:5]}{'…' if len(extra) > 5 else ''}")

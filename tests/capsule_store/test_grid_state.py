@@ -84,7 +84,9 @@ def state_of(eng, name: str, namespace: str = "default") -> str:
 
 
 def grid_state_nbytes(eng) -> int:
-    return eng.state.ssm[:, 0].nbytes + eng.state.conv[:, 0].nbytes
+    """The recurrent and conv state at the grid point and, with an MTP head, the head's seed there."""
+    seed = eng.state.grid_hidden[0].nbytes if eng.runner.has_mtp else 0
+    return eng.state.ssm[:, 0].nbytes + eng.state.conv[:, 0].nbytes + seed
 
 
 # ------------------------------------------------------------------------------------------- engine
@@ -104,10 +106,14 @@ def test_branches_share_one_grid_state_block_and_restore_bitwise(engine, ctx_len
     assert st["device"]["bytes"] == sum(i.nbytes for i in infos) + shared  # the unique bytes: each block once
     # every branch holds alone only what it computed past the grid point: its live state, last hidden
     # state, KV rows [256, P) and, past the context's prefilled tail, that tail's exact-replay rows (kept
-    # where the engine replays tails: on the CPU by default, not on CUDA)
+    # where the engine replays tails: on the CPU by default, not on CUDA; with an MTP head a branch that decoded
+    # past the tail keeps none, its re-run starting at the grid point), the MTP head's rows [256, P) too
     tails = {"tail_in", "tail_gates"} if ctx_len > 256 and eng.runner.tail_replay else set()
-    own = {"kv_k", "kv_v", "ssm", "conv", "last_hidden"} | tails
-    assert all(set(eng.store._tiers.entries["default", n].tensors) == own for n in want if n != "ctx" or ctx_len != 256)
+    own = {"kv_k", "kv_v", "ssm", "conv", "last_hidden"} | set(eng.state.layout.block_tensors)
+    for n in want:
+        if n != "ctx" or ctx_len != 256:
+            kept = tails if n == "ctx" or not eng.runner.has_mtp else set()
+            assert set(eng.store._tiers.entries["default", n].tensors) == own | kept, n
     for name, w in want.items():
         assert_restores(eng, name, w)
     for name in ["ctx"] + [f"b{i}" for i in range(7)]:

@@ -15,6 +15,12 @@ SENTINEL = 7.0
 BUFFERS = ("kv_k", "kv_v", "ssm", "conv", "ssm_grid", "conv_grid", "last_hidden")
 
 
+def names(eng) -> tuple[str, ...]:
+    """The buffers a restore writes: with an MTP head its KV rows and its seed at the grid point too."""
+    mtp = ("mtp_k", "mtp_v", "grid_hidden") if eng.runner.has_mtp else ()
+    return BUFFERS + mtp
+
+
 def toks(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, 4096, (n,), generator=g).tolist()
@@ -31,28 +37,31 @@ def snapshot_of(eng, P: int, name: str) -> dict[str, torch.Tensor]:
 
 
 def buffers(eng) -> dict[str, torch.Tensor]:
-    return {k: eng.state.buffers[k].clone() for k in BUFFERS}
+    return {k: eng.state.buffers[k].clone() for k in names(eng)}
 
 
 def assert_restored_exactly(eng, target, name: str, want: dict[str, torch.Tensor], P: int) -> None:
     """An in-place restore of `name` into target's slot (filled with SENTINEL first) writes the capsule's
     bytes into its rows [0, P) and state, and leaves every other row and slot as it was."""
     slot = target.slot
-    for k in BUFFERS:
+    for k in names(eng):
         eng.state.slot_view(k, slot).fill_(SENTINEL)
     before = buffers(eng)
     target.restore(name)
     after = buffers(eng)
-    for k in ("kv_k", "kv_v"):
+    rows = eng.state.layout.block_tensors
+    for k in rows:
         assert torch.equal(after[k][:, slot, :P], want[k]), k
         assert (after[k][:, slot, P:] == SENTINEL).all(), f"{k}: rows past the capsule were written"
-    for k in want.keys() - {"kv_k", "kv_v"}:
+    for k in want.keys() - set(rows):
         assert torch.equal(eng.state.slot_view(k, slot), want[k]), k
     if P % GRID == 0:  # on the grid the grid checkpoint is the live state
         assert torch.equal(eng.state.ssm_grid[:, slot], want["ssm"])
         assert torch.equal(eng.state.conv_grid[:, slot], want["conv"])
+        if eng.runner.has_mtp:
+            assert torch.equal(eng.state.grid_hidden[slot], want["last_hidden"])
     others = torch.tensor([i for i in range(eng.state.kv_k.shape[1]) if i != slot], device=eng.device)
-    for k in BUFFERS:
+    for k in names(eng):
         dim = 1 if eng.state.buffers[k].dim() >= 4 else 0
         assert torch.equal(after[k].index_select(dim, others), before[k].index_select(dim, others)), \
             f"{k}: another slot changed"

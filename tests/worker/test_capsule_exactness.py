@@ -22,7 +22,10 @@ def capsule_view_equal(engine, session, name):
     with engine.store.reading(name, "default") as (meta, t):
         st, s, P, G = engine.state, session.slot, meta.boundary, meta.grid_pos
         assert int(st.pos[s]) == P
-        assert torch.equal(st.kv_k[:, s, :P], t["kv_k"]) and torch.equal(st.kv_v[:, s, :P], t["kv_v"])
+        for name in st.layout.block_tensors:  # the KV and an MTP head's KV, rows [0, P)
+            assert torch.equal(st.buffers[name][:, s, :P], t[name]), name
+        if st.layout.mtp_layers:  # the head's seed at the grid point
+            assert torch.equal(st.grid_hidden[s], t["last_hidden" if P == G else "grid_hidden"])
         for live, grid, key in ((st.ssm, st.ssm_grid, "ssm"), (st.conv, st.conv_grid, "conv")):
             assert torch.equal(live[:, s], t[key])
             assert torch.equal(grid[:, s], t[key if P == G else f"{key}_grid"])
@@ -43,8 +46,11 @@ def test_pure_restore_equals_snapshot_point(engine, corpus, P):
     assert r.generate(16) == s.generate(16)
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 @pytest.mark.parametrize("P", BOUNDARIES.values(), ids=BOUNDARIES.keys())
 def test_adversarial_garbage_then_restore(engine, corpus, P):
+    """State completeness: every live buffer of the slot (the MTP head's KV and seed among them) overwritten
+    with garbage, then a restore gives the same tokens and the same MTP drafts as a cold prefill."""
     s = engine.open()
     s.append(corpus[:P])
     s.snapshot("c")
@@ -61,7 +67,10 @@ def test_adversarial_garbage_then_restore(engine, corpus, P):
     t.restore("c")
     ref = engine.open()
     ref.append(corpus[:P])
+    nxt = int(ref.logits().argmax())
+    assert torch.equal(engine.runner.mtp_draft([t.slot], [nxt], 3), engine.runner.mtp_draft([ref.slot], [nxt], 3))
     assert t.generate(32) == ref.generate(32)
+    assert torch.equal(engine.runner.mtp_draft([t.slot], [7], 3), engine.runner.mtp_draft([ref.slot], [7], 3))
 
 
 @pytest.mark.parametrize("model_dir", MODELS, indirect=True)

@@ -18,16 +18,19 @@ from capsulert.protocol.sampling import SamplingParams
 
 
 def slot_state(engine, session):
-    """Every live buffer of the slot, KV up to the session length."""
+    """Every live buffer of the slot, the per-token rows (KV, an MTP head's KV) up to the session length, and
+    with an MTP head its seed at the grid point."""
     st, s, n = engine.state, session.slot, len(session)
-    return {
-        "kv_k": st.kv_k[:, s, :n].clone(),
-        "kv_v": st.kv_v[:, s, :n].clone(),
+    out = {name: st.buffers[name][:, s, :n].clone() for name in st.layout.block_tensors}
+    out.update({
         "ssm": st.ssm[:, s].clone(),
         "conv": st.conv[:, s].clone(),
         "last_hidden": st.last_hidden[s].clone(),
         "pos": st.pos[s].clone(),
-    }
+    })
+    if st.layout.mtp_layers:
+        out["grid_hidden"] = st.grid_hidden[s].clone()
+    return out
 
 
 def assert_state_equal(a, b):

@@ -13,6 +13,7 @@ from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.capsule_store.format.meta import meta_from_json, meta_to_json
 from capsulert.errors import IncompatibleCapsuleError
 from capsulert.engine.engine import GRID, grid_point_inside, prefill_pieces
+from capsulert.engine.state import LAYOUT_VERSION
 from capsulert.protocol.sampling import SamplingParams
 from tests.worker.pieces import count_pieces
 
@@ -206,7 +207,7 @@ def test_capsule_of_the_previous_layout_reads_its_grid_and_is_refused(make_engin
         old.store.save(tmp_path / "v2")
         old.close()
     eng = make_engine()
-    with pytest.raises(IncompatibleCapsuleError, match="layout version 2, this build uses 3"):
+    with pytest.raises(IncompatibleCapsuleError, match=f"layout version 2, this build uses {LAYOUT_VERSION}"):
         eng.store.load(tmp_path / "v2")
     assert eng.store.list() == []
 

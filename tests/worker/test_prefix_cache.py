@@ -37,8 +37,9 @@ def toks(n: int, seed: int) -> list[int]:
 
 def slot_state(eng, s) -> dict[str, torch.Tensor]:
     st, slot, P = eng.state, s.slot, len(s.tokens)
-    out = {k: st.slot_view(k, slot).clone() for k in ("ssm", "conv", "ssm_grid", "conv_grid", "last_hidden")}
-    out.update(kv_k=st.kv_k[:, slot, :P].clone(), kv_v=st.kv_v[:, slot, :P].clone(), pos=st.pos[slot].clone())
+    names = ("ssm", "conv", "ssm_grid", "conv_grid", "last_hidden") + (("grid_hidden",) if st.layout.mtp_layers else ())
+    out = {k: st.slot_view(k, slot).clone() for k in names}
+    out.update({k: st.buffers[k][:, slot, :P].clone() for k in st.layout.block_tensors}, pos=st.pos[slot].clone())
     return out
 
 

@@ -51,6 +51,30 @@ def test_update_in_place_equals_a_fresh_load(model_dir, make_engine, tmp_path, t
     assert a.generate(1).weights_version == 1
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
+def test_an_update_may_leave_out_the_mtp_head(model_dir, make_engine, tmp_path, text):
+    """A trainer built on transformers has no MTP head: its update (a dict or a save_pretrained directory without
+    mtp.*) replaces the main model's weights and the head keeps its own."""
+    engine = make_engine()
+    head = {k: v.clone() for k, v in engine.model_weights.items() if k.startswith("mtp.")}
+    assert head
+    new_dir, new = perturbed(model_dir, tmp_path)
+    main = {k: v for k, v in new.items() if not k.startswith("mtp.")}
+    assert engine.update_weights(main) == 1
+    assert all(torch.equal(engine.model_weights[k], v) for k, v in head.items())
+    without = tmp_path / "without-mtp"
+    shutil.copytree(new_dir, without)
+    save_file(main, str(without / "model.safetensors"))
+    assert engine.update_weights(without) == 2
+    save_file({**main, **head}, str(without / "model.safetensors"))  # the main model's new weights, the old head
+    fresh = Engine.from_config(dict(model=str(without), device=engine.device.type, slots=2, max_seq=2048,
+                                    prefill_chunk=128))
+    a, b = engine.open(), fresh.open()
+    assert torch.equal(a.append(text[:300]), b.append(text[:300]))
+    nxt = int(b.logits().argmax())
+    assert torch.equal(engine.runner.mtp_draft([a.slot], [nxt], 3), fresh.runner.mtp_draft([b.slot], [nxt], 3))
+
+
 def test_stale_capsules_are_refused_until_rebuilt(model_dir, make_engine, tmp_path, text):
     engine = make_engine()
     s = engine.open()

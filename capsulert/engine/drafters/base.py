@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from capsulert.errors import InvalidRequestError
 
@@ -27,6 +27,11 @@ from capsulert.errors import InvalidRequestError
 class DraftSource(Protocol):
     """What a drafter may read of the runner (ModelRunner is one)."""
     model_cfg: object
+
+    @property
+    def has_mtp(self) -> bool: ...
+
+    def mtp_draft(self, slots: Sequence[int], tokens: Sequence[int], k: int) -> Any: ...
 
 
 @dataclass(frozen=True)
