@@ -227,8 +227,9 @@ def test_async_engine_passes_speculate_through(engine, prompt):
 
 # ------------------------------------------------------------------------------------------------ rollback
 def test_rollback_covers_every_buffer_a_decode_step_writes(engine, prompt):
-    """Every buffer a decode step changes for its slot, but the KV rows at its own position, is rolled back;
-    a buffer a later layout adds is in the list unless it is positional or prefill-only."""
+    """Every buffer a decode step changes for its slot, but the per-token rows at its own position (the KV,
+    and an MTP head's KV), is rolled back; a buffer a later layout adds is in the list unless it is per-token
+    or prefill-only."""
     layout = engine.state.layout
     names = engine.runner.rollback.names
     assert set(names) == set(layout.rollback_names())
@@ -239,9 +240,9 @@ def test_rollback_covers_every_buffer_a_decode_step_writes(engine, prompt):
     before = {n: engine.state.slot_view(n, s.slot).clone() for n in layout.shapes()}
     s.generate(1)
     changed = {n for n in layout.shapes() if not torch.equal(before[n], engine.state.slot_view(n, s.slot))}
-    assert changed - set(names) == {"kv_k", "kv_v"}
-    P = len(s) - 1  # only the row of the position fed changed in the KV
-    for kv in ("kv_k", "kv_v"):
+    assert changed - set(names) == set(layout.block_tensors) >= {"kv_k", "kv_v"}
+    P = len(s) - 1  # only the row of the position fed changed in the per-token buffers
+    for kv in layout.block_tensors:
         now = engine.state.slot_view(kv, s.slot)
         assert torch.equal(before[kv][:, :P], now[:, :P]) and torch.equal(before[kv][:, P + 1:], now[:, P + 1:])
 
