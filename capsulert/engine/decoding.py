@@ -15,7 +15,11 @@ computes.
 A constrained stream (SamplingParams.constraint) fills its row of the step's token bitmask before the
 draw and takes its token into its grammar state once the token is committed, once per token; a grammar
 that can take nothing more ends the generate ("grammar_end"). Constrained and unconstrained streams share
-the step: the mask is applied row by row to the sampled block (engine/grammar.py).
+the step: the mask is applied row by row to the sampled block (engine/grammar.py). Masks are computed off
+the step (engine/mask_worker.py): a stream whose next mask is not ready when a step starts skips that step
+and keeps its logits for a later one. Its token is drawn from the same logits, mask and token index
+whenever that step comes, so skipping changes no token; a mask past its budget fails the stream
+(`error`, a GrammarTooCostlyError) and its caller undoes what the generate committed.
 
 Weight updates land between steps (they take the engine lock, which a step holds): a stream whose session
 was computed under older weights ends there, stop reason "weights_updated", so every token of a result
@@ -24,6 +28,8 @@ was sampled under its `weights_version`, never under two.
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -35,7 +41,7 @@ from capsulert.engine.sampler import SamplingPlan, resolve_seed
 from capsulert.engine.session import Session
 from capsulert.engine.session_table import SessionTable
 from capsulert.engine.stops import HeldText, StopRule, TextStream
-from capsulert.errors import InvalidRequestError
+from capsulert.errors import CapsuleRTError, InvalidRequestError
 from capsulert.protocol.results import GenerateResult, TokenEvent
 from capsulert.protocol.sampling import GREEDY, SamplingParams
 
@@ -94,6 +100,8 @@ class DecodeStream:
         self.logits: torch.Tensor | None = None  # next-token logits row (fp32 [vocab])
         self.batch: _Batch | None = None  # the group whose block holds `logits`
         self.done = max_new_tokens == 0
+        self.start = len(session.tokens)  # the session's length before this generate (what a failure undoes)
+        self.error: CapsuleRTError | None = None  # why the generate failed (then done, with no result)
         constraint = self.params.constraint
         self.grammar = None if constraint is None or self.done else engine.grammars.state(constraint)
         if self.done:
@@ -112,6 +120,26 @@ class DecodeStream:
         final = self.held.text if reason == "stop_string" else self.held.seen + self.text.flush()
         self.result.text = final
         return self.held.finish(final)
+
+    def fail(self, error: CapsuleRTError) -> None:
+        """End the generate with `error` instead of a result (its grammar was refused)."""
+        self.done, self.error = True, error
+        self.logits = self.batch = None
+
+    @property
+    def mask_pending(self) -> bool:
+        """Its grammar's next mask is still being computed (it skips the steps until it is not)."""
+        if self.done or self.grammar is None:
+            return False
+        try:
+            return not self.grammar.ready()
+        except CapsuleRTError:
+            return False  # refused: the next step fails it
+
+    def when_mask_ready(self, callback: Callable[[], object]) -> None:
+        """Call `callback` (on the mask worker's thread) once its pending grammar mask is computed."""
+        if self.grammar is not None:
+            self.grammar.when_ready(callback)
 
 
 class _Batch:
@@ -145,6 +173,7 @@ def advance(engine: Decoder, streams: list[DecodeStream],
 def _advance(engine, streams, should_stop, events):
     max_seq = engine.config.max_seq
     live = []
+    now = time.monotonic()
     for st in streams:
         if st.done:
             continue
@@ -156,6 +185,10 @@ def _advance(engine, streams, should_stop, events):
             # result's weights_version), and the next would come from old state fed through new weights
             st.finish("weights_updated")
             continue
+        if st.grammar is not None and not _mask_ready(st, now):
+            if not st.done and should_stop is not None and should_stop(st):
+                st.finish("interrupted")
+            continue  # its mask is late: it skips this step, its logits kept for the next
         live.append(st)
     need = [st for st in live if st.logits is None]
     if need:
@@ -199,6 +232,8 @@ def _commit(st: DecodeStream, token: int, logprob: float, top: list, max_seq: in
         reason = "max_seq"  # full: no token can follow this one
     if reason is None and should_stop is not None and should_stop(st):
         reason = "interrupted"
+    if reason is None and st.grammar is not None:
+        st.grammar.request_next()  # computed while this step's other work and the next steps run
     if reason is not None:
         rest = st.finish(reason)
         if shown is not None:  # the last event carries the rest: the events add up to the result
@@ -206,6 +241,24 @@ def _commit(st: DecodeStream, token: int, logprob: float, top: list, max_seq: in
     else:
         res.length = len(st.session.tokens)
     return shown
+
+
+def _mask_ready(st: DecodeStream, now: float) -> bool:
+    """Whether a constrained stream's mask is ready; a refused grammar fails the stream (False)."""
+    try:
+        return st.grammar is None or st.grammar.ready(now)
+    except CapsuleRTError as e:
+        st.fail(e)
+        return False
+
+
+def wait_for_masks(streams: Sequence[DecodeStream], timeout: float = 0.01) -> None:
+    """Block until a live stream can step (or `timeout` passes): at once unless every live stream waits
+    for its grammar's mask. For a caller that runs `advance` in a loop of its own (Engine.generate)."""
+    live = [st for st in streams if not st.done]
+    pending = [st.grammar.pending for st in live if st.mask_pending and st.grammar is not None]
+    if pending and len(pending) == len(live):
+        wait(pending, timeout, FIRST_COMPLETED)
 
 
 def _allowed(engine: Decoder, group: list[DecodeStream], block: torch.Tensor) -> torch.Tensor:
