@@ -208,7 +208,7 @@ def _advance(engine, streams, should_stop, events):
         for r, st in enumerate(group):
             top = tops[r]  # empty unless this stream asked for logprobs
             shown = _commit(st, tokens[r], logprobs[r], top, max_seq, should_stop)
-            if events:
+            if events and st.error is None:
                 out.append((st, TokenEvent(tokens[r], logprobs[r], shown, len(st.result) - 1, tuple(top))))
     return out
 
@@ -222,7 +222,11 @@ def _commit(st: DecodeStream, token: int, logprob: float, top: list, max_seq: in
     if st.params.logprobs:
         res.top_logprobs.append(top)
     if st.grammar is not None:
-        st.grammar.accept(token)  # the token is committed: the grammar takes it, once
+        try:
+            st.grammar.accept(token)  # the token is committed: the grammar takes it, once
+        except CapsuleRTError as e:  # llguidance's parser past its limits (a 15k-way choice): this stream only
+            st.fail(e)
+            return None
     delta = st.text.push(token)
     shown = None if delta is None else st.held.push(delta)
     reason = st.rule.check(token, len(res), st.held.cut is not None)

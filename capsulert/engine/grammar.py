@@ -21,9 +21,15 @@ from capsulert.engine.mask_worker import MaskWorker, PendingMask
 from capsulert.errors import GrammarTooCostlyError, InvalidRequestError
 from capsulert.protocol.constraint import Constraint, _llguidance
 
-# how long one mask (the first includes building the matcher) may run on its thread: `(a{1000}){1000}`
-# takes ~1.5 s for its first on the CPU; the usual mask takes 10 us to 1 ms
+# how long one mask may run on its thread (building the matcher before the first is not counted):
+# `(a{1000}){1000}` takes 1.5 to 3.6 s for its first on the 2-core CPU box; the usual mask 10 us to 1 ms
 MASK_BUDGET_S = 0.5
+
+
+def llguidance_error(matcher) -> str:
+    """A matcher's error, its first line: llguidance appends its state and the whole grammar (200 KB for a
+    long choice), which no client needs to read back."""
+    return matcher.get_error().strip().split("\n", 1)[0][:500]
 
 
 class GrammarState:
@@ -38,16 +44,15 @@ class GrammarState:
         self.accepted = 0  # tokens taken: one per token the session committed during this generate
         self._woken: PendingMask | None = None
 
-        def first() -> None:  # the closure keeps this state (and its buffer) alive until llguidance is done
+        def prepare() -> None:  # the closures keep this state (and its buffer) alive until llguidance is done
             self._matcher = build()
-            self._compute()
-        self._pending = worker.submit(first)
+        self._pending = worker.submit(self._compute, prepare)
 
     def _compute(self) -> None:
         m = self._matcher
         m.unsafe_compute_mask_ptr(self._mask.data_ptr(), self._mask.numel() * self._mask.element_size())
         if m.is_error():
-            raise InvalidRequestError(f"invalid constraint: {m.get_error()}")
+            raise InvalidRequestError(f"invalid constraint: {llguidance_error(m)}")
 
     def ready(self, now: float | None = None) -> bool:
         """Whether the next token's mask is computed (False while it is, within the budget). Raises the
@@ -80,8 +85,8 @@ class GrammarState:
         bitmask[row].copy_(self._mask)
 
     def accept(self, token: int) -> None:
-        if not self._matcher.consume_token(token):  # the mask allowed it: only a bug gets here
-            raise InvalidRequestError(f"token {token} does not follow the grammar: {self._matcher.get_error()}")
+        if not self._matcher.consume_token(token):  # the mask allowed it: llguidance's parser limits refused it
+            raise InvalidRequestError(f"the constraint cannot take token {token}: {llguidance_error(self._matcher)}")
         self.accepted += 1
 
     def request_next(self) -> None:
@@ -132,7 +137,7 @@ class Grammars:
         def build():
             matcher = _llguidance().LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
             if matcher.is_error():
-                raise InvalidRequestError(f"invalid constraint: {matcher.get_error()}")
+                raise InvalidRequestError(f"invalid constraint: {llguidance_error(matcher)}")
             return matcher
         return GrammarState(build, self.words, self.masks, self.budget_s)
 

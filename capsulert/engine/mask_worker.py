@@ -9,7 +9,9 @@ starts), while the step runs; a session whose mask is not ready when a step star
 (`py.allow_threads` in its Python binding), so these threads run beside the step loop's torch work.
 
 Each computation knows when it began running (a mask waiting for a free thread is not charged for the
-wait): GrammarState (grammar.py) refuses a grammar whose mask has run past its budget.
+wait, nor for the matcher built before a first mask: it compiles what the Constraint's check compiled
+already, a cost its maker paid once, bounded at the HTTP edge by serve/grammar_budget.py): GrammarState
+(grammar.py) refuses a grammar whose mask has run past its budget.
 """
 from __future__ import annotations
 
@@ -47,12 +49,15 @@ class MaskWorker:
         self.threads = threads or default_mask_threads()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="capsulert-grammar-mask")
 
-    def submit(self, compute: Callable[[], None]) -> PendingMask:
+    def submit(self, compute: Callable[[], None], prepare: Callable[[], None] | None = None) -> PendingMask:
+        """Run `prepare` (not charged to the computation's time), then `compute`."""
         pending = PendingMask()
 
         def run() -> None:
-            pending.started = time.monotonic()
             try:
+                if prepare is not None:
+                    prepare()
+                pending.started = time.monotonic()
                 compute()
             except BaseException as e:  # noqa: BLE001 - handed to whoever reads the mask
                 pending.future.set_exception(e)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -30,15 +31,15 @@ class HeldMasks(MaskWorker):
         super().__init__(threads=2)
         self.held, self.count, self.gate = held, 0, threading.Event()
 
-    def submit(self, compute):
+    def submit(self, compute, prepare=None):
         self.count += 1
         if self.count != self.held:
-            return super().submit(compute)
+            return super().submit(compute, prepare)
 
         def slow() -> None:
             self.gate.wait(60)
             compute()
-        return super().submit(slow)
+        return super().submit(slow, prepare)
 
     def release(self) -> None:
         self.gate.set()
@@ -144,3 +145,42 @@ async def test_a_turn_whose_mask_passes_its_budget_fails_typed_and_leaves_no_pro
             assert got_b.tokens == want_b.tokens
     finally:
         worker.release()
+
+
+async def test_a_grammar_its_parser_refuses_part_way_fails_alone(engine):
+    """A 2,500-way choice compiles, but llguidance's parser refuses its first token (more items in a row than
+    its limit): that generate fails typed, with the error's first line only (llguidance appends the whole
+    grammar), and its session is put back; the session decoding beside it finishes as it does alone. Before,
+    the error escaped the step and failed every session in it."""
+    choice = Constraint(grammar="start: " + " | ".join(f'"opt {i}"' for i in range(2500)))
+    pb = SAMPLINGS["greedy"][1]
+    want_b = _solo(engine, "The capsule runtime ", 16, pb)
+    async with AsyncEngine(engine) as aeng:
+        a = await aeng.open("Pick one: ")
+        b = await aeng.open("The capsule runtime ")
+        before = await a.tokens()
+        other = asyncio.ensure_future(b.generate(16, pb))
+        with pytest.raises(InvalidRequestError, match="items") as refused:
+            await a.generate(4, SamplingParams(constraint=choice))
+        assert len(str(refused.value)) < 600 and "opt 2499" not in str(refused.value)
+        assert await a.tokens() == before
+        got_b = await asyncio.wait_for(other, 60)
+        assert got_b.tokens == want_b.tokens
+
+
+def test_building_the_matcher_is_not_charged_to_the_first_masks_budget(engine):
+    """A 15k-way choice takes ~1 s to build its matcher (the compile its Constraint's check already paid):
+    only the mask computations count against the budget."""
+    class SlowBuild(MaskWorker):
+        def submit(self, compute, prepare=None):
+            def slow_prepare() -> None:
+                time.sleep(0.3)
+                if prepare is not None:
+                    prepare()
+            return super().submit(compute, slow_prepare)
+
+    engine.grammars = Grammars(engine.tokenizer, engine.model_cfg.vocab_size, engine.eos_token_ids,
+                               masks=SlowBuild(1), budget_s=0.1)
+    s = engine.open()
+    s.append("Spell it: ")
+    assert len(s.generate(4, SamplingParams(constraint=LETTERS))) == 4
