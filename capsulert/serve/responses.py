@@ -64,7 +64,7 @@ class Shape:
     logprobs: int | None  # None: none asked for; k: the chosen token's and the top-k alternatives
     return_token_ids: bool
     tools: bool = False  # chat replies' tool-call markup becomes tool_calls
-    tool_deltas: bool = False  # streamed, a call's arguments go out in pieces as generated (tool_call_deltas.py)
+    tool_deltas: bool = False  # streamed, a call's arguments go out in pieces (chat/tool_call_deltas.py)
 
     @property
     def _object(self) -> str:
