@@ -90,6 +90,7 @@ async def run(tokens: int, requests: int, rounds: int) -> None:
     gaps: dict[str, list[float]] = {k: [] for k in cases}
     latency: dict[str, list[float]] = {k: [] for k in cases}
     outcomes: dict[str, list[tuple[str, float]]] = {k: [] for k in cases}
+    victim_errors: dict[str, list[str]] = {k: [] for k in cases}
     edge = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     async with AsyncEngine(eng) as aeng:
         async def victim(name: str) -> None:
@@ -97,12 +98,16 @@ async def run(tokens: int, requests: int, rounds: int) -> None:
             for _ in range(requests):
                 t0 = last = time.perf_counter()
                 first = True
-                async for ev in s.stream(tokens, SamplingParams(ignore_eos=True)):
-                    now = time.perf_counter()
-                    if isinstance(ev, TokenEvent):
-                        if not first:
-                            gaps[name].append(now - last)
-                        first, last = False, now
+                try:
+                    async for ev in s.stream(tokens, SamplingParams(ignore_eos=True)):
+                        now = time.perf_counter()
+                        if isinstance(ev, TokenEvent):
+                            if not first:
+                                gaps[name].append(now - last)
+                            first, last = False, now
+                except Exception as e:  # noqa: BLE001 - the victim failing is what is measured here
+                    victim_errors[name].append(type(e).__name__)
+                    continue
                 latency[name].append(time.perf_counter() - t0)
                 await s.truncate(64)
             await s.close()
@@ -145,16 +150,19 @@ async def run(tokens: int, requests: int, rounds: int) -> None:
         kinds: dict[str, list[float]] = {}
         for k, s in outcomes[name]:
             kinds.setdefault(k, []).append(s)
+        if not gaps[name] or not latency[name]:
+            gaps[name], latency[name] = [float("nan")], [float("nan")]
         rows.append({"case": name, "itl_p50_ms": statistics.median(gaps[name]) * 1e3,
                      "itl_p99_ms": percentile(gaps[name], 99) * 1e3,
                      "itl_x": statistics.median(gaps[name]) / base_itl,
                      "request_p50_s": statistics.median(latency[name]),
                      "request_x": statistics.median(latency[name]) / base_lat,
+                     "victim_errors": len(victim_errors[name]),
                      "attacker": ", ".join(f"{k} {len(v)} (p50 {statistics.median(v):.2f} s)" for k, v in kinds.items())
                      or "-"})
     print_table(rows, ["case", ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"), ("itl_x", "x undisturbed"),
                        ("request_p50_s", "request p50 s"), ("request_x", "x undisturbed"),
-                       ("attacker", "attacker's requests")])
+                       ("victim_errors", "victim errors"), ("attacker", "attacker's requests")])
     write_json(OUT_DIR / "hostile_grammar_itl.json", {"machine": machine_info("cpu"), "tokens": tokens,
                                                        "requests": requests, "rounds": rounds, "rows": rows})
 
