@@ -128,6 +128,12 @@ class NoMtpHeadError(InvalidRequestError):
     """Drafts asked of a model without a multi-token-prediction head (no mtp.* weights)."""
 
 
+class GrammarTooCostlyError(InvalidRequestError):
+    """A constrained generate's grammar took longer than its budget to compute one token mask (first or
+    later): the generate is refused (its session keeps what it held before the request) rather than left
+    waiting for a mask that may take seconds. An InvalidRequestError (HTTP 400, code grammar_too_costly)."""
+
+
 class ExceedsCapacityError(NoFreeSlotError, InvalidRequestError):
     """A request needs more sessions at once than the engine or the orchestrator has slots: it could never
     start, so it is refused at once instead of waiting (split it, or raise `slots`). Also a NoFreeSlotError

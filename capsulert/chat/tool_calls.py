@@ -69,7 +69,7 @@ def _parse_call(body: str) -> ToolCall | None:
     match = _FUNCTION.fullmatch(body)
     if match is None:
         return None
-    args = {name.strip(): _value(raw) for name, raw in _PARAMETER.findall(match.group(2))}
+    args = {name.strip(): parameter_value(raw) for name, raw in _PARAMETER.findall(match.group(2))}
     return ToolCall(match.group(1).strip(), json.dumps(args, ensure_ascii=False))
 
 
@@ -80,7 +80,7 @@ def _is_object_text(text: str) -> bool:
         return False
 
 
-def _value(raw: str):
+def parameter_value(raw: str):
     text = raw.strip("\n")
     try:
         return json.loads(text)
@@ -118,22 +118,18 @@ class ToolCallStream:
         self._in_call = False
         self.calls = 0
         self.dropped = False  # finish(cut=True) dropped a fragment of a call
+        self.partial = False  # never: a call is sent whole or not at all (ToolCallDeltas may end in one)
 
     def push(self, delta: str) -> list[str | ToolCall]:
         self._buf += delta
         out: list[str | ToolCall] = []
         while True:
             if not self._in_call:
-                at = self._buf.find(OPEN)
-                if at < 0:
-                    keep = _partial_suffix(self._buf, OPEN)
-                    if len(self._buf) > keep:
-                        out.append(self._buf[:len(self._buf) - keep])
-                        self._buf = self._buf[len(self._buf) - keep:]
+                text, self._buf, self._in_call = before_call(self._buf)
+                if text:
+                    out.append(text)
+                if not self._in_call:
                     return out
-                if at:
-                    out.append(self._buf[:at])
-                self._buf, self._in_call = self._buf[at:], True
             end = self._buf.find(CLOSE)
             if end < 0:
                 return out
@@ -155,7 +151,17 @@ class ToolCallStream:
         return [rest] if rest else []
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def before_call(text: str) -> tuple[str, str, bool]:
+    """(the text before a call that is content for sure, the rest, whether the rest opens a call): an end
+    that may be the start of `<tool_call>` is kept in the rest until the next text decides."""
+    at = text.find(OPEN)
+    if at >= 0:
+        return text[:at], text[at:], True
+    keep = partial_suffix(text, OPEN)
+    return text[:len(text) - keep], text[len(text) - keep:], False
+
+
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper start of `marker`."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):

@@ -15,7 +15,11 @@ computes.
 A constrained stream (SamplingParams.constraint) fills its row of the step's token bitmask before the
 draw and takes its token into its grammar state once the token is committed, once per token; a grammar
 that can take nothing more ends the generate ("grammar_end"). Constrained and unconstrained streams share
-the step: the mask is applied row by row to the sampled block (engine/grammar.py).
+the step: the mask is applied row by row to the sampled block (engine/grammar.py). Masks are computed off
+the step (engine/mask_worker.py): a stream whose next mask is not ready when a step starts skips that step
+and keeps its logits for a later one. Its token is drawn from the same logits, mask and token index
+whenever that step comes, so skipping changes no token; a mask past its budget fails the stream
+(`error`, a GrammarTooCostlyError) and its caller undoes what the generate committed.
 
 A speculating stream (SamplingParams.speculate = k) feeds its sampled token and up to k drafts in the step
 (engine/speculation.py): each further position is verified with decode's own numerics and its token drawn as
@@ -29,6 +33,8 @@ was sampled under its `weights_version`, never under two.
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -42,7 +48,7 @@ from capsulert.engine.session import Session
 from capsulert.engine.session_table import SessionTable
 from capsulert.engine.speculation import draft, speculative_step
 from capsulert.engine.stops import HeldText, StopRule, TextStream
-from capsulert.errors import InvalidRequestError
+from capsulert.errors import CapsuleRTError, InvalidRequestError
 from capsulert.protocol.results import GenerateResult, TokenEvent
 from capsulert.protocol.sampling import GREEDY, SamplingParams
 
@@ -106,6 +112,8 @@ class DecodeStream:
         self.logits: torch.Tensor | None = None  # next-token logits row (fp32 [vocab])
         self.batch: _Batch | None = None  # the group whose block holds `logits`
         self.done = max_new_tokens == 0
+        self.start = len(session.tokens)  # the session's length before this generate (what a failure undoes)
+        self.error: CapsuleRTError | None = None  # why the generate failed (then done, with no result)
         constraint = self.params.constraint
         self.grammar = None if constraint is None or self.done else engine.grammars.state(constraint)
         if self.done:
@@ -124,6 +132,26 @@ class DecodeStream:
         final = self.held.text if reason == "stop_string" else self.held.seen + self.text.flush()
         self.result.text = final
         return self.held.finish(final)
+
+    def fail(self, error: CapsuleRTError) -> None:
+        """End the generate with `error` instead of a result (its grammar was refused)."""
+        self.done, self.error = True, error
+        self.logits = self.batch = None
+
+    @property
+    def mask_pending(self) -> bool:
+        """Its grammar's next mask is still being computed (it skips the steps until it is not)."""
+        if self.done or self.grammar is None:
+            return False
+        try:
+            return not self.grammar.ready()
+        except CapsuleRTError:
+            return False  # refused: the next step fails it
+
+    def when_mask_ready(self, callback: Callable[[], object]) -> None:
+        """Call `callback` (on the mask worker's thread) once its pending grammar mask is computed."""
+        if self.grammar is not None:
+            self.grammar.when_ready(callback)
 
 
 class _Batch:
@@ -157,6 +185,7 @@ def advance(engine: Decoder, streams: list[DecodeStream],
 def _advance(engine, streams, should_stop, events):
     max_seq = engine.config.max_seq
     live = []
+    now = time.monotonic()
     for st in streams:
         if st.done:
             continue
@@ -168,6 +197,10 @@ def _advance(engine, streams, should_stop, events):
             # result's weights_version), and the next would come from old state fed through new weights
             st.finish("weights_updated")
             continue
+        if st.grammar is not None and not _mask_ready(st, now):
+            if not st.done and should_stop is not None and should_stop(st):
+                st.finish("interrupted")
+            continue  # its mask is late: it skips this step, its logits kept for the next
         live.append(st)
     need = [st for st in live if st.logits is None]
     if need:
@@ -191,7 +224,7 @@ def _advance(engine, streams, should_stop, events):
         for r, st in enumerate(group):
             top = tops[r]  # empty unless this stream asked for logprobs
             shown = _commit(st, tokens[r], logprobs[r], top, max_seq, should_stop)
-            if events:
+            if events and st.error is None:
                 out.append((st, TokenEvent(tokens[r], logprobs[r], shown, len(st.result) - 1, tuple(top))))
     return out
 
@@ -205,7 +238,11 @@ def _commit(st: DecodeStream, token: int, logprob: float, top: list, max_seq: in
     if st.params.logprobs:
         res.top_logprobs.append(top)
     if st.grammar is not None:
-        st.grammar.accept(token)  # the token is committed: the grammar takes it, once
+        try:
+            st.grammar.accept(token)  # the token is committed: the grammar takes it, once
+        except CapsuleRTError as e:  # llguidance's parser past its limits (a 15k-way choice): this stream only
+            st.fail(e)
+            return None
     delta = st.text.push(token)
     shown = None if delta is None else st.held.push(delta)
     reason = st.rule.check(token, len(res), st.held.cut is not None)
@@ -215,6 +252,8 @@ def _commit(st: DecodeStream, token: int, logprob: float, top: list, max_seq: in
         reason = "max_seq"  # full: no token can follow this one
     if reason is None and should_stop is not None and should_stop(st):
         reason = "interrupted"
+    if reason is None and st.grammar is not None:
+        st.grammar.request_next()  # computed while this step's other work and the next steps run
     if reason is not None:
         rest = st.finish(reason)
         if shown is not None:  # the last event carries the rest: the events add up to the result
@@ -222,6 +261,24 @@ def _commit(st: DecodeStream, token: int, logprob: float, top: list, max_seq: in
     else:
         res.length = len(st.session.tokens)
     return shown
+
+
+def _mask_ready(st: DecodeStream, now: float) -> bool:
+    """Whether a constrained stream's mask is ready; a refused grammar fails the stream (False)."""
+    try:
+        return st.grammar is None or st.grammar.ready(now)
+    except CapsuleRTError as e:
+        st.fail(e)
+        return False
+
+
+def wait_for_masks(streams: Sequence[DecodeStream], timeout: float = 0.01) -> None:
+    """Block until a live stream can step (or `timeout` passes): at once unless every live stream waits
+    for its grammar's mask. For a caller that runs `advance` in a loop of its own (Engine.generate)."""
+    live = [st for st in streams if not st.done]
+    pending = [st.grammar.pending for st in live if st.mask_pending and st.grammar is not None]
+    if pending and len(pending) == len(live):
+        wait(pending, timeout, FIRST_COMPLETED)
 
 
 def _allowed(engine: Decoder, group: list[DecodeStream], block: torch.Tensor) -> torch.Tensor:

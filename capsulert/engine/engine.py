@@ -28,7 +28,7 @@ from capsulert.chat.prompt import ChatRenderer
 from capsulert.config.engine import RANDOM_PREFIX, EngineConfig
 from capsulert.config.model import ModelConfig
 from capsulert.engine.capsules import CapsuleVerbs, Restored, open_store
-from capsulert.engine.decoding import DecodeStream, advance, check_generate
+from capsulert.engine.decoding import DecodeStream, advance, check_generate, wait_for_masks
 from capsulert.engine.drafters import Drafters
 from capsulert.engine.default_model import SEED, ensure_default_model, init_weights
 from capsulert.engine.fingerprint import checkpoint_fingerprint
@@ -274,7 +274,9 @@ class Engine:
         logprobs, the text and the stop reason (EOS, stop ids / strings, length, max_seq, interrupted). A session stops at the next
         token boundary once `session.interrupt()` was called during this generate, or once
         `should_stop(session)`, asked after every token, returns True. Each session's tokens and logits are
-        bitwise those it gets alone."""
+        bitwise those it gets alone. A constrained session waits for its grammar's masks without holding the
+        others (engine/mask_worker.py); one whose grammar is refused (InvalidRequestError; GrammarTooCostlyError
+        when a mask runs past its budget) is put back as it was, and the call raises once the others are done."""
         sessions, params = check_generate(sessions, max_new_tokens, sampling)
         with self.lock:
             if len({id(s) for s in sessions}) != len(sessions):
@@ -290,6 +292,12 @@ class Engine:
                 return st.session.interrupt_requested or (should_stop is not None and should_stop(st.session))
             while any(not st.done for st in streams):
                 advance(self, streams, stop, events=False)  # the results carry everything: no events to build
+                wait_for_masks(streams)  # every stream left waits for its grammar's mask: none spins
+            failed = [st for st in streams if st.error is not None]
+            for st in failed:  # a refused grammar: its session holds what it held before this call
+                self.truncate(st.session, st.start)
+            if failed:
+                raise failed[0].error
             return [st.result for st in streams]
 
     # ------------------------------------------------------------------ weights

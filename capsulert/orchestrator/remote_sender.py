@@ -48,6 +48,9 @@ class RemoteSender(Sender):
     def post(self, request: Request) -> None:
         self.pool.send(self.worker, request)
 
+    def call_format(self) -> str:
+        return self.pool.workers[self.worker].call_format
+
     def check(self) -> None:
         self.pool.check_session(self.worker, self.pid)
 

@@ -65,6 +65,7 @@ class WorkerRecord:
     pid: int | None = None  # the process answering now: a new pid after a resync means Ray restarted it
     lost: str | None = None  # why the worker is gone for good (Ray will not restart it); calls fail at once
     device: str | None = None  # its engine's device type ("cuda", "cpu"), from its last ping
+    call_format: str = "json"  # the markup its model's chat template writes tool calls in, from its last ping
     down_since: float | None = None  # when its process was seen dead (Ray restarts it); None while it runs
     last_restart_s: float | None = None  # how long its last restart took, death seen to answering again
     process: ProcessWatch | None = None  # the lifeline of the process answering now
@@ -384,6 +385,7 @@ class WorkerPool:
         restarted = worker.pid is not None and pong["pid"] != worker.pid
         worker.sessions, worker.stale, worker.pid = stats["sessions"], False, pong["pid"]
         worker.device = pong.get("device")
+        worker.call_format = pong.get("call_format", "json")
         if not self.closed:
             self._watch_process(w, pong)
         if restarted and worker.down_since is not None:

@@ -17,7 +17,11 @@ the engine and runs steps. Each step:
    of it is looked up in the prefix cache (EngineConfig.prefix_cache): the longest cached grid prefix is
    restored and only the rest is prefilled (a Turn's `cached_tokens` counts what was served);
 3. advances every running generate by one token in one batched decode step (engine/decoding.py).
-Every running generate advances once per step, so a long generate never starves a short one.
+Every running generate advances once per step, so a long generate never starves a short one. A constrained
+generate whose grammar mask is not ready when the step starts skips it (its tokens stay the same); its
+generate starts without waiting for the first mask, and when only such generates are left the loop sleeps
+until a mask is ready. One whose mask runs past its budget fails with GrammarTooCostlyError and is undone
+like a failed prefill (prefill_undo.py).
 
 A request starts by its type's starter (starters.py: the session half of the worker's dispatch, see
 worker/core.py), which answers at once or queues the job's typed phases (jobs.py: Prefill, then / or Decode). A
@@ -50,6 +54,7 @@ from capsulert.scheduler.session_ids import SessionIds
 from capsulert.scheduler.starters import starter, takes_slots
 
 __all__ = ["StepScheduler", "Sink", "queue_sink", "stream_item"]
+MASK_POLL_S = 0.02  # longest sleep while every job waits for a grammar mask
 
 
 def prefill_steps(held: int, new: int, grid: int, chunk: int) -> list[tuple[int, int]]:
@@ -84,6 +89,7 @@ class StepScheduler:
         self._active: list[Job] = []  # started: prefilling or generating
         self._sessions = SessionIds(first_id)
         self._stopped = False
+        self._mask_ready = False  # a grammar mask came ready since the loop last looked (set by its thread)
         self.steps = 0
         self.prefill_forwards = 0  # batched appends run (one per round of a step's prefill work)
         self.restore_batches = 0  # restores of several starting requests run together (restore_batch.py)
@@ -165,8 +171,25 @@ class StepScheduler:
                 self._waiting, self._active = [], []
             if self._waiting and not self._active:
                 time.sleep(0.002)  # only slot waiters left: poll their slots without spinning hot
+            elif self._active and all(j.phase is Phase.DECODE and j.stream.mask_pending for j in self._active):
+                self._sleep_until_a_mask()
         for job in self._waiting + self._active + list(self._incoming):
             job.sink.error(SessionClosedError("the scheduler stopped"))
+
+    def _wake_for_mask(self) -> None:
+        with self._cv:
+            self._mask_ready = True
+            self._cv.notify()
+
+    def _sleep_until_a_mask(self) -> None:
+        """Every active job waits for its grammar's mask: sleep until one is ready or a request arrives
+        (MASK_POLL_S at most: a mask past its budget is failed by the next step)."""
+        for job in self._active:
+            job.stream.when_mask_ready(self._wake_for_mask)
+        with self._cv:
+            if not (self._mask_ready or self._incoming or self._stopped):
+                self._cv.wait(MASK_POLL_S)
+            self._mask_ready = False
 
     def _busy(self) -> set[int]:
         return {j.session for j in self._active if j.session is not None}
@@ -343,18 +366,27 @@ class StepScheduler:
         jobs = [j for j in self._active if j.phase is Phase.DECODE and not j.stream.done]
         if not jobs:
             return
-        self.steps += 1
         by_stream = {id(j.stream): j for j in jobs}
         events = advance(self.engine, [j.stream for j in jobs],
                          should_stop=lambda st: by_stream[id(st)].cancelled)
+        self.steps += bool(events)  # a step every generate skipped (all waiting for masks) is none
         self.decoded_tokens += len(events)
         for st, ev in events:
             job = by_stream[id(st)]
             if job.sink.event is not None:
                 job.sink.event(ev)
         for j in jobs:
-            if j.stream.done:
+            if j.stream.error is not None:
+                self._fail_decode(j, j.stream.error)
+            elif j.stream.done:
                 self._finish(j)
+
+    def _fail_decode(self, job: Job, e: BaseException) -> None:
+        """A generate refused part way (its grammar): the session is put back as it was before the request."""
+        s = self._sessions.find(job.session)
+        if s is not None:
+            roll_back(self.engine, s, job.undo if job.undo is not None else s.tokens[:job.stream.start])
+        self._fail(job, e)
 
 
 def _host_logits(s: Session):

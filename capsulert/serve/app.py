@@ -112,7 +112,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, ns: "Namespace" = Depends(tenant)) -> Response:
         t0 = time.perf_counter()
         plan = await build_plan(chat_plan, body, state.limits, state.tokens, state.chat)
-        shape = _shape(state, True, chat_logprobs(body), body.return_token_ids, plan.parse_tools)
+        shape = _shape(state, True, chat_logprobs(body), body.return_token_ids, plan.parse_tools,
+                       body.tool_arguments_incremental)
         return await _respond(state, "chat", ns, plan, shape, body.stream, body.include_usage, t0)
 
     # plain-JSON bodies that validate take the lane (lane.py); the rest FastAPI's routes, the same endpoints
@@ -166,10 +167,11 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _shape(state: ServerState, chat: bool, logprobs: int | None, token_ids: bool, tools: bool = False) -> Shape:
+def _shape(state: ServerState, chat: bool, logprobs: int | None, token_ids: bool, tools: bool = False,
+           tool_deltas: bool = False) -> Shape:
     prefix = "chatcmpl-" if chat else "cmpl-"
     return Shape(chat, prefix + uuid.uuid4().hex, int(time.time()), state.limits.model_name, state.tokens,
-                 logprobs, token_ids, tools)
+                 logprobs, token_ids, tools, tool_deltas)
 
 
 async def _check_new_name(ns: "Namespace", name: str, limits: EdgeLimits) -> None:

@@ -26,7 +26,7 @@ Extensions (the openai client sends them through `extra_body`):
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -51,9 +51,14 @@ def warn_unknown_fields(names) -> None:
 
 
 class StreamOptions(BaseModel):
+    """`tool_arguments` (an extension; chat completions with tools): "whole" (the default) sends each tool
+    call in one delta once it is complete, and drops a call cut by max_tokens; "incremental" sends a call's
+    name as soon as it is written and its arguments in pieces as they are generated (chat/tool_call_deltas.py),
+    so a reply cut by max_tokens ends with finish_reason "length" and its last call may be partial."""
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    tool_arguments: Literal["whole", "incremental"] = "whole"
 
 
 class _GenerationRequest(BaseModel):
@@ -129,6 +134,10 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def tool_arguments_incremental(self) -> bool:
+        return self.stream_options is not None and self.stream_options.tool_arguments == "incremental"
+
     def sampling(self, logprobs: int) -> dict[str, Any]:
         """SamplingParams fields (without seed: each choice gets its own); OpenAI's default temperature is 1."""
         return dict(temperature=1.0 if self.temperature is None else self.temperature,
@@ -155,6 +164,8 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("best_of is not supported (only best_of = n)")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be an empty list")
+        if self.tool_arguments_incremental:
+            raise ValueError("stream_options.tool_arguments applies to chat completions (completions have no tools)")
         return self
 
     @property

@@ -14,12 +14,11 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
-from capsulert.serve.http_errors import ApiError, ErrorKind
+from capsulert.serve.http_errors import TOO_COSTLY, ApiError
 
 T = TypeVar("T")
 GRAMMAR_BUDGET_S = 10.0
 COMPILE_THREADS = 2  # costly grammars queue here, never in the loop's default executor
-TOO_COSTLY = ErrorKind(400, "invalid_request_error", "grammar_too_costly")
 _pool: ThreadPoolExecutor | None = None  # made on the first constrained request of the process
 
 

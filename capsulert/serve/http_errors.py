@@ -35,6 +35,7 @@ CONFLICT = ErrorKind(409, "conflict_error")
 RATE_LIMITED = ErrorKind(429, "rate_limit_error", "queue_full")
 INTERNAL = ErrorKind(500, "server_error", "internal_error")
 UNAVAILABLE = ErrorKind(503, "service_unavailable_error", "worker_lost")
+TOO_COSTLY = ErrorKind(400, "invalid_request_error", "grammar_too_costly")  # to compile, or a mask past its budget
 
 # most specific first: the first class the error is an instance of decides
 _BY_CLASS: tuple[tuple[type[E.CapsuleRTError], ErrorKind], ...] = (
@@ -48,6 +49,7 @@ _BY_CLASS: tuple[tuple[type[E.CapsuleRTError], ErrorKind], ...] = (
     (E.SequenceTooLongError, ErrorKind(400, "invalid_request_error", "context_length_exceeded")),
     (E.InvalidTokenError, ErrorKind(400, "invalid_request_error", "invalid_tokens")),
     (E.ExceedsCapacityError, ErrorKind(400, "invalid_request_error", "exceeds_capacity")),
+    (E.GrammarTooCostlyError, TOO_COSTLY),
     (E.InvalidRequestError, INVALID),
     (E.StaleSessionError, ErrorKind(409, "conflict_error", "weights_updated")),
     (E.QueueFullError, RATE_LIMITED),

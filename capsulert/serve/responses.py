@@ -9,7 +9,10 @@ Tool calls (chat with tools, tool_choice not "none"): the reply's `<tool_call>` 
 reply is only calls). Streamed, content deltas carry the text outside calls as it arrives (text that may
 open a call is held back until decided) and each call comes as one `tool_calls` delta (index, id, name
 and its whole arguments) once its block closes. A call is complete or absent: one cut off by max_tokens
-(or max_seq) is dropped, never sent as content, and the finish_reason is then "length".
+(or max_seq) is dropped, never sent as content, and the finish_reason is then "length". A stream that asks
+for `stream_options.tool_arguments` "incremental" gets a call's id and name as soon as the name is written
+and its arguments in pieces as they are generated; cut by max_tokens, it ends with finish_reason "length"
+and its last call as far as it was written (chat/tool_call_deltas.py).
 
 Logprobs are the raw model's (log_softmax of the logits, before temperature and top-k / top-p). In a
 stream each chunk carries the logprobs of its own tokens, with their top-k alternatives when asked for
@@ -23,7 +26,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
-from capsulert.chat.tool_calls import ToolCall, ToolCallStream
+from capsulert.chat.tool_call_deltas import CallDelta, ToolCallDeltas
+from capsulert.chat.tool_calls import ToolCallStream
 from capsulert.chat.turn import FINISH_REASON, cut_off, finish_reason, read_reply
 from capsulert.serve.generation import Choice, Chunk, Made, Usage
 from capsulert.serve.streaming import sse
@@ -60,6 +64,7 @@ class Shape:
     logprobs: int | None  # None: none asked for; k: the chosen token's and the top-k alternatives
     return_token_ids: bool
     tools: bool = False  # chat replies' tool-call markup becomes tool_calls
+    tool_deltas: bool = False  # streamed, a call's arguments go out in pieces (chat/tool_call_deltas.py)
 
     @property
     def _object(self) -> str:
@@ -142,26 +147,29 @@ class Shape:
                 + ids + "}]}\n\n").encode("utf-8")
 
     @cached_property
-    def _tool_streams(self) -> dict[int, ToolCallStream]:
+    def _tool_streams(self) -> dict[int, ToolCallStream | ToolCallDeltas]:
         return {}
 
     def _tool_chunk(self, ch: Chunk, first: bool, offset: int) -> dict:
-        """A chat chunk whose text went through the choice's ToolCallStream: content outside calls, and
-        the calls its text completed as tool_calls deltas."""
-        stream = self._tool_streams.setdefault(ch.index, ToolCallStream())
+        """A chat chunk whose text went through the choice's ToolCallStream (ToolCallDeltas where the
+        arguments go out incrementally): content outside calls, and the calls' tool_calls deltas."""
+        stream = self._tool_streams.get(ch.index)
+        if stream is None:
+            stream = self._tool_streams[ch.index] = ToolCallDeltas() if self.tool_deltas else ToolCallStream()
         before = stream.calls
         pieces = stream.push(ch.text) + (stream.finish(cut_off(ch.final.stop_reason)) if ch.final is not None else [])
         content = "".join(p for p in pieces if isinstance(p, str))
-        calls = [p for p in pieces if isinstance(p, ToolCall)]
+        calls = [p for p in pieces if not isinstance(p, str)]
         if stream.calls and content.isspace():
             content = ""  # the line breaks between calls
         out = self.chunk(ch, first, offset)
         d = out["choices"][0]
         d["delta"]["content"] = content if content or not calls else None
         if calls:
-            d["delta"]["tool_calls"] = [{"index": before + k, **call.to_openai()} for k, call in enumerate(calls)]
+            d["delta"]["tool_calls"] = [call.to_openai() if isinstance(call, CallDelta) else
+                                        {"index": before + k, **call.to_openai()} for k, call in enumerate(calls)]
         if ch.final is not None:
-            d["finish_reason"] = finish_reason(ch.final.stop_reason, stream.calls, stream.dropped)
+            d["finish_reason"] = finish_reason(ch.final.stop_reason, stream.calls, stream.dropped or stream.partial)
         return out
 
     def tail_chunk(self, usage: Usage | None, capsule: Made | None) -> dict:

@@ -157,3 +157,6 @@ class LocalSender(Sender):
 
     def post(self, request: Request) -> None:
         self.aeng.control(request)
+
+    def call_format(self) -> str:
+        return self.aeng.engine.codec.chat.call_format

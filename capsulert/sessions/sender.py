@@ -63,6 +63,11 @@ class Sender(ABC):
     def post(self, request: Request) -> None:
         """Send a control request without waiting for its reply."""
 
+    @abstractmethod
+    def call_format(self) -> str:
+        """The markup the sessions' model writes tool calls in ("json" or "xml": its chat template's,
+        ChatRenderer.call_format), which a forced tool call's grammar must follow."""
+
     def check(self) -> None:
         """WorkerLost when the process holding the sessions is gone (in-process: never)."""
 

@@ -198,8 +198,10 @@ class AsyncSession:
     async def chat(self, messages, max_tokens: int | None = None, sampling=None, *, timeout: float | None = None,
                    **chat_args) -> ChatReply:
         """One chat turn in one request: append the rendered messages, generate the reply (constrained by
-        tool_choice / response_format as Session.chat is) and parse its tool calls: a ChatReply."""
-        turn = ChatTurn.plan(messages, sampling, max_tokens=max_tokens, **chat_args)
+        tool_choice / response_format as Session.chat is, a forced call written in the call markup of the
+        model's chat template) and parse its tool calls: a ChatReply."""
+        turn = ChatTurn.plan(messages, sampling, max_tokens=max_tokens, call_format=self.sender.call_format(),
+                             **chat_args)
         return turn.reply(await self.turn(turn.prompt, turn.max_tokens, turn.sampling, timeout=timeout))
 
     async def append_generate(self, tokens_or_text, max_new_tokens: int, sampling=None, *,

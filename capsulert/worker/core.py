@@ -317,7 +317,8 @@ class WorkerCore:
                 "weights_version": self.engine.weights_version, "weights_identity": self.engine.weights_identity,
                 "reloaded": list(self.reloaded),
                 "reindexed": self.engine.store.reindexed, "quarantined": [q.to_dict() for q in self.quarantined],
-                "started_s": self.started_s, "lifeline": self.lifeline, "lifeline_token": self.lifeline_token}
+                "started_s": self.started_s, "lifeline": self.lifeline, "lifeline_token": self.lifeline_token,
+                "call_format": self.engine.codec.chat.call_format}
 
     def _stats(self, r: Stats, call_id) -> dict:
         sch = self.scheduler

@@ -13,6 +13,7 @@ from capsulert.chat.template import ChatTemplate
 from capsulert.errors import InvalidRequestError
 from capsulert.sessions.local import AsyncEngine
 from capsulert.protocol.sampling import SamplingParams
+from tests.chat.xml_model import xml_model_dir
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
@@ -215,30 +216,11 @@ def test_arguments_it_cannot_honour_are_refused_by_name(eng, args, match):
     assert eng.free_slots == free
 
 
-# a checkpoint template that writes calls as Qwen3.5's and Qwen3-Coder's do (`<function=...><parameter=...>`)
-XML_TEMPLATE = """{%- for message in messages %}
-{{- '<|' + message['role'] + '|>\\n' + (message['content'] or '') }}
-{%- for call in message.get('tool_calls') or [] %}
-{%- set call = call['function'] %}
-{{- '<tool_call>\\n<function=' + call['name'] + '>\\n' }}
-{%- for name, value in call['arguments'] | items %}
-{{- '<parameter=' + name + '>\\n' + (value if value is string else value | tojson) + '\\n</parameter>\\n' }}
-{%- endfor %}
-{{- '</function>\\n</tool_call>' }}
-{%- endfor %}
-{{- '<|endoftext|>\\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"""
-
-
 @pytest.fixture(scope="module")
 def xml_eng(default_model_dir, tmp_path_factory):
     from capsulert.engine.engine import Engine
 
-    model = tmp_path_factory.mktemp("xml-model")
-    for f in default_model_dir.iterdir():
-        (model / f.name).symlink_to(f)
-    (model / "chat_template.jinja").write_text(XML_TEMPLATE, encoding="utf-8")
+    model = xml_model_dir(default_model_dir, tmp_path_factory.mktemp("xml-model"))
     e = Engine.from_config(dict(model=str(model), device="cpu", slots=2, max_seq=1024, prefill_chunk=128))
     yield e
     e.close()
@@ -254,3 +236,19 @@ def test_a_template_that_writes_xml_calls_gets_xml_calls(xml_eng, choice):
     call, = reply.tool_calls
     schema = (WEATHER["function"] if call.name == "get_weather" else tool["function"])["parameters"]
     jsonschema.validate(json.loads(call.arguments), schema)
+
+
+async def test_async_chat_writes_forced_calls_in_the_templates_markup(xml_eng):
+    """AsyncSession.chat (in process here, through the orchestrator in tests/orchestrator/test_chat_remote.py)
+    used to force the JSON call form whatever the template wrote: now it asks its sender for the model's
+    call markup, and its reply is Engine.chat's, token for token."""
+    tool = {"type": "function", "function": {"name": "plan", "parameters": _Trip.model_json_schema()}}
+    args = dict(tools=[tool], tool_choice={"type": "function", "function": {"name": "plan"}})
+    want = xml_eng.chat(CHAT, 200, **args)
+    async with AsyncEngine(xml_eng) as aeng:
+        s = await aeng.open()
+        got = await s.chat(CHAT, 200, **args)
+        await s.close()
+    assert got.result.text.startswith("<tool_call>\n<function=plan>") and got.finish_reason == "tool_calls"
+    assert list(got.result) == list(want.result) and [c.arguments for c in got.tool_calls] == \
+        [c.arguments for c in want.tool_calls]

@@ -6,6 +6,7 @@ Engine.chat's."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import openai
@@ -177,3 +178,63 @@ def test_unknown_fields_are_accepted(acme):
 def test_bad_tool_and_format_requests_are_400(acme, args):
     with pytest.raises(openai.BadRequestError):
         acme.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, **args)
+
+
+def _deltas(chunks) -> tuple[str, list[list[dict]], list[str]]:
+    """(content, each call's deltas in order, finish reasons) of a streamed chat reply."""
+    content, calls, finish = "", {}, []
+    for ch in chunks:
+        for c in ch.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                calls.setdefault(tc.index, []).append({"id": tc.id, "name": tc.function.name,
+                                                       "arguments": tc.function.arguments})
+            if c.finish_reason:
+                finish.append(c.finish_reason)
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+INCREMENTAL = {"include_usage": False, "tool_arguments": "incremental"}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_incremental_tool_arguments_stream_as_generated(acme):
+    """stream_options.tool_arguments "incremental" (the openai client sends the key as it is): the call's
+    id and name come in its first delta, its arguments in several pieces that add up to the whole reply's."""
+    args = dict(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=NAMED, max_tokens=120, temperature=0)
+    whole = acme.chat.completions.create(**args).choices[0].message.tool_calls
+    content, calls, finish = _deltas(acme.chat.completions.create(**args, stream=True, stream_options=INCREMENTAL))
+    assert content == "" and finish == ["tool_calls"] and len(calls) == len(whole) == 1
+    (first, *rest), = calls
+    assert first["id"].startswith("call_") and first["name"] == whole[0].function.name == "get_weather"
+    assert all(d["id"] is None and d["name"] is None for d in rest) and len(rest) > 2
+    arguments = first["arguments"] + "".join(d["arguments"] for d in rest)
+    assert json.loads(arguments) == json.loads(whole[0].function.arguments)
+
+
+def test_incremental_tool_arguments_cut_by_max_tokens_end_partial(acme, oracle):
+    """The default drops a call cut by max_tokens; incremental has sent its pieces already: the stream ends
+    with finish_reason "length" and the call as far as it was written (documented)."""
+    full = list(oracle.chat(CHAT, 120, tools=TOOLS, tool_choice=NAMED).result)
+
+    def arguments_written(k: int) -> str:
+        """The call's arguments text in the first k tokens of the reply ("" before they begin)."""
+        head = re.search(r'"arguments":\s*', text := oracle.detokenize(full[:k]))
+        return "" if head is None else text[head.end():]
+    limit = next(k for k in range(1, len(full)) if len(arguments_written(k)) >= 3)
+    args = dict(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=NAMED, max_tokens=limit, temperature=0)
+    assert acme.chat.completions.create(**args).choices[0].message.tool_calls is None  # the default: dropped
+    content, calls, finish = _deltas(acme.chat.completions.create(**args, stream=True, stream_options=INCREMENTAL))
+    assert content == "" and finish == ["length"] and len(calls) == 1 and calls[0][0]["name"] == "get_weather"
+    partial = "".join(d["arguments"] for d in calls[0])
+    assert partial and arguments_written(limit).startswith(partial)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(partial)
+
+
+def test_tool_arguments_is_refused_where_it_cannot_apply(acme):
+    with pytest.raises(openai.BadRequestError, match="tool_arguments"):
+        acme.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True, stream_options=INCREMENTAL)
+    with pytest.raises(openai.BadRequestError, match="tool_arguments"):
+        acme.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, stream=True,
+                                     stream_options={"tool_arguments": "sometimes"})
