@@ -177,7 +177,7 @@ def test_a_capsule_on_cuda_is_immutable_under_writes_queued_right_after(make_eng
     """On CUDA nothing waits for the snapshot's copy: the writes after it are ordered behind it on the stream."""
     if not torch.cuda.is_available():
         pytest.fail("a CUDA test: run it with -m gpu on the GPU machine")
-    engine = make_engine(device="cuda")
+    engine = make_engine(device="cuda", slots=8)
     corpus = corpus_of(engine)
     snapshot_then_write_at_once(engine, corpus, P)
     s = engine.open()

@@ -31,6 +31,24 @@ def prompt(engine):
     return engine.tokenize(CORPUS_PATH.read_text()[:3000])[:150]
 
 
+@pytest.fixture
+def headless_engine(default_model_dir, device, tmp_path):
+    """The default model saved without its MTP head's weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from capsulert.engine.engine import Engine
+
+    path = tmp_path / "headless"
+    shutil.copytree(default_model_dir, path)
+    weights = load_file(str(path / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if not k.startswith("mtp.")}, str(path / "model.safetensors"))
+    engine = Engine.from_config(dict(model=str(path), device=device, slots=2, max_seq=512, prefill_chunk=128))
+    assert not engine.runner.has_mtp
+    return engine
+
+
 def run(engine, prompt, n, sampling):
     """One session: prompt, generate n; its result and its slot's state afterwards."""
     s = engine.open()
@@ -80,8 +98,10 @@ def test_oracle_at_lower_acceptance_equals_plain_decode(engine, prompt, mode, k,
 
 @pytest.mark.parametrize("mode", MODES)
 def test_ngram_drafter_equals_plain_decode(engine, mode):
-    # a repetitive prompt: prompt lookup finds continuations, some right, some wrong
-    prompt = engine.tokenize("the capsule keeps the state; the capsule keeps the KV; the capsule keeps " * 4)
+    # 1,500 distinct ids: each token the model picks was seen before with odds of about 1 in 3, so prompt
+    # lookup finds continuations (some right, some wrong) whatever the device's model computes
+    vocab = engine.runner.model_cfg.vocab_size
+    prompt = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:1500].tolist()
     want, want_state = run(engine, prompt, 48, SamplingParams(**mode))
     got, state = run(engine, prompt, 48, SamplingParams(**mode, speculate=3))  # ngram: the default drafter
     assert_same_output(got, want)
@@ -274,7 +294,9 @@ def test_speculation_with_a_constraint_is_refused():
 
 
 @pytest.mark.parametrize("drafter,match", [("nosuch", "unknown speculate_drafter"), ("mtp", "MTP head")])
-def test_unknown_or_unservable_drafter_is_refused_before_anything_runs(engine, prompt, drafter, match):
+def test_unknown_or_unservable_drafter_is_refused_before_anything_runs(headless_engine, prompt, drafter, match):
+    """An unknown drafter, and the MTP drafter on a checkpoint without the head (no mtp.* weights)."""
+    engine = headless_engine
     s = engine.open()
     s.append(prompt[:40])
     tokens = list(s.tokens)
@@ -332,6 +354,8 @@ def test_mtp_drafter_calls_the_runners_head_when_it_has_one():
     calls = []
 
     class Runner:
+        has_mtp = True
+
         def mtp_draft(self, slots, tokens, k):
             calls.append((slots, tokens, k))
             return torch.tensor([[t + 1 + i for i in range(k)] for t in tokens])
@@ -339,8 +363,10 @@ def test_mtp_drafter_calls_the_runners_head_when_it_has_one():
                                          DraftRequest(6, [4], 0)])
     assert out == [[6, 7], [10, 11, 12], []]
     assert calls == [([3, 4], [5, 9], 3)]
+    class Headless:
+        has_mtp = False
     with pytest.raises(InvalidRequestError, match="MTP head"):
-        MtpDrafter().propose(object(), [DraftRequest(0, [1], 1)])
+        MtpDrafter().propose(Headless(), [DraftRequest(0, [1], 1)])
 
 
 # ------------------------------------------------------------------------------------------------ CUDA
