@@ -1,7 +1,7 @@
 """RL rollouts: episode resets/s and steps/s with E envs through the orchestrator (EpisodeDriver, envs
 spread over the workers, steps batched by each worker's step scheduler) against the same work in-process
-(Engine: restore in place, one batched append of the observations and a batched generate over the envs, and
-the same with an append per env, the way before batched appends), plus the time of a weight update and of a
+(Engine: the envs restored in place in one batched restore, one batched append of the observations and a
+batched generate over the envs, and the same with a restore and an append per env, the way before batching), plus the time of a weight update and of a
 start-capsule rebuild. Prints a table, writes bench/out/rl.json and bench/out/rl.png. `--no-batch-prefill`
 runs the workers' prefill one forward per session (the orchestrated baseline: run it beside a default run).
 
@@ -31,12 +31,21 @@ PARAMS = SamplingParams(ignore_eos=True)
 
 def in_process(engine: Engine, envs: int, resets: int, steps: int, obs: list[int], gen: int,
                one_by_one: bool = False) -> dict:
-    """Resets and steps of `envs` sessions forked from c0; a step appends the observation to every env (one
-    batched append, or with one_by_one an append per env: the way before batching) and generates for all."""
+    """Resets and steps of `envs` sessions forked from c0: the envs reset together (one batched restore,
+    Engine.restore_into_many) and a step appends the observation to every env (one batched append) and
+    generates for all; with one_by_one a restore and an append per env, the way before batching."""
     sessions = engine.fork("c0", envs)
+    dev = engine.device.type
+    cuda_sync(dev)
     t0 = time.perf_counter()
-    for i in range(resets):
-        sessions[i % envs].restore("c0")
+    for r in range(0, resets, envs):
+        group = sessions[:min(envs, resets - r)]
+        if one_by_one:
+            for s in group:
+                s.restore("c0")
+        else:
+            engine.restore_into_many(group, ["c0"] * len(group))
+    cuda_sync(dev)
     reset_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -122,9 +131,11 @@ async def main(args) -> int:
         for envs in args.envs:
             log(f"E={envs}")
             local = in_process(engine, envs, args.resets, args.steps, obs, args.gen)
-            alone = in_process(engine, envs, 1, args.steps, obs, args.gen, one_by_one=True)
+            alone = in_process(engine, envs, args.resets, args.steps, obs, args.gen, one_by_one=True)
             remote = await orchestrated(orch, envs, args.resets, args.steps, obs, args.gen)
             rows.append({"envs": envs, "resets_per_s_inprocess": local["resets_per_s"],
+                         "resets_per_s_inprocess_one_by_one": alone["resets_per_s"],
+                         "resets_batched_over_one_by_one": local["resets_per_s"] / alone["resets_per_s"],
                          "steps_per_s_inprocess_one_by_one": alone["steps_per_s"],
                          "steps_batched_over_one_by_one": local["steps_per_s"] / alone["steps_per_s"],
                          "resets_per_s_orch": remote["resets_per_s"],
