@@ -258,6 +258,11 @@ def main() -> int:
         if cuda:
             torch.cuda.empty_cache()
 
+    # the capsule rows now, on their own: what follows builds a second model (an 80 GB card may not hold it
+    # beside a 16k state set), and these must not be lost with it
+    print_table(rows, list(rows[0]))
+    write_json(OUT_DIR / "gpu_capsules.json", {"machine": machine_info(args.device), "args": vars(args), "rows": rows})
+
     # decode at a 4k context: batch-invariant engine (generate: sampling + grid re-derivation included) and
     # the graph replay alone, against the plain batch-dependent path (same weights, state and kernels)
     ctx = min(4096, max(args.lengths))

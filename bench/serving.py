@@ -160,7 +160,8 @@ async def run(args) -> list[dict]:
     max_seq = -(-(args.context + args.turn + args.gen + 1) // chunk) * chunk
     n_max = max(args.ns)
     engine_cfg = dict(model=args.model, device=args.device, slots=n_max + 2, max_seq=max_seq, prefill_chunk=chunk,
-                      scheduler={"batch_prefill": not args.no_batch_prefill})
+                      scheduler={"batch_prefill": not args.no_batch_prefill,
+                                 "step_prefill_tokens_decoding": args.step_prefill_decoding})
     ocfg = dict(engine=engine_cfg, num_workers=args.workers, call_timeout_s=3600, torch_threads=args.threads)
     if args.replicate_hot is not None:
         ocfg["replicate_hot"] = args.replicate_hot
@@ -252,6 +253,9 @@ def parse_args(argv=None):
     ap.add_argument("--turn", type=int, default=32)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prefill-chunk", type=int, default=1024)
+    ap.add_argument("--step-prefill-decoding", type=int, default=None, metavar="TOKENS",
+                    help="the workers' step prefill budget while sessions decode (SchedulerConfig."
+                         "step_prefill_tokens_decoding): bounds ITL; default: the whole step budget")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hf-sessions", type=int, default=2)
     ap.add_argument("--workers", type=int, default=1, help="GPU workers (one GPU each on cuda); capsules are "

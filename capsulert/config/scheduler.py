@@ -13,6 +13,10 @@ class SchedulerConfig(BaseModel):
     step_prefill_tokens: int | None = Field(None, ge=1, description="prompt tokens one step prefills across all "
                                             "sessions before the next decode step (a long prompt cannot stall the "
                                             "others' decoding for longer); None: the engine's prefill_chunk")
+    step_prefill_tokens_decoding: int | None = Field(
+        None, ge=1, description="the step's prefill budget while other sessions are decoding: their next token "
+        "waits for the step's prefill, so this bounds their inter-token latency (a crowd's arrivals are then "
+        "prefilled over more steps); None: step_prefill_tokens")
     batch_prefill: bool = Field(True, description="a step's prefill pieces of many sessions run as one batched "
                                 "append (one forward per round), and its requests' capsule restores as one batch "
                                 "(two grouped copies); False: one forward per session's piece and one restore per "

@@ -298,7 +298,14 @@ class ModelRunner:
         which is the slot's grid checkpoint already)."""
         n = max(len(tokens) for _, tokens, _ in rows)
         step = self.cpu_piece_rows
-        T = -(-n // step) * step if step is not None else n
+        if step is not None:
+            T = -(-n // step) * step
+        elif self.graphs is not None:
+            # the graphs' token buckets: the kernels compiled at capture, not a compile per new piece length
+            # (seconds, paid by every session of the forward); padding rows change no bit of a real one
+            T = next((t for t in self.graphs.prefill_sizes if t >= n), n)
+        else:
+            T = n
         ids = torch.zeros(len(rows), T, dtype=torch.long)
         for r, (_, tokens, _) in enumerate(rows):
             ids[r, :len(tokens)] = torch.tensor(tokens)

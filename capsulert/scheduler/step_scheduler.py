@@ -11,7 +11,8 @@ the engine and runs steps. Each step:
    requests after it wait behind it (a fork of 8 is never starved by a stream of opens), each up to
    `slot_wait_s` from its arrival, then NoFreeSlotError. One that needs more slots than the engine has is
    refused at once (ExceedsCapacityError);
-2. runs prefill work under a token budget (`step_prefill_tokens`, default one chunk): appends are cut at
+2. runs prefill work under a token budget (`step_prefill_tokens`, default one chunk; while generates run,
+   `step_prefill_tokens_decoding` where set, which bounds their inter-token latency): appends are cut at
    grid points, so a long prefill advances one chunk per step while decoding sessions keep producing
    tokens, and the pieces give bitwise the same state as one append. Before an append is cut, the whole
    of it is looked up in the prefix cache (EngineConfig.prefix_cache): the longest cached grid prefix is
@@ -82,6 +83,8 @@ class StepScheduler:
         self.engine = engine
         self.max_queue = max_queue
         self.budget = step_prefill_tokens or config.step_prefill_tokens or engine.chunk
+        # while generates run, a step prefills at most this much: their next token waits for it
+        self.decoding_budget = min(self.budget, config.step_prefill_tokens_decoding or self.budget)
         self.batch_prefill = config.batch_prefill
         self._cv = threading.Condition()
         self._incoming: deque[Job] = deque()
@@ -308,7 +311,8 @@ class StepScheduler:
         """The step's prefill work under its token budget: each round takes the next piece of every prefilling
         job (arrival order) while budget is left, and runs them as one batched append (Engine.append_checked_many:
         one forward per round of pieces, each session bitwise what its own append gives)."""
-        budget = self.budget
+        decoding = any(j.phase is Phase.DECODE for j in self._active)
+        budget = self.decoding_budget if decoding else self.budget
         for job in [j for j in self._active if j.phase is Phase.PREFILL and not j.prefill]:
             self._prefilled(job)  # nothing left to prefill (the prefix cache served it all)
         while budget > 0:

@@ -556,3 +556,31 @@ def test_the_scheduler_takes_its_bounds_from_the_engine_config(make_engine):
 ], ids=["cold", "off-grid", "short", "to-the-grid"])
 def test_prefill_steps_end_a_chunk_past_their_grid_point_and_count_the_rerun(held, new, want):
     assert prefill_steps(held, new, 64, 128) == want
+
+
+@pytest.mark.parametrize("decoding_budget", [None, 128])
+async def test_the_prefill_budget_while_others_decode_spreads_an_append_over_steps(make_engine, corpus,
+                                                                                   decoding_budget):
+    """step_prefill_tokens_decoding bounds the prefill a step runs while a generate is running (its tokens
+    wait for it): a 512-token append then takes four steps of 128, not one of 512; the same logits."""
+    eng = make_engine(slots=4, max_seq=1024, scheduler={"step_prefill_tokens": 512,
+                                                        "step_prefill_tokens_decoding": decoding_budget})
+    solo = eng.open(corpus[:64])
+    want = solo.append(corpus[64:576])
+    solo.close()
+    async with AsyncEngine(eng) as aeng:
+        a, b = await aeng.open(corpus[:40]), await aeng.open(corpus[:64])
+        running = asyncio.ensure_future(a.generate(400, NOEOS))
+        while aeng.scheduler.decoded_tokens < 2:
+            await asyncio.sleep(0.002)
+        before = aeng.scheduler.steps
+        got = await aeng.submit(Append(b.id, corpus[64:576], logits=True))
+        steps = aeng.scheduler.steps - before
+        a_running = not running.done()
+        running.cancel()
+    assert a_running
+    assert torch.equal(torch.from_numpy(got.logits), want.cpu())
+    if decoding_budget is None:
+        assert steps <= 2, steps
+    else:
+        assert steps >= 4, steps
