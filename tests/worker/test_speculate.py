@@ -308,6 +308,19 @@ def test_unknown_or_unservable_drafter_is_refused_before_anything_runs(headless_
     s.generate(2)  # the session is intact
 
 
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
+def test_the_mtp_drafter_speculates_bitwise_plain_decode(engine, prompt):
+    """The model's MTP head drafts (ModelRunner.mtp_draft); verification keeps the output plain decode's."""
+    plain, spec = engine.open(), engine.open()
+    plain.append(prompt[:100])
+    spec.append(prompt[:100])
+    want = plain.generate(40, SamplingParams(ignore_eos=True))
+    got = spec.generate(40, SamplingParams(ignore_eos=True, speculate=3, speculate_drafter="mtp"))
+    assert list(got) == list(want) and got.logprobs == want.logprobs
+    assert got.drafted > 0
+    assert_state_equal(slot_state(engine, spec), slot_state(engine, plain))
+
+
 # ------------------------------------------------------------------------------------------------ drafters
 def test_registry_and_install():
     assert {"ngram", "oracle", "mtp"} <= set(registered_drafters())
