@@ -7,6 +7,12 @@ the graph of the smallest batch bucket >= b, padding rows pointing at the scratc
 progress bar over the shapes warmed up and captured on a terminal (capsulert/progress.py). Sessions whose
 decode reaches a grid point in one step re-derive it together: a prefill of `grid` tokens for each of b
 slots replays the (prefill, b, grid) graph of the decode batch bucket.
+
+A speculative verify step of b slots fed up to w tokens each (HybridModel.verify) replays the (verify, B, w)
+graph of the smallest decode bucket B >= b among those up to VERIFY_BATCH, for w in 2..MAX_SPECULATE + 1: its
+rows laid out on the fixed (B, w) grid (verify_rows.fixed_grid), whose row indices, waves and rollback keeps
+are part of the graph; tokens, slots and rollback sets are static inputs copied in before each replay.
+Larger steps run eagerly (one forward all the same).
 """
 from __future__ import annotations
 
@@ -19,9 +25,16 @@ import torch
 
 from capsulert.progress import Bar, progress_bar
 from capsulert.engine.model import HybridModel
+from capsulert.engine.model import KeptStates
 from capsulert.engine.state import StateSet
+from capsulert.engine.verify_rows import VerifyRows, fixed_grid
+from capsulert.protocol.sampling import MAX_SPECULATE
 
 log = logging.getLogger(__name__)
+
+# the most sessions a captured verify step holds: speculation serves the few-stream regime, and each (batch,
+# width) shape is one more graph
+VERIFY_BATCH = 8
 
 
 @dataclass(frozen=True, order=True)
@@ -57,7 +70,8 @@ def prefill_buckets(prefill_chunk: int, smallest: int = 16) -> list[int]:
 
 class GraphPlans:
     def __init__(self, model: HybridModel, state: StateSet, scratch_slot: int, max_seq: int,
-                 prefill_chunk: int, decode_batches: tuple[int, ...], grid: int, tail_replay: bool = False):
+                 prefill_chunk: int, decode_batches: tuple[int, ...], grid: int, tail_replay: bool = False,
+                 rollback: KeptStates | None = None, scratch_set: int = 0):
         self.model, self.state, self.scratch = model, state, scratch_slot
         self.grid = grid
         self.tail_replay = tail_replay  # prefill pieces keep their tails, and the replaying pieces have graphs
@@ -74,6 +88,12 @@ class GraphPlans:
         self.tail_from = torch.zeros(1, dtype=torch.long, device=dev)
         rows = model.decode_rows or bmax
         self.logits = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        # verify steps: the rollback sets they keep to, the shapes captured and each shape's static rows
+        self.rollback, self.scratch_set = rollback, scratch_set
+        self.verify_shapes = [(b, w) for b in self.decode_batches if b <= VERIFY_BATCH
+                              for w in range(2, MAX_SPECULATE + 2) if b * w <= rows]
+        self.verify_rows: dict[tuple[int, int], VerifyRows] = {
+            (b, w): fixed_grid([], [], b, w, scratch_slot, lambda s: None, scratch_set, dev) for b, w in self.verify_shapes}
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.capture_s = 0.0
@@ -85,6 +105,10 @@ class GraphPlans:
         B, T = key.batch, key.tokens
         # the scratch slot absorbs padding rows; keep its position in range whatever ran before
         self.state.pos[self.scratch:self.scratch + 1].zero_()
+        if key.phase == "verify":
+            logits = self.model.verify(self.state, self.verify_rows[key.batch, key.tokens], self.max_seq, self.rollback)
+            self.logits[:logits.shape[0]].copy_(logits)
+            return
         decode = key.phase == "decode"
         # a session's prefill piece keeps its tail (B > 1: decode's grid re-derivation, which leaves none)
         keeps_tail = self.tail_replay and not decode and B == 1
@@ -105,7 +129,7 @@ class GraphPlans:
         keys += [ShapeKey(p, 1, t) for p in ("prefill_replay", "prefill_grid_replay") for t in self.prefill_sizes
                  ] if prefill and self.tail_replay else []
         keys += [ShapeKey("prefill", b, self.grid) for b in self.decode_batches if b > 1] if prefill else []
-        return keys
+        return keys + [ShapeKey("verify", b, w) for b, w in self.verify_shapes]
 
     def warm_inputs(self) -> None:
         """Static inputs every shape can run on: padding rows in the scratch slot, one real token, a grid
@@ -206,6 +230,25 @@ class GraphPlans:
         self.valid[:B].fill_(T)
         self.graphs[ShapeKey("prefill", B, T)].replay()
 
+    def verify_shape(self, fed: list[list[int]]) -> tuple[int, int] | None:
+        """The (batch, width) graph a verify step of these fed tokens replays; None when none holds it."""
+        width = max(len(f) for f in fed)
+        return next(((b, w) for b, w in self.verify_shapes if b >= len(fed) and w == width), None)
+
+    def verify(self, slots: list[int], fed: list[list[int]], set_of) -> tuple[torch.Tensor, int]:
+        """A verify step (HybridModel.verify) of slots[i] fed fed[i] on its graph (verify_shape); `set_of`: a
+        slot's rollback set. Returns the logits block (slot i's rows from i * width on; the graph's static
+        output buffer) and the width."""
+        shape = self.verify_shape(fed)
+        if shape is None:
+            raise ValueError(f"no verify graph holds {len(fed)} slots of up to {max(len(f) for f in fed)} tokens")
+        b, w = shape
+        new = fixed_grid(slots, fed, b, w, self.scratch, set_of, self.scratch_set, torch.device("cpu"))
+        for dst, src in zip(_tensors(self.verify_rows[shape]), _tensors(new)):
+            dst.copy_(src, non_blocking=True)
+        self.graphs[ShapeKey("verify", b, w)].replay()
+        return self.logits, w
+
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         """One token for each slot; returns the next-token logits block (row r for slots[r]; the graph's
         static output buffer: copy what must outlive the next replay)."""
@@ -220,3 +263,10 @@ class GraphPlans:
         self.valid[:B].fill_(1)
         self.graphs[ShapeKey("decode", B, 1)].replay()
         return self.logits
+
+
+def _tensors(rows: VerifyRows) -> list[torch.Tensor]:
+    """The tensors of a verify step's rows, in a fixed order (the static inputs a graph reads)."""
+    out = [rows.tokens, rows.row_slots, rows.offsets, rows.prev_rows, *rows.waves, rows.slots, rows.last_rows,
+           rows.counts]
+    return out + [t for k in rows.keeps if k is not None for t in k]

@@ -28,7 +28,7 @@ path; the engine never runs it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +38,11 @@ from capsulert.kernels.moe import AddNorm
 from capsulert.kernels.ops import KernelSet, reference_kernels
 from capsulert.engine.moe import moe_mlp
 from capsulert.engine.moe_weights import MOE_KERNEL_WEIGHTS
+from capsulert.engine.numerics import row_linear
 from capsulert.engine.packing import PACKS, pack_layer, split_sizes
 from capsulert.engine.state import StateSet
 from capsulert.engine.tail_replay import keep_tail, new_rows, with_tail
+from capsulert.engine.verify_rows import VerifyRows
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -48,6 +50,14 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     if x.shape[0] == rows:
         return x
     return torch.cat([x, x.new_zeros((rows - x.shape[0],) + tuple(x.shape[1:]))])
+
+
+class KeptStates(Protocol):
+    """Where a verify forward keeps each speculating slot's state after its positions (engine/rollback.py)."""
+
+    def keep_layer(self, layer: int, position: int, sets: torch.Tensor, slots: torch.Tensor) -> None: ...
+
+    def keep_rows(self, position: int, sets: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor) -> None: ...
 
 
 class MtpRows(Protocol):
@@ -59,6 +69,9 @@ class MtpRows(Protocol):
 
     def step(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor,
              kv_len: int) -> torch.Tensor: ...
+
+    def seeded_step(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor,
+                    seed: torch.Tensor, kv_len: int, lin: Callable = F.linear) -> torch.Tensor: ...
 
     def gemm_weights(self) -> list[torch.Tensor]: ...
 
@@ -171,31 +184,19 @@ class HybridModel:
             rope_start = pad_rows(start, self.decode_rows)
         else:
             rope_start = start
-        h = self.embed[tokens]
         rope = self.rope(rope_start[:, None] + torch.arange(tokens.shape[1], device=self.device))
-        eps = self.cfg.rms_norm_eps
-        add_rms_norm = self.kernels.add_rms_norm
-        delta = None  # the previous block's output, added to the residual stream by the next norm
-        normed = None  # or (h, x): an MoE block added its output to h and ran this layer's input norm itself
         # the linear-attention layers' piece starts `replay` rows early, with the tail's rows
         lin_valid, lin_grid_at = valid, grid_at
         if replay is not None:
             lin_valid = replay + (valid if valid is not None else torch.full_like(slots, tokens.shape[1]))
             lin_grid_at = None if grid_at is None else grid_at + replay
-        for i, layer in enumerate(self.layers):
-            w = layer.w
-            h, x = normed if normed is not None else add_rms_norm(h, delta, w["input_layernorm.weight"], eps)
+
+        def mix(layer: Layer, x: torch.Tensor) -> torch.Tensor:
             if layer.kind == FULL:
-                x = self.attend(layer, x, state, slots, start, kv_len, rope, decode)
-            else:
-                x = self._gated_delta_net(layer, x, state, slots, decode, lin_valid, lin_grid_at, replay, tail_from)
-            h, x = add_rms_norm(h, x, w["post_attention_layernorm.weight"], eps)
-            if self.cfg.is_moe and i + 1 < len(self.layers):  # the expert stage adds and norms in its last launch
-                next_norm = AddNorm(h, self.layers[i + 1].w["input_layernorm.weight"], eps)
-                delta, normed = None, moe_mlp(self.cfg, self.kernels, w, x, B, next_norm)
-            else:
-                delta, normed = self.mlp(w, x, B), None
-        h = (h + delta)[:B]
+                return self.attend(layer, x, state, slots, start, kv_len, rope, decode)
+            return self._gated_delta_net(layer, x, state, slots, decode, lin_valid, lin_grid_at, replay, tail_from)
+
+        h = self.layer_stack(self.embed[tokens], B, mix)
         seed = state.last_hidden[slots]  # the hidden state before the piece (a copy: overwritten below)
         if grid_at is not None:  # the hidden state before the grid point: the logits a checkpoint there gives
             if isinstance(grid_at, int):
@@ -213,27 +214,89 @@ class HybridModel:
             state.last_hidden.index_copy_(0, slots, last)
             state.pos.index_add_(0, slots, valid.to(torch.int32))
 
+    @torch.inference_mode()
+    def verify(self, state: StateSet, rows: VerifyRows, kv_len: int, keep: KeptStates | None = None) -> torch.Tensor:
+        """A speculative verify step in one forward: every row of `rows` (engine/verify_rows.py) is the decode
+        row of its slot at its position, with decode's numerics, so its logits and the state it leaves are
+        bitwise those of decode steps fed the same tokens one by one. Dense ops run on all rows (batch
+        invariance: padded to decode_rows as decode pads, or each row alone on the CPU through row_linear);
+        attention writes every row's KV at its own position first and then reads [0, its position] (a slot's
+        rows may repeat its id: each writes a distinct row, and every read follows the launch that wrote);
+        the conv and recurrent steps run wave by wave. `keep` gets each slot's state after every wave but its
+        last (RollbackStates). Returns the logits [R (decode_rows when padded), vocab] of every row."""
+        R = rows.rows
+        width = self.decode_rows or R
+        if R > width:
+            raise ValueError(f"a verify step holds at most {width} rows, got {R}")
+        lin = row_linear if self.rowwise else F.linear
+        start = state.pos[rows.row_slots].long() + rows.offsets
+        seed = state.last_hidden[rows.row_slots]  # a copy: the MTP head's seed of each slot's first row
+        rope = self.rope(pad_rows(start, width)[:, None])
+
+        def mix(layer: Layer, x: torch.Tensor) -> torch.Tensor:
+            if layer.kind == FULL:
+                return self.attend(layer, x, state, rows.row_slots, start, kv_len, rope, True, lin=lin)
+            return self._gated_delta_waves(layer, x, state, rows, keep, lin)
+
+        h = self.layer_stack(self.embed[pad_rows(rows.tokens, width)[:, None]], R, mix, lin)[:, 0]
+        if self.mtp is not None:  # the seed of a slot's row t > 0 is the hidden state its row t - 1 just left
+            seed = torch.where((rows.offsets == 0)[:, None], seed, h[rows.prev_rows])
+            self.mtp.seeded_step(state, rows.row_slots, rows.tokens[:, None], start, seed, kv_len, lin)
+        if keep is not None:
+            for t, kept in enumerate(rows.keeps):
+                if kept is not None:
+                    keep.keep_rows(t, kept[1], h[kept[0]], start[kept[0]] + 1)
+        state.last_hidden.index_copy_(0, rows.slots, h[rows.last_rows])
+        state.pos.index_add_(0, rows.slots, rows.counts)
+        return self.hidden_logits(h, lin)
+
+    def layer_stack(self, h: torch.Tensor, real_rows: int, mix: Callable[[Layer, torch.Tensor], torch.Tensor],
+                    lin: Callable = F.linear) -> torch.Tensor:
+        """The layers on the embedded rows h [R, T, H]: each layer's norm, its mixer (`mix`: attention or the
+        gated delta net, which own the state), its MLP; rows from real_rows on are padding. Returns the real
+        rows' hidden states [real_rows, T, H] before the final norm. `lin`: the GEMM (F.linear, or row_linear
+        where each row must be computed alone)."""
+        eps = self.cfg.rms_norm_eps
+        add_rms_norm = self.kernels.add_rms_norm
+        delta = None  # the previous block's output, added to the residual stream by the next norm
+        normed = None  # or (h, x): an MoE block added its output to h and ran this layer's input norm itself
+        for i, layer in enumerate(self.layers):
+            w = layer.w
+            h, x = normed if normed is not None else add_rms_norm(h, delta, w["input_layernorm.weight"], eps)
+            x = mix(layer, x)
+            h, x = add_rms_norm(h, x, w["post_attention_layernorm.weight"], eps)
+            if self.cfg.is_moe and i + 1 < len(self.layers):  # the expert stage adds and norms in its last launch
+                next_norm = AddNorm(h, self.layers[i + 1].w["input_layernorm.weight"], eps)
+                delta, normed = None, self.moe(w, x, real_rows, lin, next_norm)
+            else:
+                delta, normed = self.mlp(w, x, real_rows, lin), None
+        return (h + delta)[:real_rows]
+
     def logits(self, state: StateSet, slots: torch.Tensor) -> torch.Tensor:
         """Next-token logits (fp32) from the slots' last hidden state: [decode_rows, vocab] with the real rows
         first when decode_rows is set, else [B, vocab]. Always the batch-invariant path, so the logits after an
         append and those of a decode step are computed alike."""
         if self.rowwise and slots.shape[0] > 1:
             return torch.cat([self.logits(state, slots[i:i + 1]) for i in range(slots.shape[0])])
-        h = state.last_hidden[slots]
+        return self.hidden_logits(state.last_hidden[slots])
+
+    def hidden_logits(self, h: torch.Tensor, lin: Callable = F.linear) -> torch.Tensor:
+        """Logits (fp32) of hidden states h [B, H] (before the final norm) on decode's path: padded to
+        decode_rows when set."""
         if self.decode_rows is not None:
             h = pad_rows(h, self.decode_rows)
         h = self.kernels.add_rms_norm(h, None, self.norm, self.cfg.rms_norm_eps)[1]
-        return F.linear(h, self.lm_head).float()
+        return lin(h, self.lm_head).float()
 
     # ------------------------------------------------------------------ mixers
-    def attend(self, layer, x, state, slots, start, kv_len, rope, decode: bool, kv=None):
+    def attend(self, layer, x, state, slots, start, kv_len, rope, decode: bool, kv=None, lin: Callable = F.linear):
         """A full-attention layer's mixer on x [R, T, H]: KV rows written at start[b] + t of the layer's cache
         (`kv`: (k, v) cache tensors [slots, rows, kv_heads, head_dim] instead, the MTP head's)."""
         cfg, w = self.cfg, layer.w
         R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
         B = slots.shape[0]
         D = cfg.head_dim
-        q_gate, k, v = self._project(w, "attn_in", x)
+        q_gate, k, v = self._project(w, "attn_in", x, lin)
         q, gate = q_gate.view(R, T, -1, 2 * D).chunk(2, dim=-1)
         cos, sin = rope
         kv_k, kv_v = kv if kv is not None else (state.kv_k[layer.state_index], state.kv_v[layer.state_index])
@@ -243,7 +306,7 @@ class HybridModel:
                                         cfg.rotary_dim, cfg.rms_norm_eps, kv_k, kv_v, slots, start)
         attend = self.kernels.attention if decode else self.kernels.prefill_attention
         o = attend(q, kv_k, kv_v, slots, start, kv_len, D**-0.5, gate[:B])  # gated: o * sigmoid(gate)
-        return F.linear(pad_rows(o, R).reshape(R, T, -1), w["self_attn.o_proj.weight"])
+        return lin(pad_rows(o, R).reshape(R, T, -1), w["self_attn.o_proj.weight"])
 
     def _gated_delta_net(self, layer, x, state, slots, decode: bool, valid, grid_at=None, replay=None,
                          tail_from=None):
@@ -260,9 +323,7 @@ class HybridModel:
             mixed = self.kernels.conv_step(mixed[:B, 0], conv_buf, slots, w["conv"])
             o = self.kernels.gated_delta_step_fused(mixed, a[:B, 0], b[:B, 0], w["neg_A"], w["linear_attn.dt_bias"],
                                                     ssm_buf, slots, Hk, Dk, Dv)
-            o = pad_rows(o, R)[:, None]
-            o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
-            return F.linear(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
+            return self._gated_delta_out(w, pad_rows(o, R)[:, None], z)
         if replay is not None or tail_from is not None:
             gates = torch.cat([b, a], dim=-1)
             if replay is not None:  # the tail's rows first: the piece this layer runs starts at the grid point
@@ -283,24 +344,69 @@ class HybridModel:
         o = self.kernels.gated_delta_prefill(*qkvgb, ssm_buf, slots, ssm_grid)
         if replay is not None:
             o = new_rows(o, replay, T)
-        o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], cfg.rms_norm_eps)
-        return F.linear(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
+        return self._gated_delta_out(w, o, z)
 
-    def _project(self, w: dict[str, torch.Tensor], pack: str, x: torch.Tensor) -> list[torch.Tensor]:
+    def _gated_delta_waves(self, layer: Layer, x: torch.Tensor, state: StateSet, rows: VerifyRows,
+                           keep: KeptStates | None, lin: Callable) -> torch.Tensor:
+        """The gated delta net of a verify forward (verify): projections on all rows, the conv and recurrent
+        steps wave by wave as decode steps (on the CPU row by row, as its decode steps run), the slots' state
+        after each wave kept where `rows` says."""
+        cfg, w = self.cfg, layer.w
+        width = x.shape[0]
+        Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        mixed, z, b, a = self._project(w, "gdn_in", x, lin)
+        li = layer.state_index
+        conv_buf, ssm_buf = state.conv[li], state.ssm[li]
+        o = torch.zeros(width, Hv, Dv, dtype=torch.float32, device=x.device)
+        for t, wave in enumerate(rows.waves):
+            for part in (wave.split(1) if self.rowwise else (wave,)):
+                slots = rows.row_slots[part]
+                m = self.kernels.conv_step(mixed[part, 0], conv_buf, slots, w["conv"])
+                o[part] = self.kernels.gated_delta_step_fused(m, a[part, 0], b[part, 0], w["neg_A"],
+                                                              w["linear_attn.dt_bias"], ssm_buf, slots, Hk, Dk, Dv)
+            kept = rows.keeps[t]
+            if keep is not None and kept is not None:
+                keep.keep_layer(li, t, kept[1], rows.row_slots[kept[0]])
+        return self._gated_delta_out(w, o[:, None], z.view(width, 1, Hv, Dv), lin)
+
+    def _gated_delta_out(self, w: dict[str, torch.Tensor], o: torch.Tensor, z: torch.Tensor,
+                         lin: Callable = F.linear) -> torch.Tensor:
+        """The gated delta net's output from the rule's o [R, T, Hv, Dv]: its gated norm, its out projection."""
+        R, T = o.shape[:2]
+        o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], self.cfg.rms_norm_eps)
+        return lin(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
+
+    def _project(self, w: dict[str, torch.Tensor], pack: str, x: torch.Tensor,
+                 lin: Callable = F.linear) -> list[torch.Tensor]:
         """The projections of group `pack` of x: one GEMM over the packed weight when packed, else one each."""
         if pack in w:
             sizes = split_sizes(w, pack)
-            return list(F.linear(x, w[pack])[..., :sum(sizes)].split(sizes, dim=-1))
-        return [F.linear(x, w[n]) for n in PACKS[pack]]
+            return list(lin(x, w[pack])[..., :sum(sizes)].split(sizes, dim=-1))
+        return [lin(x, w[n]) for n in PACKS[pack]]
 
-    def mlp(self, w: dict[str, torch.Tensor], x: torch.Tensor, real_rows: int) -> torch.Tensor:
+    def mlp(self, w: dict[str, torch.Tensor], x: torch.Tensor, real_rows: int,
+            lin: Callable = F.linear) -> torch.Tensor:
         """The dense MLP, or the MoE block of an MoE model (engine/moe.py); rows from real_rows on are the
         padding of a fixed-shape decode step (the MoE routes only the real ones)."""
         if self.cfg.is_moe:
-            return moe_mlp(self.cfg, self.kernels, w, x, real_rows)
+            return self.moe(w, x, real_rows, lin)
         if "mlp_in" in w:
-            y = self.kernels.silu_mul(F.linear(x, w["mlp_in"]))
+            y = self.kernels.silu_mul(lin(x, w["mlp_in"]))
         else:
-            gate, up = self._project(w, "mlp_in", x)
+            gate, up = self._project(w, "mlp_in", x, lin)
             y = F.silu(gate) * up
-        return F.linear(y, w["mlp.down_proj.weight"])
+        return lin(y, w["mlp.down_proj.weight"])
+
+    def moe(self, w: dict[str, torch.Tensor], x: torch.Tensor, real_rows: int, lin: Callable = F.linear,
+            add_norm: AddNorm | None = None):
+        """The MoE block (engine/moe.py: moe_mlp); with lin = row_linear each row alone, as a decode step of one
+        row computes it (the reference router's GEMM over several rows gives a row other bits on the CPU)."""
+        if lin is not row_linear:
+            return moe_mlp(self.cfg, self.kernels, w, x, real_rows, add_norm)
+        rows = []
+        for r in range(x.shape[0]):
+            norm = None if add_norm is None else add_norm._replace(h=add_norm.h[r:r + 1])
+            rows.append(moe_mlp(self.cfg, self.kernels, w, x[r:r + 1], 1, norm))
+        if add_norm is None:
+            return torch.cat(rows)
+        return torch.cat([h for h, _ in rows]), torch.cat([y for _, y in rows])

@@ -26,6 +26,8 @@ on CUDA), so a prefill row gets the same bits in any piece and a decode row in a
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -64,7 +66,7 @@ class MtpHead:
         return self.model.kernels.add_rms_norm(hidden, None, self.model.norm, self.model.cfg.rms_norm_eps)[1]
 
     def rows(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
-             start: torch.Tensor, kv_len: int, decode: bool) -> torch.Tensor:
+             start: torch.Tensor, kv_len: int, decode: bool, lin: Callable = F.linear) -> torch.Tensor:
         """The head on tokens [R, T] and normed hidden states [R, T, H] at positions start[b] + t (start [R]),
         its KV written at those rows of its cache (seen from row 1 on); R >= B = len(slots) rows, the rest
         padding. Returns m [R, T, H] (after the head's norm)."""
@@ -72,13 +74,13 @@ class MtpHead:
         w = self.layer.w
         e = add_rms_norm(m.embed[tokens], None, self.norm_embedding, eps)[1]
         g = add_rms_norm(hidden, None, self.norm_hidden, eps)[1]
-        h, x = add_rms_norm(F.linear(torch.cat([e, g], dim=-1), self.fc), None, w["input_layernorm.weight"], eps)
+        h, x = add_rms_norm(lin(torch.cat([e, g], dim=-1), self.fc), None, w["input_layernorm.weight"], eps)
         rope = m.rope(start[:, None] + torch.arange(tokens.shape[1], device=tokens.device))
         kv = (state.mtp_k[0][:, 1:], state.mtp_v[0][:, 1:])
         B = slots.shape[0]
-        x = m.attend(self.layer, x, state, slots, start[:B], kv_len, rope, decode, kv)
+        x = m.attend(self.layer, x, state, slots, start[:B], kv_len, rope, decode, kv, lin)
         h, x = add_rms_norm(h, x, w["post_attention_layernorm.weight"], eps)
-        return add_rms_norm(h, m.mlp(w, x, B), self.norm, eps)[1]
+        return add_rms_norm(h, m.mlp(w, x, B, lin), self.norm, eps)[1]
 
     # ------------------------------------------------------------------ the model's forward calls these
     def piece(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, h: torch.Tensor, seed: torch.Tensor,
@@ -99,11 +101,17 @@ class MtpHead:
              kv_len: int) -> torch.Tensor:
         """A decode step's rows: the entry of position start - 1 from the seed (last_hidden) and the token
         tokens [B, 1] being fed; on CUDA the dense ops on the model's decode_rows rows. Returns m [R, 1, H]."""
+        return self.seeded_step(state, slots, tokens, start, state.last_hidden[slots], kv_len)
+
+    def seeded_step(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, start: torch.Tensor,
+                    seed: torch.Tensor, kv_len: int, lin: Callable = F.linear) -> torch.Tensor:
+        """`step` from the given seeds [B, H] (a verify forward's rows: a slot's row t > 0 is seeded by the
+        hidden state of its row t - 1, what decode would have stored in last_hidden)."""
         R = self.model.decode_rows or slots.shape[0]
-        hidden = self._normed(pad_rows(state.last_hidden[slots], R))[:, None]
+        hidden = self._normed(pad_rows(seed, R))[:, None]
         # a captured graph's scratch slot may stand at 0: its padding row reads position 0, never -1
         return self.rows(state, slots, pad_rows(tokens, R), hidden, pad_rows((start - 1).clamp(min=0), R), kv_len,
-                         decode=True)
+                         decode=True, lin=lin)
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()

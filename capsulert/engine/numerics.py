@@ -97,6 +97,32 @@ def first_row_variant_gemm(weights: list[torch.Tensor], rows: int) -> tuple[tupl
     return None
 
 
+def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear of x [..., K] with every row its own one-row GEMM, in one batched call: the bits a one-row
+    F.linear gives the row where first_row_linear_variant finds none other (a CPU GEMM of several rows runs
+    another kernel than a one-row one, gemv, and gives a row other bits)."""
+    rows = x.reshape(-1, 1, x.shape[-1])
+    out = torch.bmm(rows, w.t().expand(rows.shape[0], -1, -1))
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def first_row_linear_variant(weights: list[torch.Tensor], rows: int) -> tuple[int, ...] | None:
+    """The first weight shape for which row_linear over `rows` rows gives a row other bits than a one-row
+    F.linear; None when it keeps every row's bits for every shape (each shape checked once)."""
+    seen: set[tuple] = set()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for w in weights:
+        key = (tuple(w.shape), w.dtype, w.stride())
+        if key in seen:
+            continue
+        seen.add(key)
+        x = torch.randn(rows, 1, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+        alone = torch.cat([F.linear(x[r], w) for r in range(rows)])
+        if not torch.equal(row_linear(x, w)[:, 0], alone):
+            return tuple(w.shape)
+    return None
+
+
 def check_split_invariant_gemm(weight: torch.Tensor, rows: int = 1024) -> None:
     """first_split_variant_piece over CUDA_PIECES on a CUDA device: ConfigError when a piece changes a row's
     bits, naming the cause: for bf16 the CUDA numerics not set before the process's first GEMM, for another

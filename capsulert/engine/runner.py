@@ -27,8 +27,10 @@ from capsulert.engine.model import HybridModel, pad_rows
 from capsulert.engine.rollback import RollbackStates
 from capsulert.engine.mtp import MtpHead, check_draft
 from capsulert.engine.numerics import (
-    CPU_PIECE_ROWS_CHOICES, check_split_invariant_gemm, configure_cuda, cpu_piece_rows, first_row_variant_gemm)
+    CPU_PIECE_ROWS_CHOICES, check_split_invariant_gemm, configure_cuda, cpu_piece_rows, first_row_linear_variant,
+    first_row_variant_gemm)
 from capsulert.engine.state import StateLayout, StateSet
+from capsulert.engine.verify_rows import verify_rows
 from capsulert.errors import InvalidRequestError, NoMtpHeadError
 from capsulert.kernels import ops
 from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK
@@ -80,6 +82,20 @@ def grid_point_inside(a: int, b: int, grid: int = GRID) -> int | None:
     """How far into the piece [a, b) its last grid point lies, when strictly inside it."""
     g = b // grid * grid
     return g - a if a < g < b else None
+
+
+def verify_groups(fed: list[list[int]]) -> list[list[int]]:
+    """The indices of `fed` in consecutive groups of at most MAX_DECODE_BATCH fed tokens (one verify forward
+    each)."""
+    groups: list[list[int]] = [[]]
+    rows = 0
+    for i, f in enumerate(fed):
+        if rows + len(f) > MAX_DECODE_BATCH:
+            groups.append([])
+            rows = 0
+        groups[-1].append(i)
+        rows += len(f)
+    return groups
 
 
 def decode_groups(items: list) -> list[list]:
@@ -139,11 +155,16 @@ class ModelRunner:
         # (tests/worker/test_append_many.py, CPU and CUDA); False runs them one slot after another (the
         # benchmarks' and tests' comparison path)
         self.batch_rows = True
+        # a speculative step's positions run as the rows of one forward (HybridModel.verify), each bitwise its
+        # decode step (tests/worker/test_verify_forward.py); False runs a decode step per position (the
+        # reference). On the CPU only where row_linear gives every row a one-row GEMM's bits for this model
+        self.verify_in_one_forward = cuda or self._row_linear_exact()
         self.graphs = None
         if cuda and config.cuda_graphs:
             buckets = decode_buckets(config.decode_batches, min(config.slots, MAX_DECODE_BATCH))
+            keep = self.rollback if self.rollback.capacity else None
             self.graphs = GraphPlans(self.model, self.state, self.scratch_slot, config.max_seq, self.chunk, buckets,
-                                     self.grid, self.tail_replay)
+                                     self.grid, self.tail_replay, keep, self.rollback.scratch)
             self.graphs.capture(progress=config.progress)
 
     # ------------------------------------------------------------------ set-up
@@ -159,6 +180,14 @@ class ModelRunner:
                     "than in a %d-row GEMM, so a step of few sessions pays for %d rows to stay batch-invariant",
                     MAX_DECODE_BATCH, self.device, self.dtype, "x".join(map(str, shape)), rows, MAX_DECODE_BATCH,
                     MAX_DECODE_BATCH)
+
+    def _row_linear_exact(self) -> bool:
+        variant = first_row_linear_variant(self.model.gemm_weights(), MAX_DECODE_BATCH)
+        if variant is not None:
+            log.warning("speculative steps verify one decode step per position on this CPU: a batched one-row GEMM "
+                        "(numerics.row_linear) gives other bits than a one-row GEMM for a %s weight",
+                        "x".join(map(str, variant)))
+        return variant is None
 
     def _kernels(self, config: EngineConfig):
         if self.device.type != "cuda" or config.kernels == "reference":
@@ -343,14 +372,37 @@ class ModelRunner:
 
     def verify(self, slots: list[int], fed: list[list[int]]) -> list[torch.Tensor]:
         """Feed fed[i] (one token, or a sampled token and its drafts) to slots[i] at its next positions, with
-        decode's own numerics: position t of every slot that has one is one batched decode step (`decode`), so
-        each position's logits and state are bitwise what plain decode computes there, alone or batched (batch
-        invariance), and slots fed one token share the first step with the others. A slot fed several tokens
-        keeps its state after each of them but the last (RollbackStates, which those slots must have been
-        `assign`ed to), so `roll_back` can take it back to any of them. Returns each slot's logits rows
-        [len(fed[i]), vocab] (fp32 copies). No position may reach past the slot's next grid point (a decode step
-        that reaches one is re-derived through the prefill path: the caller does that once it knows what it
-        keeps)."""
+        decode's own numerics: each position's logits and state are bitwise what plain decode computes there,
+        alone or batched (batch invariance). A slot fed several tokens keeps its state after each of them but
+        the last (RollbackStates, which those slots must have been `assign`ed to), so `roll_back` can take it
+        back to any of them. Returns each slot's logits rows [len(fed[i]), vocab] (fp32 copies). No position may
+        reach past the slot's next grid point (a decode step that reaches one is re-derived through the prefill
+        path: the caller does that once it knows what it keeps).
+
+        Every fed position of a group of slots is a row of one forward (HybridModel.verify: one pass of the
+        weights for all of them), groups holding at most MAX_DECODE_BATCH rows; with `verify_in_one_forward`
+        off, or where that forward cannot keep this layout's rollback state, one decode step per position
+        (verify_stepwise, the reference)."""
+        if not (self.verify_in_one_forward and self.rollback.keeps_in_forward):
+            return self.verify_stepwise(slots, fed)
+        out: list[torch.Tensor] = []
+        for group in verify_groups(fed):
+            gs, gf = [slots[i] for i in group], [fed[i] for i in group]
+            if max(len(f) for f in gf) == 1:  # nothing drafted: a decode step
+                logits, at = self.decode(gs, [f[0] for f in gf]), list(range(len(gs)))
+            elif self.graphs is not None and self.graphs.verify_shape(gf) is not None:
+                logits, width = self.graphs.verify(gs, gf, self.rollback.set_of)
+                at = [i * width for i in range(len(gs))]
+            else:
+                rows = verify_rows(gs, gf, self.rollback.set_of, self.device)
+                logits = self.model.verify(self.state, rows, self.config.max_seq, self.rollback)
+                at = [sum(len(f) for f in gf[:i]) for i in range(len(gs))]
+            out += [logits[a:a + len(f)].clone() for a, f in zip(at, gf)]
+        return out
+
+    def verify_stepwise(self, slots: list[int], fed: list[list[int]]) -> list[torch.Tensor]:
+        """`verify` one batched decode step per position (`decode`): position t of every slot that has one is
+        one step; the state kept after each with RollbackStates.keep."""
         rows: list[list[torch.Tensor]] = [[] for _ in slots]
         for t in range(max(len(f) for f in fed)):
             wave = [i for i, f in enumerate(fed) if len(f) > t]
