@@ -50,6 +50,8 @@ def parse_args():
     p.add_argument("--corrupt-every", type=int, nargs="+", default=[0, 4, 2],
                    help="oracle drafts corrupted at every j-th position (0: none, 100%% acceptance)")
     p.add_argument("--skip-hf", action="store_true", help="no peer column")
+    p.add_argument("--per-position-verify", action="store_true",
+                   help="verify one decode step per fed position (the reference path) instead of one forward")
     p.add_argument("--quick", action="store_true", help="a short context and generation (CPU smoke run)")
     p.add_argument("--out", default=str(OUT_DIR / "speculate.json"))
     args = p.parse_args()
@@ -122,7 +124,9 @@ def main() -> None:
     max_seq = -(-(args.context + args.tokens + 64) // 256) * 256
     engine = Engine.from_config(model=model, device=args.device, slots=top, speculate_slots=top, max_seq=max_seq,
                                 prefill_chunk=256 if args.device == "cpu" else 1024)
-    log(f"engine: {model} on {engine.device}, {engine.dtype}")
+    engine.runner.verify_in_one_forward = not args.per_position_verify
+    log(f"engine: {model} on {engine.device}, {engine.dtype}, verify "
+        + ("per position" if args.per_position_verify else "in one forward"))
     greedy = SamplingParams(ignore_eos=True)
     rows = []
     peer: dict[int, float] = {}
