@@ -210,7 +210,9 @@ def hf_causal_lm(engine):
     hf_cfg = config_cls(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
     with torch.device("meta"):
         model = model_cls(hf_cfg)
-    missing, unexpected = model.load_state_dict(engine.model_weights, strict=False, assign=True)
+    # transformers' Qwen3.5 has no MTP head: the engine's mtp.* weights have no place there
+    weights = {k: v for k, v in engine.model_weights.items() if not k.startswith("mtp.")}
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_word_embeddings else set()), (
         missing, unexpected)
     if cfg.tie_word_embeddings:

@@ -121,9 +121,10 @@ def main() -> None:
     args = parse_args()
     model = args.model or ("default" if args.device == "cpu" else f"random:{SHAPE}")
     top = max(args.batches)
-    max_seq = -(-(args.context + args.tokens + 64) // 256) * 256
+    chunk = 256 if args.device == "cpu" else 1024
+    max_seq = -(-(args.context + args.tokens + 64) // chunk) * chunk  # a whole number of prefill chunks
     engine = Engine.from_config(model=model, device=args.device, slots=top, speculate_slots=top, max_seq=max_seq,
-                                prefill_chunk=256 if args.device == "cpu" else 1024)
+                                prefill_chunk=chunk)
     engine.runner.verify_in_one_forward = not args.per_position_verify
     log(f"engine: {model} on {engine.device}, {engine.dtype}, verify "
         + ("per position" if args.per_position_verify else "in one forward"))
