@@ -65,7 +65,9 @@ def default_prefill_chunk(model: str) -> int:
     return MOE_PREFILL_CHUNK if model_config(EngineConfig(model=model)).is_moe else 1024
 
 
-def timed(fn, iters=3, warmup=1):
+def timed(fn, iters=3, warmup=1, after=None):
+    """fn's median ms until its work is done (synchronized) and its last result; `after(result)` runs untimed
+    after each call (e.g. closing the sessions a restore made)."""
     out, times = None, []
     for i in range(warmup + iters):
         sync()
@@ -74,21 +76,9 @@ def timed(fn, iters=3, warmup=1):
         sync()
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
+        if after is not None:
+            after(out)
     return median(times), out
-
-
-def timed_call(fn, after, iters=3, warmup=1):
-    """fn's ms until its work is done (synchronized), `after(fn's result)` run untimed after each call."""
-    times = []
-    for i in range(warmup + iters):
-        sync()
-        t0 = time.perf_counter()
-        out = fn()
-        sync()
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-        after(out)
-    return median(times)
 
 
 def time_snapshots(eng, session, name: str, iters: int) -> dict:
@@ -210,9 +200,9 @@ def main() -> int:
         snaps = time_snapshots(eng, s, name, args.iters)
         ref = eng.store.info(name)
         s.close()
-        restore_ms = timed_call(lambda: eng.restore(name), lambda r: r.close(), args.iters)
+        restore_ms, _ = timed(lambda: eng.restore(name), args.iters, after=lambda r: r.close())
         n_fork = min(64, eng.config.slots)
-        fork_ms = timed_call(lambda: eng.fork(name, n_fork), lambda br: [b.close() for b in br], args.iters)
+        fork_ms, _ = timed(lambda: eng.fork(name, n_fork), args.iters, after=lambda br: [b.close() for b in br])
 
         def capsule():
             r = eng.restore(name)
