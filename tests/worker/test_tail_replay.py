@@ -190,7 +190,8 @@ def test_every_graph_shape_runs_on_the_warm_up_inputs(make_engine):
                        tail_replay=True)
     plans.warm_inputs()
     keys = plans.shape_keys()
-    assert {k.phase for k in keys} == {"decode", "prefill", "prefill_grid", "prefill_replay", "prefill_grid_replay"}
+    assert {k.phase for k in keys} == {"decode", "verify", "prefill", "prefill_grid", "prefill_replay",
+                                       "prefill_grid_replay"}
     for key in keys:
         plans.run_shape(key)
 
