@@ -5,7 +5,10 @@ notice can take under load.
 A watch belongs to one process (its pid): a restarted worker gets a new watch, and an end seen after the
 worker moved on to a new process is ignored by the pool. A worker whose lifeline cannot be reached (a
 firewall between nodes, say) is still watched by Ray: the watch logs that once and sees nothing. The watch
-first sends the process's secret (its Ping's `lifeline_token`): the worker holds only connections that do.
+first sends the process's secret (its Ping's `lifeline_token`): the worker holds only connections that do, and
+says so with one byte (HELD). Only an end after that byte is the process's death; an end before it (the token
+came too late, the event loop here having been held up past the worker's handshake time) is answered by
+connecting again, and a connect the process's port refuses then is its death.
 """
 from __future__ import annotations
 
@@ -14,7 +17,11 @@ import contextvars
 import logging
 from typing import Callable
 
+from capsulert.worker.lifeline import HELD
+
 log = logging.getLogger(__name__)
+
+HANDSHAKE_TRIES = 3  # connections whose token the worker may refuse before the watch leaves it to Ray
 
 
 class ProcessExited(Exception):
@@ -32,24 +39,36 @@ class ProcessWatch:
         self.task = loop.create_task(self._watch(address, on_exit), context=contextvars.Context())
 
     async def _watch(self, address: tuple[str, int], on_exit: Callable[[int, int], None]) -> None:
-        try:
-            reader, writer = await asyncio.open_connection(*address)
-        except OSError as e:
-            log.warning("worker %d: its lifeline at %s:%d cannot be reached (%s); its death is seen through Ray "
-                        "only, which can take a second", self.worker, *address, e)
+        for attempt in range(HANDSHAKE_TRIES):
+            try:
+                reader, writer = await asyncio.open_connection(*address)
+            except OSError as e:
+                if attempt:  # it listened a moment ago and refuses now: the process is gone
+                    break
+                log.warning("worker %d: its lifeline at %s:%d cannot be reached (%s); its death is seen through "
+                            "Ray only, which can take a second", self.worker, *address, e)
+                return
+            try:
+                writer.write(self._token)
+                await writer.drain()
+                held = await reader.read(len(HELD)) == HELD
+            except OSError:
+                held = False
+            if not held:  # a refused handshake, or the process died during it: the next connect tells which
+                writer.close()
+                continue
+            self.connected.set_result(None)
+            try:
+                await reader.read()  # nothing more is written: this returns at the end of the stream
+            except OSError:
+                pass
+            finally:
+                writer.close()
+            break
+        else:
+            log.warning("worker %d: its lifeline at %s:%d refused the process's token %d times; its death is seen "
+                        "through Ray only", self.worker, *address, HANDSHAKE_TRIES)
             return
-        try:
-            writer.write(self._token)
-            await writer.drain()
-        except OSError:
-            pass  # the process is gone already: the read below ends at once
-        self.connected.set_result(None)
-        try:
-            await reader.read()  # the worker never writes: this returns at the end of the stream
-        except OSError:
-            pass
-        finally:
-            writer.close()
         self.exited.set_result(None)
         on_exit(self.worker, self.pid)
 

@@ -5,8 +5,10 @@ Ray tells callers that an actor died through its control store; under load that 
 (0.3-0.8 s from the kill to the failed calls, measured on a 2-core box with 30 calls in flight). The operating
 system closes a process's sockets the moment the process dies, and the other end of a connection then reads
 the end of its stream, whatever the process was doing. So the orchestrator holds one connection to each worker
-process (orchestrator/lifeline.py) and takes its end for the process's death. The worker never writes to a
-connection: an end means the process exited, or its host went away.
+process (orchestrator/lifeline.py) and takes its end for the process's death. The worker writes one byte (HELD)
+to a connection, once, when it takes its token, and nothing after: an end after that byte means the process
+exited, or its host went away; an end before it is a refused handshake (a wrong token, or one sent too late by
+an orchestrator whose event loop was held up), which the watch answers by connecting again.
 
 The socket listens on the node's address (the orchestrator may run on another node), so anything that can
 reach the node can connect. A connection is held only after it sent the process's secret (`token`, random
@@ -30,6 +32,7 @@ import time
 log = logging.getLogger(__name__)
 
 TOKEN_BYTES = 16
+HELD = b"\x01"  # written once a connection's token is taken: from then on its end is the process's death
 HANDSHAKE_S = 2.0  # a connection must send the token within this
 MAX_PENDING = 32  # connections waiting for their handshake
 MAX_HELD = 16  # authenticated connections (one per orchestrator watching this process)
@@ -112,6 +115,11 @@ class Lifeline:
             self._drop(sel, conn)
         elif len(got) == TOKEN_BYTES:
             del self._pending[conn]
+            try:
+                conn.send(HELD)  # one byte into an empty send buffer: never blocks
+            except OSError:
+                self._drop(sel, conn)
+                return
             self._held.add(conn)
         else:
             self._pending[conn] = (deadline, got)
