@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,12 +94,30 @@ def server(default_model_dir, tmp_path_factory):
 AGENT_MAX_TOKENS, AGENT_MAX_SEQ = 160, 2048
 
 
-@pytest.fixture(scope="session")
+# the modules agent_server serves: one unit of work under pytest-xdist (tests/conftest.py, FILE_GROUPS)
+AGENT_SERVER_FILES = ("test_frameworks.py", "test_responses_api.py")
+_agent = ExitStack()  # the running agent server, closed when a test worker leaves AGENT_SERVER_FILES
+_agent_server: list[Server] = []
+
+
+@pytest.fixture(scope="module")
 def agent_server(default_model_dir, tmp_path_factory):
-    """One server for the modules that run agent frameworks and the Responses API (started once)."""
-    with running_server(default_model_dir, tmp_path_factory.mktemp("agents"), "--max-tokens", str(AGENT_MAX_TOKENS),
-                        "--max-seq", str(AGENT_MAX_SEQ)) as srv:
-        yield srv
+    """One server for the modules that run agent frameworks and the Responses API: started by the first of
+    them, stopped after the last (pytest_runtest_teardown), not kept idle for the rest of the run."""
+    if not _agent_server:
+        _agent_server.append(_agent.enter_context(running_server(
+            default_model_dir, tmp_path_factory.mktemp("agents"), "--max-tokens", str(AGENT_MAX_TOKENS),
+            "--max-seq", str(AGENT_MAX_SEQ))))
+    return _agent_server[0]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    out = yield
+    if _agent_server and (nextitem is None or nextitem.path.name not in AGENT_SERVER_FILES):
+        _agent_server.clear()
+        _agent.close()
+    return out
 
 
 def _wait_ready(srv: Server, proc: subprocess.Popen) -> None:
