@@ -51,17 +51,23 @@ WHOLE_FILE_DIRS = ("tests/orchestrator/", "tests/serve/")
 WHOLE_FILES = ("tests/worker/test_default_model.py", "tests/capsule_store/test_fuzz.py", "tests/chat/test_chat_api.py")
 
 
-# files that share a fixture run as one unit, so that it starts once (tests/serve/conftest.py's agent_server, a
-# `capsulert serve` with the frameworks' bounds, for its AGENT_SERVER_FILES)
+# files that share a fixture run as one unit, so that it starts once: tests/serve/conftest.py's agent_server (a
+# `capsulert serve` with the frameworks' bounds, for its AGENT_SERVER_FILES), and the local Ray of
+# tests/orchestrator/conftest.py (stopped when its worker moves on: its files run one after another, not
+# interleaved with the serve files, which would start it again for each)
 FILE_GROUPS = {"tests/serve/test_frameworks.py": "agent-server", "tests/serve/test_responses_api.py": "agent-server"}
+DIR_GROUPS = ("tests/orchestrator/",)
 
 
 def work_unit(nodeid: str) -> str:
-    """What one xdist worker runs together: a group of FILE_GROUPS, a whole file of WHOLE_FILES or
-    WHOLE_FILE_DIRS, else the test alone."""
+    """What one xdist worker runs together: a group of FILE_GROUPS or DIR_GROUPS, a whole file of WHOLE_FILES
+    or WHOLE_FILE_DIRS, else the test alone."""
     file = nodeid.split("::", 1)[0]
     if file in FILE_GROUPS:
         return FILE_GROUPS[file]
+    for folder in DIR_GROUPS:
+        if file.startswith(folder):
+            return folder
     return file if file.startswith(WHOLE_FILE_DIRS) or file in WHOLE_FILES else nodeid
 
 
