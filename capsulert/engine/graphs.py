@@ -27,7 +27,7 @@ from capsulert.progress import Bar, progress_bar
 from capsulert.engine.model import HybridModel
 from capsulert.engine.model import KeptStates
 from capsulert.engine.state import StateSet
-from capsulert.engine.verify_rows import VerifyRows, fixed_grid
+from capsulert.engine.verify_rows import VerifyRows, fixed_grid, step_inputs
 from capsulert.protocol.sampling import MAX_SPECULATE
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class GraphPlans:
             raise ValueError(f"no verify graph holds {len(fed)} slots of up to {max(len(f) for f in fed)} tokens")
         b, w = shape
         new = fixed_grid(slots, fed, b, w, self.scratch, set_of, self.scratch_set, torch.device("cpu"))
-        for dst, src in zip(_tensors(self.verify_rows[shape]), _tensors(new)):
+        for dst, src in zip(step_inputs(self.verify_rows[shape]), step_inputs(new)):
             dst.copy_(src, non_blocking=True)
         self.graphs[ShapeKey("verify", b, w)].replay()
         return self.logits, w
@@ -264,9 +264,3 @@ class GraphPlans:
         self.graphs[ShapeKey("decode", B, 1)].replay()
         return self.logits
 
-
-def _tensors(rows: VerifyRows) -> list[torch.Tensor]:
-    """The tensors of a verify step's rows, in a fixed order (the static inputs a graph reads)."""
-    out = [rows.tokens, rows.row_slots, rows.offsets, rows.prev_rows, *rows.waves, rows.slots, rows.last_rows,
-           rows.counts]
-    return out + [t for k in rows.keeps if k is not None for t in k]

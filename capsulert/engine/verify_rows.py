@@ -40,7 +40,7 @@ def verify_rows(slots: list[int], fed: list[list[int]], set_of: Callable[[int], 
                 device: torch.device) -> VerifyRows:
     """The rows of slots[i] fed fed[i], exactly (no padding); `set_of(slot)`: its rollback set, None for a
     slot fed one token."""
-    tokens, row_slots, offsets, prev, last = [], [], [], [], []
+    tokens, row_slots, offsets, prev, last, row_fed = [], [], [], [], [], []
     for slot, f in zip(slots, fed):
         first = len(tokens)
         for t, token in enumerate(f):
@@ -48,12 +48,13 @@ def verify_rows(slots: list[int], fed: list[list[int]], set_of: Callable[[int], 
             row_slots.append(slot)
             offsets.append(t)
             prev.append(first + t - 1 if t else first)
+            row_fed.append(len(f))
         last.append(len(tokens) - 1)
     waves, keeps = [], []
     for t in range(max(len(f) for f in fed)):
         wave = [r for r, o in enumerate(offsets) if o == t]
         waves.append(wave)
-        kept = [r for r in wave if t + 1 < len(fed[slots.index(row_slots[r])])]
+        kept = [r for r in wave if t + 1 < row_fed[r]]
         keeps.append(None if not kept else (kept, [set_of(row_slots[r]) for r in kept]))
     return _on(device, tokens, row_slots, offsets, prev, waves, keeps, slots, last, [len(f) for f in fed])
 
@@ -79,6 +80,14 @@ def fixed_grid(slots: list[int], fed: list[list[int]], batch: int, width: int, s
     last = [i * width + (len(fed[i]) if i < len(slots) else 1) - 1 for i in range(batch)]
     counts = [len(fed[i]) if i < len(slots) else 0 for i in range(batch)]
     return _on(device, tokens, row_slots, offsets, prev, waves, keeps, real, last, counts)
+
+
+def step_inputs(rows: VerifyRows) -> list[torch.Tensor]:
+    """The tensors of a `fixed_grid` that differ between steps of one (batch, width) shape, in a fixed order:
+    what a graph's replay copies into its static rows. The rest (offsets, prev_rows, waves and the rows of
+    each keep) follow from the shape alone."""
+    return [rows.tokens, rows.row_slots, rows.slots, rows.last_rows, rows.counts,
+            *(k[1] for k in rows.keeps if k is not None)]
 
 
 def _on(device, tokens, row_slots, offsets, prev, waves, keeps, slots, last, counts) -> VerifyRows:

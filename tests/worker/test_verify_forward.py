@@ -13,7 +13,7 @@ from capsulert.engine import runner as runner_module
 from capsulert.engine.engine import GRID, Engine
 from capsulert.engine.numerics import first_row_linear_variant, row_linear
 from capsulert.engine.runner import MAX_DECODE_BATCH, verify_groups
-from capsulert.engine.verify_rows import fixed_grid, verify_rows
+from capsulert.engine.verify_rows import fixed_grid, step_inputs, verify_rows
 from tests.models import MODELS
 
 
@@ -146,6 +146,23 @@ def test_verify_rows_layout():
     assert [k[1].tolist() for k in grid.keeps[:2]] == [[0, 5, 5], [0, 5, 5]] and grid.keeps[2] is None
     assert grid.slots.tolist() == [3, 1, 9] and grid.last_rows.tolist() == [2, 3, 6]
     assert grid.counts.tolist() == [3, 1, 0]
+
+
+def test_a_graph_step_copies_only_what_differs_between_steps_of_one_shape():
+    """A verify graph's replay copies step_inputs alone into its static rows: every other tensor of two
+    fixed grids of one shape, whatever they feed, is the same; copying step_inputs makes them equal."""
+    cpu = torch.device("cpu")
+    static = fixed_grid([], [], 4, 3, 9, lambda s: None, 5, cpu)  # what the graph was captured with
+    new = fixed_grid([3, 1, 2], [[10, 11, 12], [20], [30, 31]], 4, 3, 9, {3: 0, 2: 1}.get, 5, cpu)
+    for got, want in zip(step_inputs(static), step_inputs(new)):
+        got.copy_(want)
+    assert torch.equal(static.offsets, new.offsets) and torch.equal(static.prev_rows, new.prev_rows)
+    assert all(torch.equal(a, b) for a, b in zip(static.waves, new.waves))
+    for a, b in zip(static.keeps, new.keeps):
+        assert (a is None) == (b is None)
+        assert a is None or (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+    for f in ("tokens", "row_slots", "slots", "last_rows", "counts"):
+        assert torch.equal(getattr(static, f), getattr(new, f)), f
 
 
 def test_row_linear_gives_each_row_a_one_row_gemms_bits():
