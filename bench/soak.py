@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import json
 import random
 import sys
 import tempfile
@@ -39,10 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
+import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 from common import OUT_DIR, log, machine_info, percentile, print_table, write_json  # noqa: E402
 
 from capsulert.capsule_store import tensors_checksum  # noqa: E402
+from capsulert.capsule_store.format.meta import meta_to_json  # noqa: E402
 from capsulert.errors import UnknownCapsuleError, WorkerLost  # noqa: E402
 from capsulert.orchestrator import Orchestrator  # noqa: E402
 from capsulert.worker.actor import send  # noqa: E402
@@ -60,6 +63,11 @@ PROBE = [17, 42, 99]  # appended when every surviving capsule is checked at the 
 PROBE_TOKENS = 4
 VERBS = ("open", "append", "generate", "snapshot", "restore", "rag", "fork", "rollback", "delete", "close")
 EXPECTED_LOST_CAPSULE = "UnknownCapsuleError(unpinned capsule died with the killed worker)"
+
+
+def tensor_digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each tensor's checksum by name: where two capsules' checksums differ, says which tensors do."""
+    return {k: f"{tuple(t.shape)} {tensors_checksum({k: t})[:16]}" for k, t in tensors.items()}
 
 
 def logits_hash(x) -> str:
@@ -300,12 +308,11 @@ class Client:
                 continue
             if info["pinned"] and info["pid"] == self.run.killed_pid:
                 self.pinned_from_killed += 1
-            checks = []
-            for w in row["workers"]:
-                checksum = (await orch.call(w, ExportCapsule(name, self.ns.ns))).checksum
-                checks.append(checksum)
+            exports = [await orch.call(w, ExportCapsule(name, self.ns.ns)) for w in row["workers"]]
             probe = await self.ns.restore_append_generate(name, PROBE, PROBE_TOKENS)
-            self.final[name] = {"checksums": checks, "probe": probe, "pinned": info["pinned"]}
+            self.final[name] = {"checksums": [e.checksum for e in exports], "probe": probe, "pinned": info["pinned"],
+                                "parts": [tensor_digests(safetensors.torch.load(e.blob)) for e in exports],
+                                "meta": [json.loads(e.meta_json) for e in exports]}
 
 
 # ---------------------------------------------------------------------- replay
@@ -368,10 +375,15 @@ def replay(eng: Engine, client: Client) -> list[str]:
         else:  # pragma: no cover
             raise ValueError(op)
     for name, f in client.final.items():
-        with eng.store.reading(name) as (_, tensors):
-            checksum = tensors_checksum(tensors)
-        for c in f["checksums"]:
+        with eng.store.reading(name) as (meta, tensors):
+            checksum, parts, held = tensors_checksum(tensors), tensor_digests(tensors), json.loads(meta_to_json(meta))
+        for c, got_parts, got_meta in zip(f["checksums"], f["parts"], f["meta"]):
             expect(f"capsule {name} bytes", c, checksum)
+            if c != checksum:  # say what differs: the tensors, and the metadata that decides which are kept
+                diff = sorted(k for k in parts.keys() | got_parts.keys() if parts.get(k) != got_parts.get(k))
+                bad.append(f"client {client.i} capsule {name} tensors {[(k, parts.get(k), got_parts.get(k)) for k in diff]}")
+                bad.append(f"client {client.i} capsule {name} meta "
+                           f"{ {k: (held.get(k), got_meta.get(k)) for k in held.keys() | got_meta.keys() if held.get(k) != got_meta.get(k)} }")
         s = eng.restore(name)
         s.append(PROBE)
         expect(f"capsule {name} continuation", s.generate(PROBE_TOKENS), f["probe"])

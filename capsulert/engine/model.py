@@ -201,8 +201,9 @@ class HybridModel:
         if grid_at is not None:  # the hidden state before the grid point: the logits a checkpoint there gives
             if isinstance(grid_at, int):
                 before = h[:, grid_at - 1]
-            else:  # a row whose grid point is where it starts (0) keeps the hidden state before the piece
-                before = torch.cat([seed[:, None], h], dim=1)[torch.arange(B, device=self.device), grid_at]
+            else:  # a row whose grid point is where it starts (0) keeps its own checkpoint's hidden state
+                kept = state.grid_hidden[slots]
+                before = torch.cat([kept[:, None], h], dim=1)[torch.arange(B, device=self.device), grid_at]
             state.grid_hidden.index_copy_(0, slots, before)
         if self.mtp is not None and not decode:
             self.mtp.piece(state, slots, tokens, h, seed, start, kv_len)

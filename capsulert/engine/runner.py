@@ -220,10 +220,10 @@ class ModelRunner:
         return torch.tensor(list(slots), device=self.device)
 
     def reset_slot(self, slot: int) -> None:
-        """An empty slot: zero recurrent and conv state (live and grid), the hidden state at its grid point,
-        position 0."""
+        """An empty slot: zero recurrent and conv state (live and grid), the hidden states (last and at its grid
+        point: nothing of the slot's previous session is read as this one's), position 0."""
         st = self.state
-        for name in ("ssm", "conv", "ssm_grid", "conv_grid", "grid_hidden"):
+        for name in ("ssm", "conv", "ssm_grid", "conv_grid", "grid_hidden", "last_hidden"):
             st.slot_view(name, slot).zero_()
         st.pos[slot] = 0
 

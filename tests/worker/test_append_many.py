@@ -28,6 +28,9 @@ def slot_bytes(engine, s):
     out = {k: getattr(st, k)[:, slot].clone() for k in ("ssm", "conv", "ssm_grid", "conv_grid")}
     out.update(kv_k=st.kv_k[:, slot, :n].clone(), kv_v=st.kv_v[:, slot, :n].clone(),
                last_hidden=st.last_hidden[slot].clone(), pos=st.pos[slot].clone())
+    if st.layout.mtp_layers:  # the MTP head's rows and its seed at the grid point
+        out.update(mtp_k=st.mtp_k[:, slot, :n].clone(), mtp_v=st.mtp_v[:, slot, :n].clone(),
+                   grid_hidden=st.grid_hidden[slot].clone())
     t = engine.table.replayable_end(s) - n // GRID * GRID
     if t:
         out.update(tail_in=st.tail_in[:, slot, :t].clone(), tail_gates=st.tail_gates[:, slot, :t].clone())
@@ -111,3 +114,29 @@ def test_a_bad_piece_refuses_the_whole_call_and_changes_no_session(engine, corpu
         engine.append_many([a, a], [corpus[:3], corpus[:3]])
     with pytest.raises(InvalidRequestError, match="one piece"):
         engine.append_many([a, b], [corpus[:3]])
+
+
+def capsule_checksum(engine, name):
+    from capsulert.capsule_store import tensors_checksum
+
+    with engine.store.reading(name) as (_, tensors):
+        return tensors_checksum(tensors)
+
+
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
+def test_a_reused_slot_gives_a_capsule_nothing_of_its_previous_session(make_engine, corpus):
+    """A session short of its first grid point, appended beside one that crosses a grid point (the forward then
+    keeps a grid checkpoint for every row), in a slot a longer session held before: its capsule is bitwise the
+    one a fresh engine makes, byte for byte of every tensor (no hidden state of the previous occupant)."""
+    eng, fresh = make_engine(slots=2), make_engine(slots=2)
+    for s in [eng.open(), eng.open()]:
+        s.append(corpus[1000:1100])
+        s.close()
+    short, crossing = eng.open(), eng.open()
+    crossing.append(corpus[200:250])
+    eng.append_many([short, crossing], [corpus[:40], corpus[250:290]])  # short's first piece
+    eng.snapshot(short, "short")
+    ref = fresh.open()
+    ref.append(corpus[:40])
+    fresh.snapshot(ref, "short")
+    assert capsule_checksum(eng, "short") == capsule_checksum(fresh, "short")
