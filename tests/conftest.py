@@ -51,11 +51,12 @@ WHOLE_FILE_DIRS = ("tests/orchestrator/", "tests/serve/")
 WHOLE_FILES = ("tests/worker/test_default_model.py", "tests/capsule_store/test_fuzz.py", "tests/chat/test_chat_api.py")
 
 
-# files that share a fixture run as one unit, so that it starts once: tests/serve/conftest.py's agent_server (a
-# `capsulert serve` with the frameworks' bounds, for its AGENT_SERVER_FILES), and the local Ray of
+# files that share a fixture run as one unit, so that it starts once: tests/serve/conftest.py's SharedServer
+# servers (`server` and `agent_server`, each for its group of modules), and the local Ray of
 # tests/orchestrator/conftest.py (stopped when its worker moves on: its files run one after another, not
 # interleaved with the serve files, which would start it again for each)
-FILE_GROUPS = {"tests/serve/test_frameworks.py": "agent-server", "tests/serve/test_responses_api.py": "agent-server"}
+FILE_GROUPS = {"tests/serve/test_server.py": "serve-server", "tests/serve/test_tools_structured.py": "serve-server",
+               "tests/serve/test_frameworks.py": "agent-server", "tests/serve/test_responses_api.py": "agent-server"}
 DIR_GROUPS = ("tests/orchestrator/",)
 
 

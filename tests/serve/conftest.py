@@ -1,6 +1,7 @@
 """Fixtures: a real `capsulert serve` (Ray Serve, one CPU worker, the default model, two tenants) on a free
-loopback port, started once per module as a subprocess, and the in-process engine its answers are
-compared with (same model files and engine settings, so greedy and seeded outputs are bitwise equal)."""
+loopback port, started as a subprocess once for a group of modules (SharedServer), and the in-process engine
+its answers are compared with (same model files and engine settings, so greedy and seeded outputs are bitwise
+equal)."""
 from __future__ import annotations
 
 import os
@@ -83,40 +84,56 @@ def running_server(default_model_dir, work: Path, *extra: str, keys: bool = True
             proc.wait()
 
 
-@pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
-    with running_server(default_model_dir, tmp_path_factory.mktemp("serve")) as srv:
-        yield srv
+class SharedServer:
+    """One server for a group of test modules (one unit of work under pytest-xdist: FILE_GROUPS in
+    tests/conftest.py): started by the first test that asks for it, stopped once the test worker's next test is
+    in none of them, so a server starts once per group and none idles for the rest of the run."""
+
+    def __init__(self, name: str, files: tuple[str, ...], *args: str):
+        self.name, self.files, self.args = name, files, args
+        self._stack = ExitStack()
+        self._server: Server | None = None
+
+    def get(self, request, default_model_dir, tmp_path_factory) -> Server:
+        if request.path.name not in self.files:  # it would be stopped after that module's first test
+            pytest.fail(f"{request.path.name} is not one of the {self.name} server's modules {self.files}")
+        if self._server is None:
+            work = tmp_path_factory.mktemp(self.name)
+            self._server = self._stack.enter_context(running_server(default_model_dir, work, *self.args))
+        return self._server
+
+    def leaving(self, nextitem) -> None:
+        if self._server is not None and (nextitem is None or nextitem.path.name not in self.files):
+            self._server = None
+            self._stack.close()
 
 
 # the server agent frameworks meet (test_frameworks.py, test_responses_api.py): they send no max_tokens, so
 # --max-tokens bounds their replies; their prompts (tool schemas, instructions) need more than ENGINE's max_seq
 AGENT_MAX_TOKENS, AGENT_MAX_SEQ = 160, 2048
-
-
-# the modules agent_server serves: one unit of work under pytest-xdist (tests/conftest.py, FILE_GROUPS)
-AGENT_SERVER_FILES = ("test_frameworks.py", "test_responses_api.py")
-_agent = ExitStack()  # the running agent server, closed when a test worker leaves AGENT_SERVER_FILES
-_agent_server: list[Server] = []
+MAIN = SharedServer("serve", ("test_server.py", "test_tools_structured.py"))
+AGENTS = SharedServer("agents", ("test_frameworks.py", "test_responses_api.py"),
+                      "--max-tokens", str(AGENT_MAX_TOKENS), "--max-seq", str(AGENT_MAX_SEQ))
+SHARED = (MAIN, AGENTS)
 
 
 @pytest.fixture(scope="module")
-def agent_server(default_model_dir, tmp_path_factory):
-    """One server for the modules that run agent frameworks and the Responses API: started by the first of
-    them, stopped after the last (pytest_runtest_teardown), not kept idle for the rest of the run."""
-    if not _agent_server:
-        _agent_server.append(_agent.enter_context(running_server(
-            default_model_dir, tmp_path_factory.mktemp("agents"), "--max-tokens", str(AGENT_MAX_TOKENS),
-            "--max-seq", str(AGENT_MAX_SEQ))))
-    return _agent_server[0]
+def server(request, default_model_dir, tmp_path_factory):
+    """The server of test_server.py and test_tools_structured.py, started once for both."""
+    return MAIN.get(request, default_model_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def agent_server(request, default_model_dir, tmp_path_factory):
+    """One server for the modules that run agent frameworks and the Responses API."""
+    return AGENTS.get(request, default_model_dir, tmp_path_factory)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     out = yield
-    if _agent_server and (nextitem is None or nextitem.path.name not in AGENT_SERVER_FILES):
-        _agent_server.clear()
-        _agent.close()
+    for shared in SHARED:
+        shared.leaving(nextitem)
     return out
 
 

@@ -25,7 +25,9 @@ def roomy(default_model_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_200_concurrent_clients_with_mixed_n_and_batches_are_all_answered(roomy):
-    res = asyncio.run(http_load.run_load(roomy.url, MODEL, KEYS["acme"], clients=200, requests=1, max_tokens=4,
+    # two tokens a choice: a stream still carries a chunk per token before its finish; what is checked, that
+    # every request queues for its sessions and is answered whole, does not depend on the length
+    res = asyncio.run(http_load.run_load(roomy.url, MODEL, KEYS["acme"], clients=200, requests=1, max_tokens=2,
                                          slots=ENGINE["slots"], timeout=240))
     print(f"200 clients: p50 {res['p50_s']:.2f} s, p99 {res['p99_s']:.2f} s, {res['requests_per_s']:.1f} req/s")
     assert res["statuses"] == {"200": 200} and res["lost"] == 0, res["problems"]
