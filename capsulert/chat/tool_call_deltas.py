@@ -57,6 +57,11 @@ class ToolCallDeltas:
         self.partial = False  # the reply ended inside a call already begun (finish(cut=True))
         self.dropped = False  # the reply ended inside a call whose head was not sent yet (nothing of it sent)
 
+    @property
+    def in_call(self) -> bool:
+        """Whether the text so far ends inside a call's block (its last CallDelta may not be its last piece)."""
+        return self._in_call
+
     def push(self, delta: str) -> list[str | CallDelta]:
         self._buf += delta
         out: list[str | CallDelta] = []

@@ -1,6 +1,9 @@
 """POST /v1/responses (OpenAI's Responses API) on the chat completions' generation path: the input items
 become chat messages (responses_bodies.py), planned by the same ChatTurn (tools, tool_choice, text.format
-as response_format), run by the same Run, answered as a `response` object or as its stream of events.
+as response_format), run by the same Run, answered as a `response` object or as its stream of events. Streamed, a function call comes whole once its
+block closes (a call cut by max_output_tokens is dropped), or, with `stream_options.tool_arguments`
+"incremental", as an item added once its name is written and argument deltas as they are generated
+(chat/tool_call_deltas.py; cut, the response ends incomplete with that item incomplete).
 
 A stored response is a capsule. With `store` (the default) the response's end state (its rendered input and
 its reply as generated) is snapshotted as a capsule of the caller's namespace, under a server-reserved name,
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from capsulert.chat.prompt import ChatRenderer
 from capsulert.errors import InvalidRequestError
+from capsulert.chat.tool_call_deltas import CallDelta, ToolCallDeltas
 from capsulert.chat.tool_calls import ToolCall, ToolCallStream
 from capsulert.chat.turn import ChatTurn, cut_off, finish_reason, read_reply
 from capsulert.serve.generation import RESERVED_PREFIX, Choice, Chunk, Made, Plan, Usage
@@ -123,9 +127,9 @@ def _message(text: str, status: str = "completed", item_id: str | None = None) -
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def _function_call(call: ToolCall) -> dict:
+def _function_call(call: ToolCall, status: str = "completed") -> dict:
     return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
-            "name": call.name, "arguments": call.arguments, "status": "completed"}
+            "name": call.name, "arguments": call.arguments, "status": status}
 
 
 def _as_input(item: dict) -> InputItem:
@@ -149,8 +153,13 @@ class ResponseShape:
     _seq: int = 0
     _output: list = field(default_factory=list)
     _open_message: dict | None = None
-    _calls: ToolCallStream = field(default_factory=ToolCallStream)
+    _open_call: dict | None = None  # incremental arguments: the function call item being written
+    _calls: ToolCallStream | ToolCallDeltas = field(default_factory=ToolCallStream)
     _final: Choice | None = None
+
+    def __post_init__(self):
+        if self.body_in.tool_arguments_incremental:
+            self._calls = ToolCallDeltas()
 
     def _object(self, status: str, output: list, usage: Usage | None, incomplete: bool = False) -> dict:
         b = self.body_in
@@ -169,7 +178,9 @@ class ResponseShape:
     def _keep(self, output: list, choice: Choice, made: Made | None) -> None:
         if made is None:
             return
-        items = self.planned.items + tuple(_as_input(item) for item in output)
+        # a call cut by max_output_tokens is no input (its arguments are not JSON): a conversation that goes
+        # on from this response renders without it, so it is prefilled whole rather than from the capsule
+        items = self.planned.items + tuple(_as_input(item) for item in output if item["status"] == "completed")
         tokens = array("I", self.planned.rendered + tuple(choice.tokens))
         record = StoredResponse(self.namespace, items, tokens, made.ref.name)
         self.stored.put(self.id, record)
@@ -207,11 +218,17 @@ class ResponseShape:
             if isinstance(piece, ToolCall):
                 out += self._close_message()
                 out += self._call_events(piece)
+            elif isinstance(piece, CallDelta):
+                out += self._call_delta_events(piece)
             elif piece and not (self._calls.calls and piece.isspace()):
+                out += self._close_call()
                 out += self._text_events(piece)
         if ch.final is not None:
+            out += self._close_call("incomplete" if self._calls.partial else "completed")
             out += self._close_message()
             self._final = ch.final
+        elif self._open_call is not None and not self._calls.in_call:  # its block closed: its arguments are whole
+            out += self._close_call()
         return b"".join(out)
 
     def _text_events(self, text: str) -> list[bytes]:
@@ -253,11 +270,37 @@ class ResponseShape:
                             name=item["name"], arguments=item["arguments"]),
                 self._event("response.output_item.done", output_index=index, item=item)]
 
+    def _call_delta_events(self, d: CallDelta) -> list[bytes]:
+        """A piece of a call whose arguments go out as they are generated: the first adds its item."""
+        out = []
+        if d.name is not None:
+            out += self._close_call() + self._close_message()
+            self._open_call = _function_call(ToolCall(d.name, "", d.id), "in_progress")
+            self._output.append(self._open_call)
+            out.append(self._event("response.output_item.added", output_index=len(self._output) - 1,
+                                   item=dict(self._open_call)))
+        if d.arguments:
+            item = self._open_call
+            item["arguments"] += d.arguments
+            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=len(self._output) - 1, delta=d.arguments))
+        return out
+
+    def _close_call(self, status: str = "completed") -> list[bytes]:
+        item, self._open_call = self._open_call, None
+        if item is None:
+            return []
+        item["status"] = status
+        index = self._output.index(item)
+        return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            name=item["name"], arguments=item["arguments"]),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
     def tail_chunk(self, usage: Usage | None, capsule: Made | None) -> dict:
         """The last event: response.completed (or .incomplete, cut by max_output_tokens) with the usage."""
         final = self._final
-        incomplete = final is not None and finish_reason(final.stop_reason, self._calls.calls,
-                                                         self._calls.dropped) == "length"
+        cut = self._calls.dropped or self._calls.partial
+        incomplete = final is not None and finish_reason(final.stop_reason, self._calls.calls, cut) == "length"
         if final is not None:
             self._keep(self._output, final, capsule)
         status = "incomplete" if incomplete else "completed"

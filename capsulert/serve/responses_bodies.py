@@ -113,6 +113,16 @@ class TextOptions(BaseModel):
     format: TextFormat | None = None
 
 
+class ResponsesStreamOptions(BaseModel):
+    """`tool_arguments` (an extension, as chat completions take it): "whole" (the default) sends each function
+    call's arguments in one delta once the call is complete, and drops a call cut by max_output_tokens;
+    "incremental" adds the call's item as soon as its name is written and sends its arguments in pieces as
+    they are generated (chat/tool_call_deltas.py), so a response cut by max_output_tokens may end with a
+    function call item of status "incomplete"."""
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    tool_arguments: Literal["whole", "incremental"] = "whole"
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, frozen=True)
 
@@ -130,6 +140,7 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
     store: bool = True
     text: TextOptions | None = None
     metadata: dict[str, str] | None = None
@@ -138,6 +149,8 @@ class ResponsesRequest(BaseModel):
     def _known(self):
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must not be an empty list")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream = true")
         if self.model_extra:
             warn_unknown_fields(self.model_extra)
         return self
@@ -149,6 +162,10 @@ class ResponsesRequest(BaseModel):
         if len(stops) > MAX_STOPS or any(not s for s in stops):
             raise ValueError(f"stop takes at most {MAX_STOPS} non-empty strings")
         return v
+
+    @property
+    def tool_arguments_incremental(self) -> bool:
+        return self.stream_options is not None and self.stream_options.tool_arguments == "incremental"
 
     @property
     def stops(self) -> tuple[str, ...]:

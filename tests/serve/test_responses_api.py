@@ -98,6 +98,60 @@ def test_function_calls_and_their_outputs(acme):
     assert answer.output and answer.output[0].type == "message"
 
 
+INCREMENTAL = {"stream_options": {"tool_arguments": "incremental"}}
+NAMED = {"type": "function", "name": "get_weather"}
+
+
+def _call_events(events) -> tuple[list, list[str], list]:
+    """(the function_call items added, their arguments deltas in order, the items done) of a stream."""
+    added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    return added, deltas, done
+
+
+def test_incremental_function_call_arguments_stream_as_generated(acme):
+    """stream_options.tool_arguments "incremental": the call's item is added before its arguments, which come
+    in several deltas adding up to the item's arguments, the same object as the whole response's call."""
+    args = dict(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], tool_choice=NAMED, max_output_tokens=64,
+                temperature=0, store=False)
+    whole, = acme.responses.create(**args).output
+    events = list(acme.responses.create(**args, stream=True, extra_body=INCREMENTAL))
+    added, deltas, done = _call_events(events)
+    assert [(i.name, i.arguments, i.status) for i in added] == [("get_weather", "", "in_progress")]
+    assert len(deltas) > 2 and [(i.call_id, i.status) for i in done] == [(added[0].call_id, "completed")]
+    assert "".join(deltas) == done[0].arguments
+    assert json.loads(done[0].arguments) == json.loads(whole.arguments)
+    arguments_done, = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert arguments_done.arguments == done[0].arguments and events[-1].type == "response.completed"
+    with pytest.raises(openai.BadRequestError, match="stream_options needs stream"):
+        acme.responses.create(**args, extra_body=INCREMENTAL)
+
+
+def test_an_incremental_call_cut_by_max_output_tokens_ends_incomplete(acme):
+    """A response cut inside a call whose arguments went out already ends `incomplete` with that call's item
+    `incomplete` (the default drops the call); the stored conversation goes on without it."""
+    args = dict(model=MODEL, input="Weather in Oslo?", tools=[WEATHER], tool_choice=NAMED, temperature=0)
+    n = acme.responses.create(**args, max_output_tokens=64, store=False).usage.output_tokens
+    for limit in range(n - 1, 0, -1):  # the last limit that still cuts the arguments (not only the block's end)
+        events = list(acme.responses.create(**args, max_output_tokens=limit, stream=True, extra_body=INCREMENTAL))
+        added, deltas, done = _call_events(events)
+        if deltas and done[0].arguments.rstrip()[-1:] != "}":
+            break
+    assert len(added) == len(done) == 1 and done[0].status == "incomplete" and "".join(deltas) == done[0].arguments
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(done[0].arguments)
+    end = events[-1]
+    assert end.type == "response.incomplete" and end.response.output[-1].status == "incomplete"
+    assert acme.responses.create(**args, max_output_tokens=limit, store=False).output == []  # the default
+    follow = acme.responses.create(model=MODEL, previous_response_id=end.response.id, input="Thanks.",
+                                   tools=[WEATHER], max_output_tokens=2, temperature=0)
+    fresh = acme.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=2, temperature=0,
+                                  input=[{"role": "user", "content": "Weather in Oslo?"},
+                                         {"role": "user", "content": "Thanks."}])
+    assert follow.usage.input_tokens == fresh.usage.input_tokens
+
+
 def test_text_format_json_schema(acme):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
