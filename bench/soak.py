@@ -255,7 +255,8 @@ class Client:
         if isinstance(e, WorkerLost) and run.t_kill is not None:
             run.lost_after_kill_s.append(time.perf_counter() - run.t_kill)
         if kind not in ("WorkerLost", EXPECTED_LOST_CAPSULE):
-            run.unexpected.append(f"client {self.i} {verb} {self.cur_name}: {kind}: {e}")
+            run.unexpected.append(f"client {self.i} {verb} {self.cur_name} {self.caps.get(self.cur_name)} "
+                                  f"(killed pid {run.killed_pid}): {kind}: {e}")
 
     async def step(self) -> None:
         verb = self._pick()
@@ -293,7 +294,7 @@ class Client:
                 self.ghosts.append(name)
                 await self.ns.delete(name)
             else:
-                self.missing.append(f"unexpected capsule {name}")  # a capsule nobody made: counted as a loss
+                self.missing.append(f"unexpected capsule {name} {rows[name]}")  # nobody made it: counted as a loss
         for name, info in sorted(self.caps.items()):
             row = rows.get(name)
             if row is None:

@@ -22,7 +22,7 @@ import asyncio
 from contextlib import aclosing
 from typing import AsyncIterator
 
-from capsulert.errors import InvalidRequestError, SessionClosedError
+from capsulert.errors import InvalidRequestError, SessionClosedError, UnknownCapsuleError
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.router import CapsuleRouter
 from capsulert.orchestrator.worker_pool import WorkerPool
@@ -114,21 +114,35 @@ class Namespace:
         """append_generate() as a stream, in one request (restore_append_stream's events and rules)."""
         return self._turn_stream(None, prompt, max_new_tokens, sampling)
 
-    async def _worker_for(self, name: str | None) -> int:
-        """Where a turn runs: a worker holding capsule `name`, or the least loaded one for a new session."""
-        return self.pool.least_loaded(range(len(self.pool))) if name is None else await self.router.serving_worker(name)
+    async def _worker_for(self, name: str | None, tried: set[int]) -> int:
+        """Where a turn runs: a worker holding capsule `name` (but those `tried`), or the least loaded one for a
+        new session."""
+        if name is None:
+            return self.pool.least_loaded(range(len(self.pool)))
+        return await self.router.serving_worker(name, tried)
+
+    def _another_holder(self, name: str | None, tried: set[int], w: int) -> bool:
+        """After worker w refused the turn's capsule (UnknownCapsuleError): whether another holds it
+        (router.held_elsewhere), so the turn goes there."""
+        tried.add(w)
+        return name is not None and self.router.held_elsewhere(name, tried)
 
     async def _turn(self, name: str | None, suffix, max_new_tokens: int, sampling, keep: bool,
                     timeout: float | None) -> tuple[int, GenerateResult]:
         request = self._restore_turn(name, suffix, max_new_tokens, sampling, keep)
-        w = await self._worker_for(name)
-        call_id = next_call_id()
-        try:
-            return w, await self.pool.call(w, request, timeout=timeout, call_id=call_id)
-        except asyncio.CancelledError:
-            if not keep:  # the caller went away: its generate stops at the next token, its session is closed
-                self.pool.send(w, Interrupt(None, call_id))
-            raise
+        tried: set[int] = set()
+        while True:
+            w = await self._worker_for(name, tried)
+            call_id = next_call_id()
+            try:
+                return w, await self.pool.call(w, request, timeout=timeout, call_id=call_id)
+            except asyncio.CancelledError:
+                if not keep:  # the caller went away: its generate stops at the next token, its session is closed
+                    self.pool.send(w, Interrupt(None, call_id))
+                raise
+            except UnknownCapsuleError:
+                if not self._another_holder(name, tried, w):
+                    raise
 
     async def restore_append_stream(self, name: str, suffix, max_new_tokens: int, sampling=None
                                     ) -> AsyncIterator[TokenEvent | FinalEvent]:
@@ -143,12 +157,21 @@ class Namespace:
     async def _turn_stream(self, name: str | None, suffix, max_new_tokens: int, sampling
                            ) -> AsyncIterator[TokenEvent | FinalEvent]:
         request = self._restore_turn(name, suffix, max_new_tokens, sampling, keep=False)
-        w = await self._worker_for(name)
-        await self.pool.check(w)
-        # closing this closes the pool's stream at once, which interrupts an unfinished generate
-        async with aclosing(self.pool.stream(w, request, next_call_id())) as events:
-            async for event in events:
-                yield event
+        tried: set[int] = set()
+        while True:
+            w = await self._worker_for(name, tried)
+            await self.pool.check(w)
+            started = False
+            try:
+                # closing this closes the pool's stream at once, which interrupts an unfinished generate
+                async with aclosing(self.pool.stream(w, request, next_call_id())) as events:
+                    async for event in events:
+                        started = True
+                        yield event
+                return
+            except UnknownCapsuleError:  # a refusal comes before any event: nothing was streamed yet
+                if started or not self._another_holder(name, tried, w):
+                    raise
 
     def _restore_turn(self, name: str | None, suffix, max_new_tokens: int, sampling, keep: bool) -> Turn:
         """The Turn that restores `name` into a new session (None: opens an empty one), appends and generates

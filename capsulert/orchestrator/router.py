@@ -1,6 +1,7 @@
 """CapsuleRouter: a namespace's capsule verbs, and where its sessions go.
 
-A session goes to the worker holding its capsule (the least loaded one when several do); a capsule
+A session goes to the worker holding its capsule (the least loaded one when several do; one that answers
+that it has no such capsule, its copy lost with a restarted process, is passed over for another); a capsule
 needed on another worker is copied there byte-exact: over a pair link between the two workers' devices
 (NCCL between CUDA workers, Gloo between CPU ones; the default between CUDA workers), as safetensors bytes
 through the Ray object store (the default otherwise), or as a verified capsule file on disk. The bytes go
@@ -81,21 +82,39 @@ class CapsuleRouter:
             await self.migrate(name, worker)
 
     async def on_holder(self, name: str, request: Request, **kw):
-        """`request` on the least loaded worker holding capsule `name`; (worker, reply)."""
-        w = await self.serving_worker(name)
-        return w, await self.pool.call(w, request, **kw)
+        """`request` (a restore of capsule `name` into new sessions) on the least loaded worker holding it;
+        (worker, reply). A holder that answers UnknownCapsuleError while another still holds the capsule is
+        passed over for that one (held_elsewhere)."""
+        tried: set[int] = set()
+        while True:
+            w = await self.serving_worker(name, tried)
+            try:
+                return w, await self.pool.call(w, request, **kw)
+            except UnknownCapsuleError:
+                tried.add(w)
+                if not self.held_elsewhere(name, tried):
+                    raise
 
-    async def serving_worker(self, name: str) -> int:
+    def held_elsewhere(self, name: str, tried: set[int]) -> bool:
+        """Whether a worker not in `tried` holds capsule `name`, by the view. A holder answers
+        UnknownCapsuleError for a capsule the view gave it when the request waited out the restart of its
+        process, whose unpinned copy died with the old one (the resync took it out of the view); a refused
+        restore changes nothing, so the request may go to another holder. After a delete, none is left."""
+        return bool(self.space.where.get(name, set()) - tried)
+
+    async def serving_worker(self, name: str, exclude: set[int] = frozenset()) -> int:
         """The least loaded worker holding capsule `name`. With OrchestratorConfig.replicate_hot = GAP, a
         capsule whose best holder carries GAP or more sessions (open or in flight) than the least loaded
         live worker is first copied there (migrate, via="auto"): a hot capsule spreads over idle workers on
         demand. A copy that fails is logged and the request stays with the holders."""
-        holders = self._holders(name)
+        holders = self._holders(name) - exclude
+        if not holders:
+            raise UnknownCapsuleError(f"no capsule {name!r} in namespace {self.ns!r} on any worker")
         w, gap = self.pool.least_loaded(holders), self.pool.replicate_hot
         if gap is None:
             return w
         idle = self.pool.least_loaded(self.pool.alive())
-        if idle not in holders and self.pool.load(w) - self.pool.load(idle) >= gap:
+        if idle not in self._holders(name) and self.pool.load(w) - self.pool.load(idle) >= gap:
             try:
                 path = await self.migrate(name, idle)
                 if path is not None:
@@ -103,7 +122,7 @@ class CapsuleRouter:
             except CapsuleRTError as e:
                 log.warning("capsule %r: could not replicate it to the idle worker %d (%s); serving it from "
                             "worker(s) %s", name, idle, e, sorted(self._holders(name)))
-            w = self.pool.least_loaded(self._holders(name))  # again: others may have taken the copy meanwhile
+            w = self.pool.least_loaded(self._holders(name) - exclude or holders)  # others may have taken the copy
         return w
 
     # ------------------------------------------------------------------ capsule verbs
