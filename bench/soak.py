@@ -380,11 +380,12 @@ def replay(eng: Engine, client: Client) -> list[str]:
             checksum, parts, held = tensors_checksum(tensors), tensor_digests(tensors), json.loads(meta_to_json(meta))
         for c, got_parts, got_meta in zip(f["checksums"], f["parts"], f["meta"]):
             expect(f"capsule {name} bytes", c, checksum)
-            if c != checksum:  # say what differs: the tensors, and the metadata that decides which are kept
+            if c != checksum:  # say what differs (one mismatch): the tensors, and the metadata
                 diff = sorted(k for k in parts.keys() | got_parts.keys() if parts.get(k) != got_parts.get(k))
-                bad.append(f"client {client.i} capsule {name} tensors {[(k, parts.get(k), got_parts.get(k)) for k in diff]}")
-                bad.append(f"client {client.i} capsule {name} meta "
-                           f"{ {k: (held.get(k), got_meta.get(k)) for k in held.keys() | got_meta.keys() if held.get(k) != got_meta.get(k)} }")
+                meta_diff = {k: (held.get(k), got_meta.get(k)) for k in held.keys() | got_meta.keys()
+                             if held.get(k) != got_meta.get(k)}
+                bad[-1] += f"; tensors (replay, soak) {[(k, parts.get(k), got_parts.get(k)) for k in diff]}; " \
+                           f"metadata {meta_diff}"
         s = eng.restore(name)
         s.append(PROBE)
         expect(f"capsule {name} continuation", s.generate(PROBE_TOKENS), f["probe"])
