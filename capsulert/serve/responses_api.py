@@ -1,9 +1,10 @@
 """POST /v1/responses (OpenAI's Responses API) on the chat completions' generation path: the input items
 become chat messages (responses_bodies.py), planned by the same ChatTurn (tools, tool_choice, text.format
-as response_format), run by the same Run, answered as a `response` object or as its stream of events. Streamed, a function call comes whole once its
-block closes (a call cut by max_output_tokens is dropped), or, with `stream_options.tool_arguments`
-"incremental", as an item added once its name is written and argument deltas as they are generated
-(chat/tool_call_deltas.py; cut, the response ends incomplete with that item incomplete).
+as response_format), run by the same Run, answered as a `response` object or as its stream of events.
+Streamed, a function call comes whole once its block closes (a call cut by max_output_tokens is dropped), or,
+with `stream_options.tool_arguments` "incremental", as an item added once its name is written and argument
+deltas as they are generated (chat/tool_call_deltas.py; cut, the response ends incomplete with that item
+incomplete).
 
 A stored response is a capsule. With `store` (the default) the response's end state (its rendered input and
 its reply as generated) is snapshotted as a capsule of the caller's namespace, under a server-reserved name,
