@@ -66,11 +66,13 @@ class Namespace:
 
     async def restore(self, name: str) -> AsyncSession:
         """A new session holding capsule `name`, on a worker that has it."""
-        return self._session(*await self.router.on_holder(name, Restore(name, self.ns)))
+        request = Restore(name, self.ns)
+        return self._session(*await self.router.on_holder(name, lambda w: self.pool.call(w, request)))
 
     async def fork(self, name: str, n: int) -> list[AsyncSession]:
         """n independent sessions from capsule `name` (on one worker, so they can decode batched)."""
-        w, infos = await self.router.on_holder(name, Fork(name, n, self.ns))
+        request = Fork(name, n, self.ns)
+        w, infos = await self.router.on_holder(name, lambda w: self.pool.call(w, request))
         return [self._session(w, i) for i in infos]
 
     async def fork_spread(self, name: str, n: int) -> list[AsyncSession]:
@@ -121,28 +123,22 @@ class Namespace:
             return self.pool.least_loaded(range(len(self.pool)))
         return await self.router.serving_worker(name, tried)
 
-    def _another_holder(self, name: str | None, tried: set[int], w: int) -> bool:
-        """After worker w refused the turn's capsule (UnknownCapsuleError): whether another holds it
-        (router.held_elsewhere), so the turn goes there."""
-        tried.add(w)
-        return name is not None and self.router.held_elsewhere(name, tried)
-
     async def _turn(self, name: str | None, suffix, max_new_tokens: int, sampling, keep: bool,
                     timeout: float | None) -> tuple[int, GenerateResult]:
         request = self._restore_turn(name, suffix, max_new_tokens, sampling, keep)
-        tried: set[int] = set()
-        while True:
-            w = await self._worker_for(name, tried)
+
+        async def run(w: int) -> GenerateResult:
             call_id = next_call_id()
             try:
-                return w, await self.pool.call(w, request, timeout=timeout, call_id=call_id)
+                return await self.pool.call(w, request, timeout=timeout, call_id=call_id)
             except asyncio.CancelledError:
                 if not keep:  # the caller went away: its generate stops at the next token, its session is closed
                     self.pool.send(w, Interrupt(None, call_id))
                 raise
-            except UnknownCapsuleError:
-                if not self._another_holder(name, tried, w):
-                    raise
+        if name is not None:
+            return await self.router.on_holder(name, run)
+        w = await self._worker_for(None, set())
+        return w, await run(w)
 
     async def restore_append_stream(self, name: str, suffix, max_new_tokens: int, sampling=None
                                     ) -> AsyncIterator[TokenEvent | FinalEvent]:
@@ -170,7 +166,8 @@ class Namespace:
                         yield event
                 return
             except UnknownCapsuleError:  # a refusal comes before any event: nothing was streamed yet
-                if started or not self._another_holder(name, tried, w):
+                tried.add(w)  # as router.on_holder passes a holder over
+                if started or name is None or not self.router.held_elsewhere(name, tried):
                     raise
 
     def _restore_turn(self, name: str | None, suffix, max_new_tokens: int, sampling, keep: bool) -> Turn:

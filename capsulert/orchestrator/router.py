@@ -25,6 +25,7 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
+from typing import Awaitable, Callable, TypeVar
 
 from capsulert.errors import (CapsuleRTError, ConfigError, DuplicateCapsuleError, PeerLinkError, UnknownCapsuleError,
                               WorkerLost)
@@ -33,9 +34,10 @@ from capsulert.protocol.checks import name_arg, tier_arg
 from capsulert.orchestrator.worker_pool import WorkerPool
 from capsulert.protocol.requests import (
     Delete, Demote, ExportCapsule, ExportToDir, ImportCapsule, ImportFromFile, ListCapsules, PeerClose, Promote,
-    Rebuild, Request, SendCapsule)
+    Rebuild, SendCapsule)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _TIER_ORDER = ("device", "host", "disk")  # fastest first, as workers list them
 MIGRATION_PATHS = ("auto", "device", "object_store", "disk")
 LINK_CONNECT_TIMEOUT_S = 30.0  # at most: a pair link that is not up by then is not coming
@@ -81,15 +83,15 @@ class CapsuleRouter:
         if worker not in self._holders(name):
             await self.migrate(name, worker)
 
-    async def on_holder(self, name: str, request: Request, **kw):
-        """`request` (a restore of capsule `name` into new sessions) on the least loaded worker holding it;
-        (worker, reply). A holder that answers UnknownCapsuleError while another still holds the capsule is
+    async def on_holder(self, name: str, run: Callable[[int], Awaitable[T]]) -> tuple[int, T]:
+        """run(w) (a request that restores capsule `name` into new sessions) on the least loaded worker w holding
+        it; (w, its reply). A holder that answers UnknownCapsuleError while another still holds the capsule is
         passed over for that one (held_elsewhere)."""
         tried: set[int] = set()
         while True:
             w = await self.serving_worker(name, tried)
             try:
-                return w, await self.pool.call(w, request, **kw)
+                return w, await run(w)
             except UnknownCapsuleError:
                 tried.add(w)
                 if not self.held_elsewhere(name, tried):

@@ -217,7 +217,6 @@ class ResponseShape:
             pieces = [ch.text] if ch.text else []
         for piece in pieces:
             if isinstance(piece, ToolCall):
-                out += self._close_message()
                 out += self._call_events(piece)
             elif isinstance(piece, CallDelta):
                 out += self._call_delta_events(piece)
@@ -260,16 +259,8 @@ class ResponseShape:
                 self._event("response.output_item.done", output_index=index, item=msg)]
 
     def _call_events(self, call: ToolCall) -> list[bytes]:
-        item = _function_call(call)
-        self._output.append(item)
-        index = len(self._output) - 1
-        return [self._event("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                                   "status": "in_progress"}),
-                self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                            delta=item["arguments"]),
-                self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            name=item["name"], arguments=item["arguments"]),
-                self._event("response.output_item.done", output_index=index, item=item)]
+        """A whole call: its item added, its arguments in one delta, done."""
+        return self._call_delta_events(CallDelta(0, call.arguments, call.name, call.id)) + self._close_call()
 
     def _call_delta_events(self, d: CallDelta) -> list[bytes]:
         """A piece of a call whose arguments go out as they are generated: the first adds its item."""

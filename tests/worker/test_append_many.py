@@ -5,6 +5,7 @@ restore and with prefix-cache hits. Runs on the CPU in `make test`; on the GPU w
 import pytest
 import torch
 
+from capsulert.capsule_store import tensors_checksum
 from capsulert.engine.engine import GRID
 from capsulert.errors import InvalidRequestError, SequenceTooLongError
 from capsulert.protocol.sampling import SamplingParams
@@ -117,8 +118,6 @@ def test_a_bad_piece_refuses_the_whole_call_and_changes_no_session(engine, corpu
 
 
 def capsule_checksum(engine, name):
-    from capsulert.capsule_store import tensors_checksum
-
     with engine.store.reading(name) as (_, tensors):
         return tensors_checksum(tensors)
 
@@ -140,3 +139,24 @@ def test_a_reused_slot_gives_a_capsule_nothing_of_its_previous_session(make_engi
     ref.append(corpus[:40])
     fresh.snapshot(ref, "short")
     assert capsule_checksum(eng, "short") == capsule_checksum(fresh, "short")
+
+
+def test_an_opened_session_holds_no_hidden_state_of_the_slots_previous_one(make_engine, corpus):
+    eng = make_engine(slots=1)
+    s = eng.open()
+    s.append(corpus[:100])
+    s.close()
+    t = eng.open()
+    assert not eng.state.last_hidden[t.slot].any() and not eng.state.grid_hidden[t.slot].any()
+
+
+def test_a_batched_row_without_an_inner_grid_point_keeps_its_slots_grid_hidden_state(make_engine, corpus):
+    """Whatever the slot's last hidden state holds: a row crossing no grid point, in a forward where another
+    row does, leaves the slot's grid checkpoint (grid_hidden) as it was."""
+    eng = make_engine(slots=2)
+    short, crossing = eng.open(), eng.open()
+    crossing.append(corpus[200:250])
+    eng.state.last_hidden[short.slot] = 1.0  # not what any checkpoint holds
+    kept = eng.state.grid_hidden[short.slot].clone()
+    eng.append_many([short, crossing], [corpus[:40], corpus[250:290]])
+    assert torch.equal(eng.state.grid_hidden[short.slot], kept)
