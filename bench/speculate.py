@@ -1,15 +1,15 @@
 """Speculative decode: per-token latency against plain decode at batch 1 and 8, for forced acceptance (the
 oracle drafter proposing the plain run's own tokens: 100%, and every j-th drafted position corrupted for lower
-rates), k = 1..3, and the n-gram drafter's acceptance and latency. Every speculating run is checked to give
+rates), k = 1..3, and the n-gram and MTP drafters' acceptance and latency. Every speculating run is checked to give
 bitwise the plain run's tokens and logprobs. Peer column: HF transformers' `generate` on the same weights,
 plain and with its prompt lookup (`prompt_lookup_num_tokens=k`), at batch 1.
 
 (transformers 5 refuses assisted generation, prompt lookup included, for stateful models such as Qwen3.5:
 the bench then reports HF's plain decode only, and says so.)
 
-The n-gram acceptance here is on the model the bench runs: on random weights (the default model, the 9B
-shape) it says how often prompt lookup guesses a random model's continuation, and predicts nothing about a
-trained model, nor about an MTP head (not measured here). Prints a table, writes bench/out/speculate.json and
+The n-gram and MTP acceptance here is on the model the bench runs: on random weights (the default model, the
+9B shape) it says how often prompt lookup or a random MTP head guesses a random model's continuation, and
+predicts nothing about a trained model or a trained head. Prints a table, writes bench/out/speculate.json and
 bench/out/speculate.png.
 
     .venv/bin/python bench/speculate.py --device cpu --quick          # CPU, default model
@@ -129,6 +129,7 @@ def main() -> None:
     log(f"engine: {model} on {engine.device}, {engine.dtype}, verify "
         + ("per position" if args.per_position_verify else "in one forward"))
     greedy = SamplingParams(ignore_eos=True)
+    drafters = ["ngram", "mtp"] if engine.runner.has_mtp else ["ngram"]
     rows = []
     peer: dict[int, float] = {}
     peer_note = "HF peer not run (--skip-hf)"
@@ -149,16 +150,19 @@ def main() -> None:
                 assert same(res, plain), "speculative output differs from plain decode"
                 rows.append(_row("oracle", j, k, b, ms, plain_ms, res, args.tokens))
                 log(f"b={b} oracle j={j} k={k}: {ms:.2f} ms/token, acceptance {rows[-1]['acceptance']:.2f}")
-        for k in args.ks:
-            res, ms = generate(engine, ps, args.tokens, SamplingParams(ignore_eos=True, speculate=k))
-            assert same(res, plain), "speculative output differs from plain decode"
-            row = _row("ngram", "", k, b, ms, plain_ms, res, args.tokens)
-            row["peer_ms_per_token"] = peer.get(k) if b == 1 else None
-            rows.append(row)
-            log(f"b={b} ngram k={k}: {ms:.2f} ms/token, acceptance {row['acceptance']:.2f}")
+        for drafter in drafters:
+            for k in args.ks:
+                res, ms = generate(engine, ps, args.tokens,
+                                   SamplingParams(ignore_eos=True, speculate=k, speculate_drafter=drafter))
+                assert same(res, plain), "speculative output differs from plain decode"
+                row = _row(drafter, "", k, b, ms, plain_ms, res, args.tokens)
+                if drafter == "ngram":
+                    row["peer_ms_per_token"] = peer.get(k) if b == 1 else None
+                rows.append(row)
+                log(f"b={b} {drafter} k={k}: {ms:.2f} ms/token, acceptance {row['acceptance']:.2f}")
     print_table(rows, COLUMNS)
-    note = ("ngram acceptance is measured on random weights: it predicts nothing about a trained model or an MTP "
-            "head. Peer: HF transformers generate, plain (k = 0) and prompt_lookup_num_tokens = k, batch 1. "
+    note = ("ngram and mtp acceptance are measured on random weights: they predict nothing about a trained model "
+            "or a trained MTP head. Peer: HF transformers generate, plain (k = 0) and prompt_lookup_num_tokens = k, batch 1. "
             + peer_note)
     print(note)
     write_json(args.out, dict(machine=machine_info(args.device), model=model, context=args.context,
@@ -169,8 +173,9 @@ def main() -> None:
             series[f"oracle b={b} j={j or 'none'}"] = [next(r["vs_plain"] for r in rows if r["drafter"] == "oracle"
                                                            and r["batch"] == b and r["corrupt_every"] == j
                                                            and r["k"] == k) for k in args.ks]
-        series[f"ngram b={b}"] = [next(r["vs_plain"] for r in rows if r["drafter"] == "ngram" and r["batch"] == b
-                                       and r["k"] == k) for k in args.ks]
+        for drafter in drafters:
+            series[f"{drafter} b={b}"] = [next(r["vs_plain"] for r in rows if r["drafter"] == drafter
+                                               and r["batch"] == b and r["k"] == k) for k in args.ks]
     plot_lines(Path(args.out).with_suffix(".png"), args.ks, series, "k (drafts per step)",
                "time per token / plain decode's", title=f"speculative decode, {model} on {args.device}")
 
