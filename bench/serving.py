@@ -7,7 +7,9 @@ p50 / p99 TTFT (task start -> first streamed token) and inter-token latency, the
 same N sessions sequentially, and over HF transformers (generate per session, --hf-sessions of them timed
 and scaled to N). Also per N: the decode throughput (tokens streamed while every session is decoding, over
 that window) and, from the workers' step loops, the milliseconds per decode step spent decoding and
-prefilling. Every session's tokens are checked against its solo run. Prints a table, writes
+prefilling, and for the largest N the loop's step records over its concurrent run (where its requests'
+starts, prefill forwards and first decode steps fell, and how long each step held the decoding sessions), with
+a summary printed. Every session's tokens are checked against its solo run. Prints a table, writes
 bench/out/serving.json and bench/out/serving.png (serving_w2.json etc. with --workers / --skew).
 
 `--workers W` spreads the agents' capsules round-robin over W workers (one GPU each on cuda; agents follow
@@ -105,6 +107,28 @@ async def loop_busy(orch) -> dict:
     return out
 
 
+async def step_records(orch, since: float) -> list[dict]:
+    """Every worker's step records since `since` (time.monotonic()), with the worker's index and the step's
+    start in ms after `since`, in time order."""
+    out = []
+    for w, r in enumerate(await orch.stats(steps_since=since)):
+        out += [dict(rec, worker=w, at_ms=(rec["at_s"] - since) * 1e3) for rec in r["recent_steps"]]
+    return sorted(out, key=lambda rec: rec["at_ms"])
+
+
+def print_steps(n: int, records: list[dict]) -> None:
+    """The largest N's first steps in full (its starts and prefills), and the steps that held decoding
+    sessions longest."""
+    cols = ["at_ms", "started", "prefill_forwards", "prefill_tokens", "decode_rows", "start_ms", "prefill_ms",
+            "decode_ms"]
+    log(f"N={n}: {len(records)} steps; the first 12")
+    print_table(records[:12], cols)
+    decoding = [r for r in records if r["decode_rows"]]
+    longest = sorted(decoding, key=lambda r: -(r["start_ms"] + r["prefill_ms"] + r["decode_ms"]))[:8]
+    log(f"N={n}: the 8 longest steps that decoded")
+    print_table(sorted(longest, key=lambda r: r["at_ms"]), cols)
+
+
 def loop_figures(before: dict, after: dict, wall_s: float, workers: int) -> dict:
     """Per decode step: the loop's milliseconds in each phase, and the share of the run the loops were busy
     (the rest they waited for requests: time spent outside the worker's step loop)."""
@@ -184,9 +208,11 @@ async def run(args) -> list[dict]:
         for n in args.ns:
             names = hot[:n] if args.skew else [f"agent{i}" for i in range(n)]
             log(f"N={n}: concurrent")
-            before = await loop_busy(orch)
+            before, t_run = await loop_busy(orch), time.monotonic()
             conc = await run_n(orch, names, turns[:n], args.gen, True)
             loop = loop_figures(before, await loop_busy(orch), conc["wall_s"], args.workers)
+            if n == n_max:
+                trace = await step_records(orch, t_run)
             placed = sorted(len(v) for v in orch.placement().values())
             if n <= args.max_sequential:
                 log(f"N={n}: sequential")
@@ -207,6 +233,7 @@ async def run(args) -> list[dict]:
                          "ttft_p50_ms": conc["ttft_p50_ms"], "ttft_p99_ms": conc["ttft_p99_ms"],
                          "itl_p50_ms": conc["itl_p50_ms"], "itl_p99_ms": conc["itl_p99_ms"],
                          "checked_exact": sum(x is not None for x in solo[:n])})
+        rows[-1]["step_records"] = trace
     finally:
         await orch.close()
     base, dbase = rows[0]["tokens_per_s"], rows[0]["decode_tokens_per_s"]
@@ -229,6 +256,7 @@ async def run(args) -> list[dict]:
             "itl_p99_ms", "itl_p99_over_p50", "loop_prefill_forwards", "loop_decode_ms_per_step",
             "loop_prefill_ms_per_step", "loop_busy_share"] + ([] if args.no_hf else ["hf_tokens_per_s", "speedup_vs_hf"])
     print_table(rows, cols)
+    print_steps(rows[-1]["n"], rows[-1]["step_records"])
     tag = f"_w{args.workers}" + ("_skew" if args.skew else "") + ("_rep" if args.replicate_hot else "")
     out = Path(args.out or OUT_DIR)
     write_json(out / f"serving{'' if tag == '_w1' else tag}.json",

@@ -270,8 +270,10 @@ class Orchestrator:
         from the recent holding times; what an HTTP 429's Retry-After says)."""
         return self.pool.gate.retry_after_s()
 
-    async def stats(self) -> list[dict]:
-        return await self.pool.each(Stats())
+    async def stats(self, steps_since: float | None = None) -> list[dict]:
+        """Each worker's figures (the Stats request); with `steps_since`, a time.monotonic() value of this
+        host, also the step records of each worker's loop since then, under "recent_steps"."""
+        return await self.pool.each(Stats(steps_since=steps_since))
 
     async def health(self) -> list[dict]:
         """Each worker's Ping (process, device, weights version, capsules reloaded and re-indexed at its

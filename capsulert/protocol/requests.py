@@ -475,7 +475,10 @@ class PeerClose(ControlRequest):
 
 @dataclass(frozen=True)
 class Stats(ControlRequest):
-    """Slots, sessions, queue, decode steps and capsule store figures of the worker."""
+    """Slots, sessions, queue, decode steps and capsule store figures of the worker; with `steps_since` (a
+    time.monotonic() value of this host) also its step loop's kept records of the steps begun since then
+    (scheduler/step_trace.py), under "recent_steps"."""
+    steps_since: float | None = None
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from capsulert.scheduler.prefill_undo import roll_back
 from capsulert.scheduler.restore_batch import restore_together
 from capsulert.scheduler.session_ids import SessionIds
 from capsulert.scheduler.starters import starter, takes_slots
+from capsulert.scheduler.step_trace import StepRecord, StepTrace
 
 __all__ = ["StepScheduler", "Sink", "queue_sink", "stream_item"]
 MASK_POLL_S = 0.02  # longest sleep while every job waits for a grammar mask
@@ -100,6 +101,9 @@ class StepScheduler:
         # steps (sampling, the batched step, stop rules and the events handed to sinks); read by Stats
         self.busy_s = {"start": 0.0, "prefill": 0.0, "decode": 0.0}
         self.decoded_tokens = 0
+        self.started = 0  # requests started
+        self.prefill_tokens = 0  # new tokens of the prefill pieces run
+        self.trace = StepTrace()  # the recent steps, one record each (step_trace.py)
         # CPU kernels may reduce in another order with another thread count, and a new thread starts with
         # torch's default count, not the one its creator set: run the loop with the creator's
         self._threads = torch.get_num_threads()
@@ -157,6 +161,8 @@ class StepScheduler:
                 self._waiting += self._incoming
                 self._incoming.clear()
             try:
+                at, counts = time.monotonic(), (self.started, self.prefill_forwards, self.prefill_tokens,
+                                                self.decoded_tokens)
                 t0 = time.perf_counter()
                 self._start_ready()
                 t1 = time.perf_counter()
@@ -168,6 +174,9 @@ class StepScheduler:
                 busy["start"] += t1 - t0
                 busy["prefill"] += t2 - t1
                 busy["decode"] += t3 - t2
+                self.trace.add(StepRecord(at, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3,
+                                          self.started - counts[0], self.prefill_forwards - counts[1],
+                                          self.prefill_tokens - counts[2], self.decoded_tokens - counts[3]))
             except BaseException as e:  # a bug in the loop must not hang every caller
                 for job in self._waiting + self._active:
                     job.sink.error(e)
@@ -226,6 +235,7 @@ class StepScheduler:
             except Exception as e:  # typed refusals and untyped errors alike reach the caller, never the loop
                 job.sink.error(e)
                 continue
+            self.started += 1
             if started and job.session is not None:
                 busy.add(job.session)
         self._waiting = still
@@ -336,6 +346,7 @@ class StepScheduler:
                 return
             for part in [batch] if self.batch_prefill else [[b] for b in batch]:
                 self.prefill_forwards += 1
+                self.prefill_tokens += sum(len(piece) for _, _, piece in part)
                 try:
                     if len(part) == 1:  # alone: the one-session path (it replays a kept tail, where one is)
                         self.engine.append_checked(part[0][1], part[0][2])

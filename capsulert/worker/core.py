@@ -326,6 +326,7 @@ class WorkerCore:
                 "sessions": sch.session_count, "queued": sch.queued, "decode_steps": sch.steps,
                 "prefill_forwards": sch.prefill_forwards,
                 "decoded_tokens": sch.decoded_tokens, "loop_busy_s": dict(sch.busy_s),
+                "recent_steps": sch.trace.since(r.steps_since) if r.steps_since is not None else [],
                 "capsules": len(self.engine.store.list()), "store": self.engine.store.stats()}
 
     def _list(self, r: ListCapsules, call_id) -> list[dict]:

@@ -1,5 +1,6 @@
 """Orchestrator results equal the in-process Engine's, token for token and logit for logit."""
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -58,6 +59,7 @@ async def test_32_concurrent_sessions_equal_solo_runs(orch, fresh):
         await s.close()
         return toks, full
 
+    t0 = time.monotonic()
     results = await asyncio.gather(*(one(i) for i in range(32)))
     for i, (toks, full) in enumerate(results):
         e = fresh.open()
@@ -68,3 +70,7 @@ async def test_32_concurrent_sessions_equal_solo_runs(orch, fresh):
         e.close()
     stats = (await orch.stats())[0]
     assert stats["sessions"] == 0 and stats["free_slots"] == stats["slots"]
+    assert stats["recent_steps"] == []  # asked for none
+    steps = (await orch.stats(steps_since=t0))[0]["recent_steps"]  # the worker's step records of the crowd
+    assert sum(r["decode_rows"] for r in steps) == 32 * 3 and max(r["decode_rows"] for r in steps) > 1
+    assert sum(r["prefill_tokens"] for r in steps) == sum(len(fresh.tokenize(p)) for p in prompts)

@@ -476,6 +476,35 @@ async def test_the_step_loop_counts_its_decoded_tokens_and_its_time_per_phase(ma
         assert all(sch.busy_s[k] > 0 for k in ("start", "prefill", "decode"))
 
 
+async def test_the_step_loop_keeps_a_record_of_each_step_it_ran(make_engine, corpus):
+    async with AsyncEngine(make_engine()) as aeng:
+        sch = aeng.scheduler
+        t0 = time.monotonic()
+        a = await aeng.open(corpus[:40])
+        await a.snapshot("c")
+        branches = await aeng.fork("c", 2)
+        await asyncio.gather(*(b.generate(3, NOEOS) for b in branches))
+        records = sch.trace.since(t0)
+        assert [r["at_s"] for r in records] == sorted(r["at_s"] for r in records) and records[0]["at_s"] >= t0
+        assert sum(r["started"] for r in records) == sch.started == 5  # open, snapshot, fork, two generates
+        assert sum(r["prefill_tokens"] for r in records) == sch.prefill_tokens == 40
+        assert sum(r["prefill_forwards"] for r in records) == sch.prefill_forwards
+        assert sum(r["decode_rows"] for r in records) == sch.decoded_tokens == 6
+        assert max(r["decode_rows"] for r in records) == 2  # the branches decoded in one step
+        assert all(r["prefill_ms"] > 0 for r in records if r["prefill_forwards"])
+        assert sch.trace.since(time.monotonic()) == []  # nothing ran since
+
+
+def test_the_step_trace_keeps_the_newest_records_of_steps_that_did_something():
+    from capsulert.scheduler.step_trace import StepRecord, StepTrace
+    trace = StepTrace(size=3)
+    for i in range(5):
+        trace.add(StepRecord(float(i), 0.0, 0.0, 1.0, 0, 0, 0, 1))
+    trace.add(StepRecord(9.0, 0.1, 0.0, 0.0, 0, 0, 0, 0))  # an idle poll of slot waiters: no step
+    assert [r["at_s"] for r in trace.since()] == [2.0, 3.0, 4.0]
+    assert [r["at_s"] for r in trace.since(3.0)] == [3.0, 4.0]
+
+
 async def test_a_session_request_no_starter_runs_is_refused_when_submitted(make_engine):
     async with AsyncEngine(make_engine()) as aeng:
         with pytest.raises(InvalidRequestError, match="does not run Request"):
