@@ -32,11 +32,11 @@ class RemoteSender(Sender):
         return await self.pool.call(self.worker, request, timeout=timeout)
 
     async def start(self, request: Generate | Turn, call_id: int) -> Any:
-        await self.pool.check(self.worker)
-        return self.pool.send(self.worker, request, call_id)
+        # through the event feed, in one Batch with the generates and turns started at the same moment
+        return await self.pool.start_through_feed(self.worker, request, call_id)
 
     async def result(self, handle: Any, request: Generate | Turn, timeout: float | None = None) -> Any:
-        return await self.pool.wait(self.worker, handle, request, timeout)
+        return await self.pool.reply(self.worker, handle, request, timeout)
 
     async def stream(self, request: Generate | Turn, call_id: int) -> AsyncGenerator[TokenEvent | FinalEvent, None]:
         await self.pool.check(self.worker)

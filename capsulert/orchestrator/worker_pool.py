@@ -37,9 +37,10 @@ from capsulert.orchestrator.lifeline import ProcessExited, ProcessWatch
 from capsulert.worker.event_feed import FeedReader
 from capsulert.worker.actor import send, send_stream
 from capsulert.protocol.requests import (
-    BATCHABLE, Batch, Feed, Interrupt, ListCapsules, PeerAddress, PeerConnect, Ping, Request, Stats, Streamed,
-    UpdateWeights)
+    BATCHABLE, Append, Batch, Feed, Generate, Interrupt, ListCapsules, PeerAddress, PeerConnect, Ping, Request, Stats,
+    Streamed, Turn, UpdateWeights)
 from capsulert.protocol.results import FinalEvent, TokenEvent
+from capsulert.sessions.sender import next_call_id
 
 if TYPE_CHECKING:
     from capsulert.sessions.session import AsyncSession
@@ -80,7 +81,9 @@ class WorkerPool:
         self.replicate_hot = replicate_hot  # OrchestratorConfig.replicate_hot (router.py)
         self.closed = False
         self.sessions: weakref.WeakSet[AsyncSession] = weakref.WeakSet()  # open sessions handed out
-        self.batches: dict[int, list] = {}  # worker -> [(request, reply future)] for its next Batch
+        # (worker, rerunnable) -> [(request, reply future)] for its next Batch: a Batch is rerun on a restarted
+        # process only when all of it may be, so requests that may not travel in batches of their own
+        self.batches: dict[tuple[int, bool], list] = {}
         self.feeds: dict[int, FeedReader] = {}  # worker -> the reader of its event feed (streams)
         # the last weights every worker took (update_weights), re-applied to a worker Ray restarts
         self.weights: UpdateWeights | None = None
@@ -128,7 +131,10 @@ class WorkerPool:
     # ------------------------------------------------------------------ requests
     async def call(self, w: int, request: Request, *, timeout: float | None = None, call_id=None) -> Any:
         """Send `request` to worker w and await its reply. Short session requests (verbs.BATCHABLE) made at
-        the same moment travel together as one Batch (one round trip for many env resets)."""
+        the same moment travel together as one Batch (one round trip for many env resets), and so do appends,
+        whose replies come back through the worker's event feed (`_through_feed`)."""
+        if isinstance(request, Append) and call_id is None:
+            return await self._through_feed(w, request, timeout)
         if isinstance(request, BATCHABLE) and call_id is None:
             return await self._coalesced(w, request, timeout)
         worker = self.workers[w]
@@ -158,16 +164,65 @@ class WorkerPool:
         try:
             await self.check(w)
             reply = asyncio.get_running_loop().create_future()
-            queued = self.batches.setdefault(w, [])
+            key = (w, request.rerunnable)
+            queued = self.batches.setdefault(key, [])
             queued.append((request, reply))
             if len(queued) == 1:
-                asyncio.get_running_loop().call_soon(self._send_batch, w, timeout)
+                asyncio.get_running_loop().call_soon(self._send_batch, key, timeout)
             return await reply
         finally:
             worker.pending -= 1
 
-    def _send_batch(self, w: int, timeout: float | None) -> None:
-        queued = self.batches.pop(w, [])
+    async def _through_feed(self, w: int, request: Append, timeout: float | None) -> Any:
+        """An append whose reply comes back through worker w's event feed (`start_through_feed`)."""
+        return await self.reply(w, await self.start_through_feed(w, request, next_call_id()), request, timeout)
+
+    async def start_through_feed(self, w: int, request: Append | Generate | Turn, key) -> asyncio.Future:
+        """Submit an append or a whole generate whose reply comes back through worker w's event feed under
+        `key` (what an Interrupt names); a future of the reply, for `reply`. It is submitted in a Batch with
+        the requests made at the same moment, so a crowd's appends, or the turns of 64 RL envs, reach the
+        worker's step loop together (one prefill forward for all of them, not one for the first to arrive and
+        one for the rest), and each reply comes as soon as its own request is done (a Batch's reply would wait
+        for the longest). A refusal at submission raises here, typed."""
+        reader = self.watch(w)
+        replies = reader.subscribe(key)
+        worker = self.workers[w]
+        worker.pending += 1  # in flight until its reply, as a call is
+        try:
+            await reader.ready  # submitted before the worker hands the feed over, the reply could go astray
+            await self.call(w, Streamed(request, key, events=False))
+        except BaseException:
+            worker.pending -= 1
+            reader.unsubscribe(key)
+            raise
+
+        async def wait_reply() -> Any:
+            try:
+                kind, value = await replies.get()
+            finally:
+                worker.pending -= 1
+                reader.unsubscribe(key)
+            if kind == "done":
+                return value
+            if isinstance(value, WorkerLost):
+                worker.stale = True
+            raise value
+        return asyncio.ensure_future(wait_reply())
+
+    async def reply(self, w: int, started: asyncio.Future, request: Request, timeout: float | None = None) -> Any:
+        """The reply of a request started through worker w's event feed (`start_through_feed`), or WorkerLost
+        when none comes within the timeout (call_timeout_s by default). A cancelled wait leaves the request
+        running, its reply still to come."""
+        t = timeout if timeout is not None else self.call_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(started), t)
+        except asyncio.TimeoutError:
+            self.workers[w].stale = True
+            raise WorkerLost(f"worker {w} did not answer {_what(request)} within {t:g}s") from None
+
+    def _send_batch(self, key: tuple[int, bool], timeout: float | None) -> None:
+        w = key[0]
+        queued = self.batches.pop(key, [])
         batch = Batch(tuple(r for r, _ in queued))
         task = asyncio.ensure_future(self.wait(w, send(self.workers[w].handle, batch), batch, timeout))
 

@@ -238,18 +238,14 @@ class Close(Request):
 @dataclass(frozen=True)
 class Batch(Request):
     """Short session requests to one worker in one round trip: the orchestrator coalesces the calls its
-    callers make at the same moment (the resets of many RL envs, many closes). The worker submits them to
-    the step scheduler in order; the reply holds, in order, each request's reply or its error (one
-    refusal does not fail the others)."""
+    callers make at the same moment (the resets of many RL envs, many closes, a crowd's appends and streams).
+    The worker submits them to the step scheduler in order, together (its next step sees them all); the reply
+    holds, in order, each request's reply or its error (one refusal does not fail the others)."""
     requests: tuple[Request, ...]
 
     @property
     def rerunnable(self) -> bool:
         return all(r.rerunnable for r in self.requests)
-
-
-# what a Batch may hold: short requests with no stream and no call-targeted interrupt
-BATCHABLE = (Restore, Close)
 
 
 @dataclass(frozen=True)
@@ -296,10 +292,15 @@ class Turn(Request):
 @dataclass(frozen=True)
 class Streamed(Request):
     """A Generate or Turn whose events go into the worker's event feed under `key` (worker/
-    event_feed.py) instead of a stream of its own; the reply (None) comes once it is submitted, and an
-    Interrupt(key) stops it at the next token boundary."""
-    request: Generate | Turn
+    event_feed.py) instead of a stream of its own, or an Append whose reply goes there; the reply (None) comes
+    once it is submitted, and an Interrupt(key) stops a generate at the next token boundary. `events=False`:
+    only the result or the error goes to the feed (a whole generate, no token events)."""
+    request: Generate | Turn | Append
     key: Any
+    events: bool = True
+
+    def __post_init__(self) -> None:
+        bool_arg(self.events, "events")
 
     @property
     def target(self) -> int | None:
@@ -308,6 +309,11 @@ class Streamed(Request):
     @property
     def rerunnable(self) -> bool:
         return False  # its events went to a feed that died with the worker
+
+
+# what a Batch may hold: requests whose reply is short in coming (a Streamed's is its submission), with no
+# stream and no call-targeted interrupt of their own
+BATCHABLE = (Restore, Close, Streamed)
 
 
 @dataclass(frozen=True)

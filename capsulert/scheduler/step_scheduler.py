@@ -37,6 +37,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -125,6 +127,14 @@ class StepScheduler:
             self._incoming.append(job)
             self._cv.notify()
         return job
+
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        """Requests submitted inside the block reach the loop together: it takes none of them before the block
+        ends, so one step starts them all (a Batch of a crowd's appends is one prefill forward, not a lone
+        first one and then the rest). Submit only: a reply waited for inside the block never comes."""
+        with self._cv:  # re-entrant (a Condition's own RLock): submit takes it again inside
+            yield
 
     def cancel(self, job: Job) -> None:
         """Stop a generate at its next token boundary (its tokens stay committed)."""

@@ -47,7 +47,7 @@ from capsulert.scheduler.step_scheduler import Sink, StepScheduler, queue_sink, 
 from capsulert.scheduler.starters import STARTERS
 from capsulert.engine.state import LAYOUT_VERSION
 from capsulert.protocol.requests import (
-    BATCHABLE, CONTROL, Batch, Close, Delete, Demote, Detokenize, ExportCapsule, ExportToDir, Feed,
+    BATCHABLE, CONTROL, Append, Batch, Close, Delete, Demote, Detokenize, ExportCapsule, ExportToDir, Feed,
     Generate, ImportCapsule, ImportFromFile, Interrupt, LastCall, LinkProbe, ListCapsules, PeerAddress, PeerClose,
     PeerConnect, Ping, Promote, ReadTokens, Rebuild, Request, SendCapsule, SessionVerb, Snapshot, Stats, Streamed, Tokenize,
     Turn, UpdateWeights)
@@ -179,10 +179,11 @@ class WorkerCore:
         return self.feed.stream()
 
     def _streamed(self, r: Streamed, call_id) -> None:
-        """Submit a Generate or Turn whose events go into the event feed under r.key; an Interrupt(r.key)
-        stops it."""
-        if not isinstance(r.request, (Generate, Turn)):
-            raise InvalidRequestError(f"only Generate and Turn stream, not {type(r.request).__name__}")
+        """Submit a Generate or Turn whose events go into the event feed under r.key (an Interrupt(r.key)
+        stops it), or an Append whose reply goes there."""
+        if not isinstance(r.request, (Generate, Turn, Append)):
+            raise InvalidRequestError(f"only Generate, Turn and Append go through the event feed, "
+                                      f"not {type(r.request).__name__}")
         self._require_session(r.request)
         finished = threading.Event()
 
@@ -190,7 +191,7 @@ class WorkerCore:
             finished.set()
             self.calls.untrack(r.key)
 
-        self.calls.track(r.key, self.scheduler.submit(r.request, self.feed.sink_for(r.key, untrack)))
+        self.calls.track(r.key, self.scheduler.submit(r.request, self.feed.sink_for(r.key, untrack, r.events)))
         if finished.is_set():  # it ended before it was tracked (a refusal in the loop): nothing to interrupt
             self.calls.untrack(r.key)
 
@@ -202,18 +203,25 @@ class WorkerCore:
         return done, box
 
     def _batch(self, batch: Batch, call_id) -> list[tuple[bool, Any]]:
-        """Every request of the batch submitted at once, in order; [(True, reply) | (False, error)]."""
-        pending = []
+        """Every request of the batch submitted at once, in order, and together: the step loop takes none of
+        them before it can take them all, so a crowd's requests share its steps. [(True, reply) | (False,
+        error)]; a Streamed's reply is its submission (None)."""
+        pending: list[tuple[threading.Event | None, dict]] = []
         for request in batch.requests:
             if type(request) not in BATCHABLE:
                 raise InvalidRequestError(f"a Batch holds {', '.join(t.__name__ for t in BATCHABLE)} requests, "
                                           f"not {type(request).__name__}")
-        for request in batch.requests:
-            try:
-                self._require_session(request)
-                pending.append(self._submit(request))
-            except Exception as e:  # noqa: BLE001 - the refusal is this request's reply
-                pending.append((None, {"error": e}))
+        with self.scheduler.together():
+            for request in batch.requests:
+                try:
+                    if isinstance(request, Streamed):
+                        self._streamed(request, None)
+                        pending.append((None, {"value": None}))
+                        continue
+                    self._require_session(request)
+                    pending.append(self._submit(request))
+                except Exception as e:  # noqa: BLE001 - the refusal is this request's reply
+                    pending.append((None, {"error": e}))
         out = []
         for done, box in pending:
             if done is not None:

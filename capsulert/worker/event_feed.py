@@ -44,15 +44,15 @@ class EventFeed:
             self._items.append((key, kind, value))
             self._cv.notify()
 
-    def sink_for(self, key: Hashable, finished: Callable[[], None]) -> Sink:
-        """The scheduler sink of one streamed request: its events into this feed under `key`; `finished` runs
-        once its result or error is in."""
+    def sink_for(self, key: Hashable, finished: Callable[[], None], events: bool = True) -> Sink:
+        """The scheduler sink of one streamed request: its events (with `events`) and then its result or error
+        into this feed under `key`; `finished` runs once its result or error is in."""
         def end(kind: str, value: Any) -> None:
             self.put(key, kind, value)
             finished()
 
         return Sink(done=lambda v: end("done", v), error=lambda e: end("error", e),
-                    event=lambda ev: self.put(key, "event", ev))
+                    event=(lambda ev: self.put(key, "event", ev)) if events else None)
 
     def stream(self) -> Iterator[list[Item]]:
         """Lists of every item put since the last list, as they come. Opening a new stream ends the one
@@ -130,7 +130,8 @@ class FeedReader:
         # no await here: a consumer subscribing after this sees the task done and opens a new feed
         if not self.ready.done():
             self.ready.set_result(None)
-        lost = WorkerLost(f"worker {self.worker} was lost while streaming ({why})")
+        lost = WorkerLost(f"worker {self.worker} was lost with requests in flight on it ({why}); they did not "
+                          "complete and its sessions are gone")
         for q in self.subs.values():
             q.put_nowait(("error", lost))
         self.subs.clear()

@@ -4,6 +4,7 @@ the same way whatever made it, restore_append_generate is one verb on a namespac
 best_of_n / tree_search are served by the worker's batched decode steps, each branch equal to its solo run."""
 import asyncio
 import inspect
+import time
 
 import pytest
 import pytest_asyncio
@@ -32,6 +33,20 @@ def _request_types() -> set[type]:
         subs = todo.pop().__subclasses__()
         out.update(s for s in subs if not s.__subclasses__())
         todo.extend(subs)
+    return out
+
+
+def _requests(spy) -> list[Request]:
+    """Every request the spy saw in order, each Batch's and Streamed's right after their wrapper (a Batch
+    carries coalesced calls; a Streamed, a request whose reply comes through the event feed)."""
+    out: list[Request] = []
+
+    def add(r: Request) -> None:
+        out.append(r)
+        for inner in r.requests if isinstance(r, verbs.Batch) else [r.request] if isinstance(r, verbs.Streamed) else []:
+            add(inner)
+    for _, args in spy.calls:
+        add(args[0])
     return out
 
 
@@ -140,8 +155,7 @@ async def test_every_caller_sends_typed_requests_to_the_one_entry_point(orch_tv,
     await asyncio.gather(s.close(), *(b.close() for b in branches))
     await acme.delete("tv-c")
     assert {name for name, _ in spy.calls} == {"execute", "stream"}
-    sent = [args[0] for _, args in spy.calls]
-    sent += [r for b in sent if isinstance(b, verbs.Batch) for r in b.requests]  # coalesced short requests
+    sent = _requests(spy)
     assert all(isinstance(r, Request) for r in sent)
     assert {type(r).__name__ for r in sent} >= {"Open", "Append", "Generate", "Snapshot", "Restore", "Turn", "Fork",
                                                 "Close", "Delete", "ListCapsules", "Stats"}
@@ -211,7 +225,7 @@ async def test_restore_append_generate_is_one_verb_on_a_namespace_and_a_session(
         assert (list(res), res.logprobs, res.stop_reason, res.length, res.text) == (
             list(from_session), from_session.logprobs, "length", from_session.length, from_session.text)
     assert s.length == kept.length == from_session.length and await s.tokens() == await kept.tokens()
-    turns = [args[0] for name, args in spy.calls if isinstance(args[0], Turn)]
+    turns = [r for r in _requests(spy) if isinstance(r, Turn)]
     assert [(t.session, t.restore, t.close) for t in turns] == [
         (None, "rag-c", True), (s.sid, "rag-c", False), (None, "rag-c", False)]
     await asyncio.gather(maker.close(), s.close(), kept.close())
@@ -225,7 +239,7 @@ async def test_append_generate_on_a_namespace_is_one_request(orch_tv, spy):
     sessions_before = (await orch.stats())[0]["sessions"]
     spy.calls.clear()
     res = await orch.default.append_generate(PROMPT, 5, sp)
-    turns = [args[0] for name, args in spy.calls if isinstance(args[0], Turn)]
+    turns = [r for r in _requests(spy) if isinstance(r, Turn)]
     assert [(t.session, t.restore, t.close) for t in turns] == [(None, None, True)] and len(spy.calls) == 1
     assert (await orch.stats())[0]["sessions"] == sessions_before
     s = await orch.open()
@@ -317,6 +331,73 @@ async def test_concurrent_resets_travel_as_one_batch_and_equal_fresh_restores(or
     assert isinstance(bad, WorkerLost) and good == tiers[1]
     await asyncio.gather(fresh.close(), *(e.close() for e in envs))
     assert [type(args[0]) for _, args in spy.calls[-1:]] == [verbs.Batch]  # the closes travel together too
+
+
+async def test_a_crowds_appends_travel_as_one_batch_start_in_one_step_and_equal_solo_appends(orch_tv, spy, fresh):
+    turns = [f" turn {i}: " + "word " * (3 + 5 * i) for i in range(6)]
+    envs = [await orch_tv.open(PROMPT) for _ in turns]
+    spy.calls.clear()
+    t0 = time.monotonic()
+    logits = await asyncio.gather(*(e.append(t, logits=True) for e, t in zip(envs, turns)))
+    calls = [args[0] for name, args in spy.calls if name == "execute"]  # the event feed reopened: a "stream"
+    assert [type(c) for c in calls] == [verbs.Batch]  # one round trip for six appends
+    sent = calls[0].requests
+    assert [type(r) for r in sent] == [verbs.Streamed] * 6 and [type(r.request) for r in sent] == [verbs.Append] * 6
+    steps = (await orch_tv.stats(steps_since=t0))[0]["recent_steps"]
+    # together: the first step starts all six and prefills them in one forward (the step budget takes the rest)
+    assert (steps[0]["started"], steps[0]["prefill_forwards"]) == (6, 1) and sum(r["started"] for r in steps) == 6
+    for e, t, got in zip(envs, turns, logits):
+        solo = fresh.open()
+        solo.append(PROMPT)
+        want = solo.append(t).numpy()
+        assert e.length == len(solo.tokens) and (got == want).all()
+        solo.close()
+    # a refusal inside the batch is its own caller's error only
+    await envs[0].close()
+    n = envs[1].length
+    spy.calls.clear()
+    closed, ok = await asyncio.gather(orch_tv.call(0, verbs.Append(envs[0].id, [5, 6])), envs[1].append([5, 6]),
+                                      return_exceptions=True)
+    assert [type(args[0]) for name, args in spy.calls if name == "execute"] == [verbs.Batch]
+    assert isinstance(closed, WorkerLost) and ok == envs[1].length == n + 2  # as the session, not on it
+    await asyncio.gather(*(e.close() for e in envs[1:]))
+
+
+async def test_turns_started_together_travel_as_one_batch_without_token_events_and_equal_solo_turns(orch_tv, spy):
+    s = await orch_tv.open(PROMPT)
+    await s.snapshot("turns-c0")
+    await s.close()
+    envs = [await orch_tv.restore("turns-c0") for _ in range(4)]
+    spy.calls.clear()
+    t0 = time.monotonic()
+    got = await asyncio.gather(*(e.turn(f" obs {i}", 4, NOEOS) for i, e in enumerate(envs)))
+    calls = [args[0] for name, args in spy.calls if name == "execute"]
+    assert [type(c) for c in calls] == [verbs.Batch]  # one round trip for four env steps
+    assert all(type(r) is verbs.Streamed and type(r.request) is Turn and r.events is False for r in calls[0].requests)
+    steps = (await orch_tv.stats(steps_since=t0))[0]["recent_steps"]
+    assert steps[0]["started"] == 4 and max(r["decode_rows"] for r in steps) == 4  # started and decoded together
+    for i, res in enumerate(got):
+        alone = await orch_tv.restore("turns-c0")
+        want = await alone.turn(f" obs {i}", 4, NOEOS)
+        assert (list(res), res.logprobs, res.length) == (list(want), want.logprobs, want.length)
+        await alone.close()
+    await asyncio.gather(*(e.close() for e in envs))
+    await orch_tv.delete("turns-c0")
+
+
+async def test_an_appends_reply_comes_when_it_is_done_not_when_its_batch_is(orch_tv):
+    long, short = await orch_tv.open(PROMPT), await orch_tv.open(PROMPT)
+    done: list[str] = []
+
+    async def append(name, s, tokens):
+        await s.append(tokens)
+        done.append(name)
+
+    # one batch: the long prompt takes several steps' prefill budget, the short one is done in the first step
+    await asyncio.gather(append("short", short, [5, 6, 7]), append("long", long, list(range(10, 10 + 900))))
+    assert done == ["short", "long"]
+    assert long.length == short.length + 897
+    await asyncio.gather(long.close(), short.close())
 
 
 async def test_a_lagging_stream_consumer_gets_the_events_in_fewer_items(engine_cfg, tmp_path):

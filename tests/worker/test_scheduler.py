@@ -613,3 +613,22 @@ async def test_the_prefill_budget_while_others_decode_spreads_an_append_over_ste
         assert steps <= 2, steps
     else:
         assert steps >= 4, steps
+
+
+async def test_requests_submitted_together_start_in_one_step(make_engine, corpus):
+    """StepScheduler.together: the loop takes none of a batch's requests before it can take them all (the
+    worker submits a Batch so); without it, the loop would start the first alone while the rest come in."""
+    loop = asyncio.get_running_loop()
+    async with AsyncEngine(make_engine(slots=4)) as aeng:
+        sessions = [await aeng.open(corpus[:10]) for _ in range(3)]
+        t0 = time.monotonic()
+        futures = []
+        with aeng.scheduler.together():
+            for i, s in enumerate(sessions):
+                fut, sink = _future_sink(loop)
+                aeng.scheduler.submit(Append(s.id, corpus[20 + i:25 + i]), sink)
+                futures.append(fut)
+                time.sleep(0.1)  # the loop is free meanwhile: only the block holds it back
+        assert [info.length for info in await asyncio.gather(*futures)] == [15] * 3
+        steps = aeng.scheduler.trace.since(t0)
+        assert [(r["started"], r["prefill_forwards"], r["prefill_tokens"]) for r in steps] == [(3, 1, 15)]
