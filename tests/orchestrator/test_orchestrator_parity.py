@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from capsulert.protocol.sampling import SamplingParams
+from tests.orchestrator.step_records import records_when
 
 SHORT = "The capsule runtime keeps the complete state of a session at a committed boundary. "
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -71,6 +72,8 @@ async def test_32_concurrent_sessions_equal_solo_runs(orch, fresh):
     stats = (await orch.stats())[0]
     assert stats["sessions"] == 0 and stats["free_slots"] == stats["slots"]
     assert stats["recent_steps"] == []  # asked for none
-    steps = (await orch.stats(steps_since=t0))[0]["recent_steps"]  # the worker's step records of the crowd
+    async def read() -> list[dict]:  # the worker's step records of the crowd, once its last step's is kept
+        return (await orch.stats(steps_since=t0))[0]["recent_steps"]
+    steps = await records_when(read, lambda rs: sum(r["decode_rows"] for r in rs) == 32 * 3)
     assert sum(r["decode_rows"] for r in steps) == 32 * 3 and max(r["decode_rows"] for r in steps) > 1
     assert sum(r["prefill_tokens"] for r in steps) == sum(len(fresh.tokenize(p)) for p in prompts)

@@ -20,10 +20,19 @@ from capsulert.protocol.sampling import SamplingParams
 from capsulert.protocol.results import GenerateResult
 from capsulert.protocol.requests import ListCapsules, Open, Request, Snapshot, Stats, Turn
 from tests.orchestrator.processes import kill_and_wait
+from tests.orchestrator.step_records import records_when
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 PROMPT = "A typed request goes through every layer unchanged, and one handler runs it. "
 NOEOS = SamplingParams(ignore_eos=True)
+
+
+async def _records(orch, since: float, ready) -> list[dict]:
+    """Worker 0's step records since `since`, once `ready(records)` holds (a step's record is kept once the
+    step is over, which may be after its replies went out)."""
+    async def read() -> list[dict]:
+        return (await orch.stats(steps_since=since))[0]["recent_steps"]
+    return await records_when(read, ready)
 
 
 def _request_types() -> set[type]:
@@ -336,6 +345,7 @@ async def test_concurrent_resets_travel_as_one_batch_and_equal_fresh_restores(or
 async def test_a_crowds_appends_travel_as_one_batch_start_in_one_step_and_equal_solo_appends(orch_tv, spy, fresh):
     turns = [f" turn {i}: " + "word " * (3 + 5 * i) for i in range(6)]
     envs = [await orch_tv.open(PROMPT) for _ in turns]
+    held = envs[0].length
     spy.calls.clear()
     t0 = time.monotonic()
     logits = await asyncio.gather(*(e.append(t, logits=True) for e, t in zip(envs, turns)))
@@ -343,7 +353,8 @@ async def test_a_crowds_appends_travel_as_one_batch_start_in_one_step_and_equal_
     assert [type(c) for c in calls] == [verbs.Batch]  # one round trip for six appends
     sent = calls[0].requests
     assert [type(r) for r in sent] == [verbs.Streamed] * 6 and [type(r.request) for r in sent] == [verbs.Append] * 6
-    steps = (await orch_tv.stats(steps_since=t0))[0]["recent_steps"]
+    new = sum(e.length - held for e in envs)
+    steps = await _records(orch_tv, t0, lambda rs: sum(r["prefill_tokens"] for r in rs) == new)
     # together: the first step starts all six and prefills them in one forward (the step budget takes the rest)
     assert (steps[0]["started"], steps[0]["prefill_forwards"]) == (6, 1) and sum(r["started"] for r in steps) == 6
     for e, t, got in zip(envs, turns, logits):
@@ -374,7 +385,7 @@ async def test_turns_started_together_travel_as_one_batch_without_token_events_a
     calls = [args[0] for name, args in spy.calls if name == "execute"]
     assert [type(c) for c in calls] == [verbs.Batch]  # one round trip for four env steps
     assert all(type(r) is verbs.Streamed and type(r.request) is Turn and r.events is False for r in calls[0].requests)
-    steps = (await orch_tv.stats(steps_since=t0))[0]["recent_steps"]
+    steps = await _records(orch_tv, t0, lambda rs: sum(r["decode_rows"] for r in rs) == 16)
     assert steps[0]["started"] == 4 and max(r["decode_rows"] for r in steps) == 4  # started and decoded together
     for i, res in enumerate(got):
         alone = await orch_tv.restore("turns-c0")

@@ -15,6 +15,7 @@ from capsulert.protocol.requests import Append, Delete, Generate, Open, Ping, Pr
 from capsulert.protocol.results import FinalEvent, TokenEvent
 from capsulert.scheduler.jobs import Phase
 from capsulert.scheduler.step_scheduler import Sink, prefill_steps
+from tests.orchestrator.step_records import async_read, records_when
 
 NOEOS = SamplingParams(ignore_eos=True)
 
@@ -484,7 +485,7 @@ async def test_the_step_loop_keeps_a_record_of_each_step_it_ran(make_engine, cor
         await a.snapshot("c")
         branches = await aeng.fork("c", 2)
         await asyncio.gather(*(b.generate(3, NOEOS) for b in branches))
-        records = sch.trace.since(t0)
+        records = await records_when(async_read(sch.trace.since, t0), lambda rs: sum(r["decode_rows"] for r in rs) == 6)
         assert [r["at_s"] for r in records] == sorted(r["at_s"] for r in records) and records[0]["at_s"] >= t0
         assert sum(r["started"] for r in records) == sch.started == 5  # open, snapshot, fork, two generates
         assert sum(r["prefill_tokens"] for r in records) == sch.prefill_tokens == 40
@@ -630,5 +631,5 @@ async def test_requests_submitted_together_start_in_one_step(make_engine, corpus
                 futures.append(fut)
                 time.sleep(0.1)  # the loop is free meanwhile: only the block holds it back
         assert [info.length for info in await asyncio.gather(*futures)] == [15] * 3
-        steps = aeng.scheduler.trace.since(t0)
+        steps = await records_when(async_read(aeng.scheduler.trace.since, t0), lambda rs: len(rs) > 0)
         assert [(r["started"], r["prefill_forwards"], r["prefill_tokens"]) for r in steps] == [(3, 1, 15)]
