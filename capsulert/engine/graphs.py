@@ -86,12 +86,16 @@ class GraphPlans:
         self.grid_at = torch.full((1,), grid, dtype=torch.long, device=dev)
         self.replay = torch.zeros(1, dtype=torch.long, device=dev)
         self.tail_from = torch.zeros(1, dtype=torch.long, device=dev)
-        rows = model.decode_rows or bmax
+        widths = range(2, MAX_SPECULATE + 2)
+        verify_rows_max = max(b * w for b in self.decode_batches if b <= VERIFY_BATCH for w in widths)
+        # the output holds a decode step's rows and a verify step's: with row-invariant GEMMs (decode_rows None)
+        # a verify step of any (b, w) on the grid keeps decode's bits; padded decode steps (decode_rows R) bound
+        # a verify step to R rows too, so the shapes past R run eagerly
+        rows = model.decode_rows or max(bmax, verify_rows_max)
         self.logits = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         # verify steps: the rollback sets they keep to, the shapes captured and each shape's static rows
         self.rollback, self.scratch_set = rollback, scratch_set
-        self.verify_shapes = [(b, w) for b in self.decode_batches if b <= VERIFY_BATCH
-                              for w in range(2, MAX_SPECULATE + 2) if b * w <= rows]
+        self.verify_shapes = [(b, w) for b in self.decode_batches if b <= VERIFY_BATCH for w in widths if b * w <= rows]
         self.verify_rows: dict[tuple[int, int], VerifyRows] = {
             (b, w): fixed_grid([], [], b, w, scratch_slot, lambda s: None, scratch_set, dev) for b, w in self.verify_shapes}
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}

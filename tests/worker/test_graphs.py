@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from capsulert.engine.graphs import ShapeKey
-from capsulert.protocol.sampling import SamplingParams
+from capsulert.protocol.sampling import MAX_SPECULATE, SamplingParams
 from tests.models import MODELS
 
 pytestmark = pytest.mark.gpu
@@ -28,10 +28,12 @@ def test_capture_draws_a_bar_over_the_shapes_when_asked(cuda_engine, make_engine
 @pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_graph_count_is_bounded(cuda_engine):
     g = cuda_engine.graphs
-    # decode buckets, prefill buckets, and the batched re-derivation of grid points (b rows of 64 tokens)
+    # decode buckets, prefill buckets, the batched re-derivation of grid points (b rows of 64 tokens) and the
+    # speculative verify steps (b slots fed 2 to MAX_SPECULATE + 1 tokens each)
     assert set(g.graphs) == ({ShapeKey("decode", b, 1) for b in (1, 2, 4)} | {ShapeKey("prefill", 1, t) for t in (16, 32, 64, 128)}
                              | {ShapeKey("prefill_grid", 1, 128)}
-                             | {ShapeKey("prefill", b, 64) for b in (2, 4)})
+                             | {ShapeKey("prefill", b, 64) for b in (2, 4)}
+                             | {ShapeKey("verify", b, w) for b in (1, 2, 4) for w in range(2, MAX_SPECULATE + 2)})
 
 
 @pytest.mark.parametrize("model_dir", MODELS, indirect=True)
