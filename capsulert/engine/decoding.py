@@ -46,7 +46,7 @@ from capsulert.engine.runner import ModelRunner, decode_groups
 from capsulert.engine.sampler import SamplingPlan, resolve_seed
 from capsulert.engine.session import Session
 from capsulert.engine.session_table import SessionTable
-from capsulert.engine.speculation import draft, speculative_step
+from capsulert.engine.speculation import DraftPacing, draft, speculative_step
 from capsulert.engine.stops import HeldText, StopRule, TextStream
 from capsulert.errors import CapsuleRTError, InvalidRequestError
 from capsulert.protocol.results import GenerateResult, TokenEvent
@@ -100,6 +100,7 @@ class DecodeStream:
         self.session, self.table = session, engine.table
         self.params = sampling or GREEDY
         self.drafter: Drafter | None = None
+        self.pacing = DraftPacing()  # whether a speculating stream drafts in a step (speculation.py)
         if self.params.speculate:  # an unknown drafter, or one this model cannot run, is refused before anything
             self.drafter = engine.drafters.get(self.params.speculate_drafter)
             self.drafter.check(engine.runner)

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 import torch
 
+from capsulert.engine.speculation import ACCEPTANCE_FLOOR, PROBE_EVERY, DraftPacing
 from capsulert.engine.drafters import (DraftRequest, Drafter, NgramDrafter, OracleDrafter, make_drafter,
                                        register_drafter, registered_drafters)
 from capsulert.engine.drafters.mtp import MtpDrafter
@@ -94,6 +95,29 @@ def test_oracle_at_lower_acceptance_equals_plain_decode(engine, prompt, mode, k,
     assert_same_output(got, want)
     assert_state_equal(state, want_state)
     assert 0 < got.accepted < got.drafted  # rejections happened, and were rolled back
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_drafts_that_never_land_are_tried_one_step_in_probe_every(engine, prompt, mode):
+    """Pacing: at 0% acceptance a stream drafts in its first two steps (its running acceptance 1 -> 0.5 ->
+    0.25, under the floor) and then in one step of PROBE_EVERY; it commits plain decode's tokens throughout."""
+    want, want_state = plain_and_oracle(engine, prompt, 40, mode, corrupt_every=1)
+    got, state = run(engine, prompt, 40, SamplingParams(**mode, speculate=3, speculate_drafter="oracle"))
+    assert_same_output(got, want)
+    assert_state_equal(state, want_state)
+    assert got.accepted == 0 and 0 < got.drafted <= 3 * (2 + 40 // PROBE_EVERY)  # 120 drafts without pacing
+
+
+def test_draft_pacing_backs_off_below_the_floor_and_comes_back_when_drafts_land():
+    pacing = DraftPacing()
+    assert pacing.drafts_now() and pacing.acceptance == 1.0  # the first drafts are always tried
+    pacing.verified(3, 0)
+    assert pacing.drafts_now()  # 0.5: still worth it
+    pacing.verified(3, 0)
+    assert pacing.acceptance < ACCEPTANCE_FLOOR
+    assert [pacing.drafts_now() for _ in range(2 * PROBE_EVERY)] == ([False] * (PROBE_EVERY - 1) + [True]) * 2
+    pacing.verified(3, 3)  # a probe whose drafts all landed
+    assert pacing.acceptance >= ACCEPTANCE_FLOOR and all(pacing.drafts_now() for _ in range(3))
 
 
 @pytest.mark.parametrize("mode", MODES)
