@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from capsulert.protocol.sampling import SamplingParams
-from tests.orchestrator.step_records import records_when
+from tests.step_records import records_when
 
 SHORT = "The capsule runtime keeps the complete state of a session at a committed boundary. "
 pytestmark = pytest.mark.asyncio(loop_scope="session")

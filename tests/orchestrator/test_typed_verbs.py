@@ -20,7 +20,7 @@ from capsulert.protocol.sampling import SamplingParams
 from capsulert.protocol.results import GenerateResult
 from capsulert.protocol.requests import ListCapsules, Open, Request, Snapshot, Stats, Turn
 from tests.orchestrator.processes import kill_and_wait
-from tests.orchestrator.step_records import records_when
+from tests.step_records import records_when
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 PROMPT = "A typed request goes through every layer unchanged, and one handler runs it. "

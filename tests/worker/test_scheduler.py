@@ -15,7 +15,7 @@ from capsulert.protocol.requests import Append, Delete, Generate, Open, Ping, Pr
 from capsulert.protocol.results import FinalEvent, TokenEvent
 from capsulert.scheduler.jobs import Phase
 from capsulert.scheduler.step_scheduler import Sink, prefill_steps
-from tests.orchestrator.step_records import async_read, records_when
+from tests.step_records import async_read, records_when
 
 NOEOS = SamplingParams(ignore_eos=True)
 
