@@ -28,7 +28,7 @@ import sys
 from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence, overload
 
 import torch
 
@@ -147,6 +147,34 @@ def _spec_nbytes(specs: Mapping[str, TensorSpec]) -> int:
 Tensors = Mapping[str, torch.Tensor]
 
 
+class BlockViews:
+    """The KV blocks of whole tensors as views, made when asked for: a put into a memory tier copies each slab
+    from the whole tensors' rows and never looks at a block (at 2k, 32 blocks of 4 tensors: 128 views a
+    snapshot would make for nothing)."""
+
+    def __init__(self, tensors: Tensors, names: Sequence[str], dim: int, rows: int, n: int):
+        self._tensors, self._names, self._dim, self._rows, self._n = tensors, tuple(names), dim, rows, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[Tensors]:
+        return (self[i] for i in range(self._n))
+
+    @overload
+    def __getitem__(self, i: int) -> Tensors: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[Tensors, ...]: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(self._n)))
+        if not -self._n <= i < self._n:
+            raise IndexError(f"block {i} of {self._n}")
+        i %= self._n
+        return {name: self._tensors[name].narrow(self._dim, i * self._rows, self._rows) for name in self._names}
+
+
 @dataclass(frozen=True)
 class Parts:
     """A capsule's bytes as the store holds them: its own tensors (the KV rows past its last block, the
@@ -155,7 +183,7 @@ class Parts:
     origin that file records (None: unknown)."""
 
     own: Tensors
-    blocks: tuple[Tensors, ...] = ()
+    blocks: "tuple[Tensors, ...] | BlockViews" = ()
     refs: BlockRefs | None = None
     state: Tensors | None = None
     file_origin: str | None = None
@@ -222,11 +250,9 @@ def split(meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor], layout: BlockL
         t = tensors.get(name)
         if t is None or t.dim() <= dim or t.shape[dim] != P:
             return whole
-    # every block and the tail of a tensor in one split (views), not one narrow each
-    pieces = {name: tensors[name].split([rows] * n + [P - n * rows], dim) for name in layout.tensors}
-    blocks = tuple({name: pieces[name][i] for name in layout.tensors} for i in range(n))
+    blocks = BlockViews(tensors, layout.tensors, dim, rows, n)
     own = dict(tensors)
-    own.update({name: ps[n] for name, ps in pieces.items()})
+    own.update({name: tensors[name].narrow(dim, n * rows, P - n * rows) for name in layout.tensors})
     # a capsule shorter than a block references none, but still records its origin (restoring it gives
     # a session whose state is canonical for that origin)
     specs = {name: TensorSpec(tuple(rows if d == dim else x for d, x in enumerate(tensors[name].shape)),
