@@ -57,9 +57,11 @@ class EntryAccess:
                     tiers.unref("disk", e)
                     mover.collect()
                     raise
-            else:  # on the current stream: ordered after the work that wrote the caller's tensors
-                mover.materialize(e, tier, parts.own, None, {k: (b, None) for k, b in parts.by_key().items()},
-                                  copy_stream=False, whole=tensors)
+            else:  # on the current stream: ordered after the work that wrote the caller's tensors. The KV
+                # slabs are copied from `tensors` whole, so of the blocks only the grid-state one is read
+                refs = parts.refs
+                state = {refs.state: (parts.state, None)} if refs is not None and refs.state is not None else {}
+                mover.materialize(e, tier, parts.own, None, state, copy_stream=False, whole=tensors)
         except BaseException:
             if staged is not None:
                 staged.discard()
