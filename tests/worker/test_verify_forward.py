@@ -175,7 +175,7 @@ def test_row_linear_gives_each_row_a_one_row_gemms_bits():
 
 def test_a_cpu_whose_batched_gemm_differs_verifies_per_position(make_engine, monkeypatch, caplog):
     monkeypatch.setattr(runner_module, "first_row_linear_variant", lambda weights, rows: (384, 256))
-    engine = make_engine(speculate_slots=3)
+    engine = make_engine(device="cpu", speculate_slots=3)  # the CPU's choice: CUDA verifies in one forward always
     assert not engine.runner.verify_in_one_forward
     assert "one decode step per position" in caplog.text
     calls = []
