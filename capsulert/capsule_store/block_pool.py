@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from capsulert.capsule_store.blocks import SlabRow
+
 
 @dataclass(eq=False)  # mutable on purpose: counted up and down under the store's lock
 class BlockRecord:
@@ -29,6 +31,7 @@ class BlockRecord:
     path: Path | None = None  # disk tier: the block file, once renamed into place
     refs: int = 0
     anon_refs: int = 0
+    slab: SlabRow | None = None  # memory tiers: where `tensors` live (a restore copies slab runs, not blocks)
 
 
 class BlockPool:

@@ -175,6 +175,41 @@ class BlockViews:
         return {name: self._tensors[name].narrow(self._dim, i * self._rows, self._rows) for name in self._names}
 
 
+@dataclass(frozen=True, eq=False)
+class SlabRow:
+    """Where a block a memory tier holds lives: row `index` of its slabs (one [count, *block shape] tensor per
+    block tensor, allocated together: transfer.slab_views)."""
+
+    slabs: Mapping[str, torch.Tensor]
+    index: int
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """Blocks first..first+count of a capsule held in consecutive rows of one slab: `tensors` are those rows
+    ([count, *block shape] per block tensor), so the run copies as one pair per tensor, not one per block."""
+
+    first: int
+    count: int
+    tensors: Tensors
+
+
+def block_runs(rows: Sequence[SlabRow | None]) -> tuple[BlockRun, ...] | None:
+    """The maximal runs of a capsule's blocks (in order) that lie in consecutive rows of one slab; None when a
+    block's place is unknown (a block read from a file, one held only until its disk write settles)."""
+    spans: list[list] = []  # [first block, count, slab row of the first]
+    for i, row in enumerate(rows):
+        if row is None:
+            return None
+        last = spans[-1] if spans else None
+        if last is not None and last[2].slabs is row.slabs and last[2].index + last[1] == row.index:
+            last[1] += 1
+        else:
+            spans.append([i, 1, row])
+    return tuple(BlockRun(first, count, {n: t.narrow(0, row.index, count) for n, t in row.slabs.items()})
+                 for first, count, row in spans)
+
+
 @dataclass(frozen=True)
 class Parts:
     """A capsule's bytes as the store holds them: its own tensors (the KV rows past its last block, the
@@ -187,14 +222,18 @@ class Parts:
     refs: BlockRefs | None = None
     state: Tensors | None = None
     file_origin: str | None = None
+    runs: tuple[BlockRun, ...] | None = None  # the KV blocks as slab runs, where a memory tier holds them
 
     @classmethod
-    def of(cls, own: Tensors, refs: BlockRefs | None, by_key: Mapping[str, Tensors]) -> "Parts":
-        """A capsule's parts from its own tensors and its blocks' tensors by key."""
+    def of(cls, own: Tensors, refs: BlockRefs | None, by_key: Mapping[str, Tensors],
+           slab_rows: Mapping[str, SlabRow | None] | None = None) -> "Parts":
+        """A capsule's parts from its own tensors and its blocks' tensors by key (and, for blocks a memory tier
+        holds, their slab rows by key)."""
         if refs is None:
             return cls(own)
+        runs = block_runs([slab_rows.get(k) for k in refs.keys]) if slab_rows is not None else None
         return cls(own, tuple(by_key[k] for k in refs.keys), refs,
-                   by_key[refs.state] if refs.state is not None else None)
+                   by_key[refs.state] if refs.state is not None else None, runs=runs)
 
     @property
     def origin(self) -> str | None:

@@ -20,7 +20,7 @@ import torch
 
 from capsulert.capsule_store.background import BackgroundWrites
 from capsulert.capsule_store.block_pool import BlockRecord
-from capsulert.capsule_store.blocks import Parts
+from capsulert.capsule_store.blocks import Parts, SlabRow
 from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.capsule_store.format.blockfiles import stage_block
 from capsulert.capsule_store.format.disk import read_capsule_parts, stage_capsule
@@ -92,12 +92,14 @@ class Mover:
         new_own = {n: empty(t.shape, t.dtype, device, pin) for n, t in own.items()}
         pairs, waits = [(new_own[n], t) for n, t in own.items()], [own_wait]
         fresh: dict[str, dict[str, torch.Tensor]] = {}
+        rows: dict[str, SlabRow] = {}
         if refs is not None:
             missing = [i for i, k in enumerate(refs.keys) if pool.get(k) is None]
             for first, count in slab_ranges(missing):
                 slabs, views = slab_views(refs.specs, count, device, pin=pin)
                 keys = refs.keys[first:first + count]
                 fresh.update(zip(keys, views))
+                rows.update((k, SlabRow(slabs, i)) for i, k in enumerate(keys))
                 if whole is not None:
                     pairs += [(slabs[n], slab_source(whole[n], refs.token_dim, first, count, refs.rows)) for n in slabs]
                     continue
@@ -113,7 +115,7 @@ class Mover:
         ev = copy_into(pairs, stream=self._stream if copy_stream else None, wait=distinct_events(waits))
         e.tensors, e.event = new_own, ev
         for k, tensors in fresh.items():
-            pool.add(k, BlockRecord(refs.nbytes_of(k), tensors, ev))  # type: ignore[union-attr]
+            pool.add(k, BlockRecord(refs.nbytes_of(k), tensors, ev, slab=rows.get(k)))  # type: ignore[union-attr]
         self._tiers.ref(tier, e)
 
     def _held_blocks(self, e: Entry) -> BlockBytes:
@@ -134,8 +136,15 @@ class Mover:
                                           e.meta.nbytes, have)
             return parts, []
         held = self._held_blocks(e)
-        return (Parts.of(e.tensors, e.blocks, {k: held[k][0] for k in e.block_keys}),
+        return (Parts.of(e.tensors, e.blocks, {k: held[k][0] for k in e.block_keys}, self._slab_rows(e)),
                 distinct_events([e.event] + [held[k][1] for k in e.block_keys]))
+
+    def _slab_rows(self, e: Entry) -> dict[str, SlabRow | None] | None:
+        """The slab rows of e's KV blocks in its memory tier (None while it holds its own until a disk write)."""
+        if e.held is not None or e.tier not in MEMORY_TIERS or e.blocks is None:
+            return None
+        records = self._tiers.pools[e.tier].records
+        return {k: records[k].slab for k in e.blocks.keys}
 
     def _to_device(self, parts: Parts, waits: list) -> tuple[Parts, Any]:
         """A transient device copy of a capsule's parts (one grouped copy), and its CUDA event."""

@@ -81,10 +81,31 @@ def kv_pairs(st: StateSet, slot: int, grid: int, parts: Parts, first: int, end: 
     given, its own rows past its blocks up to `end`. The slot's rows are cut by one split per tensor, not
     one indexing per block (the views were most of a restore's host time)."""
     n = len(parts.blocks)
+    if parts.runs is not None:  # blocks in slab runs: one pair per run and tensor
+        return _run_pairs(st, slot, grid, parts, first, end)
     sizes = [grid] * (n - first) + ([end - n * grid] if end is not None else [])
     pairs: list[Pair] = []
     for k in st.layout.block_tensors:
         rows = st.buffers[k][:, slot].narrow(1, first * grid, sum(sizes)).split_with_sizes(sizes, 1)
         pieces = [b[k] for b in parts.blocks[first:]] + ([parts.own[k]] if end is not None else [])
         pairs += zip(rows, pieces)
+    return pairs
+
+
+def _run_pairs(st: StateSet, slot: int, grid: int, parts: Parts, first: int, end: int | None) -> list[Pair]:
+    """kv_pairs over the parts' slab runs: the slot's rows of each run, viewed [count, layers, grid, ...] like
+    the run's slab rows, against those rows (a 2k capsule's 32 blocks in one slab: 4 pairs instead of 128)."""
+    n, pairs = len(parts.blocks), []
+    for k in st.layout.block_tensors:
+        buf = st.buffers[k][:, slot]  # [layers, max_seq, ...]
+        size, stride, at = tuple(buf.shape), buf.stride(), buf.storage_offset()
+        for run in parts.runs:  # type: ignore[union-attr]
+            lo, hi = max(run.first, first), run.first + run.count
+            if lo < hi:  # the slot's rows [lo * grid, hi * grid) as [hi - lo, layers, grid, ...]
+                rows = buf.as_strided((hi - lo, size[0], grid, *size[2:]), (grid * stride[1], *stride),
+                                      at + lo * grid * stride[1])
+                src = run.tensors[k]
+                pairs.append((rows, src if lo == run.first else src.narrow(0, lo - run.first, hi - lo)))
+        if end is not None:
+            pairs.append((buf.narrow(1, n * grid, end - n * grid), parts.own[k]))
     return pairs

@@ -263,3 +263,14 @@ def test_prefix_match_walks_the_namespaces_own_trie():
     with s.reading_prefix(m) as (meta, parts):
         assert meta.boundary == 56 and len(parts.blocks) == 7
     assert s.stats()["prefix"]["hits"] == 1
+
+
+def test_block_runs_join_consecutive_rows_of_one_slab_only():
+    from capsulert.capsule_store.blocks import SlabRow, block_runs
+    a, b = {"kv": torch.arange(6.0).view(6, 1)}, {"kv": torch.arange(3.0).view(3, 1)}
+    rows = [SlabRow(a, 2), SlabRow(a, 3), SlabRow(a, 5), SlabRow(b, 0), SlabRow(b, 1), SlabRow(a, 4)]
+    runs = block_runs(rows)
+    assert [(r.first, r.count) for r in runs] == [(0, 2), (2, 1), (3, 2), (5, 1)]  # a gap, another slab, back
+    assert [r.tensors["kv"].flatten().tolist() for r in runs] == [[2.0, 3.0], [5.0], [0.0, 1.0], [4.0]]
+    assert block_runs(rows[:2] + [None]) is None  # a block whose place is unknown: no runs at all
+    assert block_runs([]) == ()

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -137,19 +138,25 @@ def _holder(script: str) -> subprocess.Popen:
 def test_a_forked_child_of_a_dead_owner_does_not_keep_the_directory(tmp_path):
     """Issue 29 item 7: the child inherited the lock descriptor, so the directory stayed locked while it
     lived, after its owner died. Now a forked child closes its copy at once."""
-    disk = tmp_path / "disk"
+    disk, ready = tmp_path / "disk", tmp_path / "child-ran"
     holder = _holder(f"""
         import os, time
         from capsulert.capsule_store import CapsuleStore
         s = CapsuleStore(device="cpu", fingerprint={FP!r}, layout_version={LAYOUT}, disk_dir={str(disk)!r})
         child = os.fork()
         if child == 0:
+            open({str(ready)!r}, "w").close()  # past fork, so past its after-fork hooks
             time.sleep(600)
             os._exit(0)
         print(child, flush=True)
         time.sleep(600)
     """)
     child = int(holder.stdout.readline())
+    # killing the owner before the child's hooks ran (a loaded machine) would test nothing: wait for the child
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < deadline, "the forked child never ran"
+        time.sleep(0.01)
     try:
         with pytest.raises(DiskDirInUseError, match=f"pid {holder.pid}"):  # the owner itself still holds it
             store(disk)

@@ -188,3 +188,27 @@ def test_a_capsule_on_cuda_is_immutable_under_writes_queued_right_after(make_eng
     free_slots(engine, 3)
     for b in engine.fork("d", 3):
         assert_slots_equal(slot_bytes(engine, b.slot), want[0])
+
+
+def test_a_restore_copies_each_slab_run_of_blocks_as_one_pair(engine, corpus, monkeypatch):
+    """KV blocks held in consecutive rows of one slab (a snapshot allocates its new blocks together) travel as
+    one copy pair per block tensor and run, so a restore's host work does not grow with its blocks (a 2k
+    capsule: 2 runs of 16 blocks, 8 pairs instead of 128). The rows are the snapshotted session's."""
+    grid, kv = engine.runner.grid, engine.state.layout.block_tensors
+    s = engine.open()
+    s.append(corpus[:4 * grid])
+    s.snapshot("a")
+    s.append(corpus[4 * grid:6 * grid])
+    s.snapshot("b")  # a's 4 blocks (a's slab), then 2 in a slab of their own
+    rows = {k: engine.state.buffers[k][:, s.slot, :6 * grid].clone() for k in kv}
+    s.close()
+    pairs = []
+    real = capsules.copy_pairs
+    monkeypatch.setattr(capsules, "copy_pairs", lambda ps: (pairs.extend(ps), real(ps))[1])
+    r = engine.restore("b")
+    storages = {engine.state.buffers[k].untyped_storage().data_ptr(): k for k in kv}
+    kv_pairs = [d for d, _ in pairs if d.numel() and d.untyped_storage().data_ptr() in storages]
+    assert len(kv_pairs) == 2 * len(kv)
+    for k in kv:
+        assert torch.equal(engine.state.buffers[k][:, r.slot, :6 * grid], rows[k]), k
+    assert r.generate(6) == engine.restore("b").generate(6)
