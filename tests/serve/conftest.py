@@ -55,7 +55,8 @@ class Server:
 
 
 @contextmanager
-def running_server(default_model_dir, work: Path, *extra: str, keys: bool = True, model: str = MODEL):
+def running_server(default_model_dir, work: Path, *extra: str, keys: bool = True, model: str = MODEL,
+                   max_inflight: int = MAX_INFLIGHT):
     """A `capsulert serve` subprocess on a free loopback port, serving `model` (two tenants; keys=False: open),
     stopped by SIGINT on exit."""
     auth = []
@@ -67,11 +68,11 @@ def running_server(default_model_dir, work: Path, *extra: str, keys: bool = True
            "--served-model-name", model, "--port", str(port), *auth, "--device", "cpu",
            "--slots", str(ENGINE["slots"]), "--max-seq", str(ENGINE["max_seq"]),
            "--prefill-chunk", str(ENGINE["prefill_chunk"]), "--torch-threads", "1",
-           "--max-inflight", str(MAX_INFLIGHT), "--log-level", "WARNING", *extra]
+           "--max-inflight", str(max_inflight), "--log-level", "WARNING", *extra]
     env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    srv = Server(f"http://127.0.0.1:{port}", Path(default_model_dir), log, model, pid=proc.pid)
+    srv = Server(f"http://127.0.0.1:{port}", Path(default_model_dir), log, model, max_inflight=max_inflight, pid=proc.pid)
     try:
         _wait_ready(srv, proc)
         yield srv
@@ -89,8 +90,8 @@ class SharedServer:
     tests/conftest.py): started by the first test that asks for it, stopped once the test worker's next test is
     in none of them, so a server starts once per group and none idles for the rest of the run."""
 
-    def __init__(self, name: str, files: tuple[str, ...], *args: str):
-        self.name, self.files, self.args = name, files, args
+    def __init__(self, name: str, files: tuple[str, ...], *args: str, **options):
+        self.name, self.files, self.args, self.options = name, files, args, options
         self._stack = ExitStack()
         self._server: Server | None = None
 
@@ -99,7 +100,8 @@ class SharedServer:
             pytest.fail(f"{request.path.name} is not one of the {self.name} server's modules {self.files}")
         if self._server is None:
             work = tmp_path_factory.mktemp(self.name)
-            self._server = self._stack.enter_context(running_server(default_model_dir, work, *self.args))
+            self._server = self._stack.enter_context(running_server(default_model_dir, work, *self.args,
+                                                                         **self.options))
         return self._server
 
     def leaving(self, nextitem) -> None:
@@ -109,11 +111,16 @@ class SharedServer:
 
 
 # the server agent frameworks meet (test_frameworks.py, test_responses_api.py): they send no max_tokens, so
-# --max-tokens bounds their replies; their prompts (tool schemas, instructions) need more than ENGINE's max_seq
-AGENT_MAX_TOKENS, AGENT_MAX_SEQ = 160, 2048
+# --max-tokens bounds their replies; their prompts (tool schemas, instructions) need more than ENGINE's max_seq.
+# test_load.py's 200 clients share it (a server start is ~30-60 s of the 2-core suite): they need an in-flight
+# bound above the clients, so that every request may queue, and send max_tokens and short prompts themselves
+# (neither --max-tokens nor the longer max_seq touches them); no module of the group relies on the suite's
+# usual bound of MAX_INFLIGHT (test_server.py's 429 test runs on MAIN)
+AGENT_MAX_TOKENS, AGENT_MAX_SEQ, AGENT_MAX_INFLIGHT = 160, 2048, 512
 MAIN = SharedServer("serve", ("test_server.py", "test_tools_structured.py"))
-AGENTS = SharedServer("agents", ("test_frameworks.py", "test_responses_api.py"),
-                      "--max-tokens", str(AGENT_MAX_TOKENS), "--max-seq", str(AGENT_MAX_SEQ))
+AGENTS = SharedServer("agents", ("test_frameworks.py", "test_load.py", "test_responses_api.py"),
+                      "--max-tokens", str(AGENT_MAX_TOKENS), "--max-seq", str(AGENT_MAX_SEQ),
+                      max_inflight=AGENT_MAX_INFLIGHT)
 SHARED = (MAIN, AGENTS)
 
 
@@ -125,7 +132,7 @@ def server(request, default_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def agent_server(request, default_model_dir, tmp_path_factory):
-    """One server for the modules that run agent frameworks and the Responses API."""
+    """One server for the modules that run agent frameworks and the Responses API, and for test_load.py."""
     return AGENTS.get(request, default_model_dir, tmp_path_factory)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve.conftest import ENGINE, KEYS, MODEL, running_server
+from tests.serve.conftest import AGENT_MAX_INFLIGHT, ENGINE, KEYS, MODEL
 
 _spec = importlib.util.spec_from_file_location("http_load", Path(__file__).resolve().parents[2] / "bench" / "http_load.py")
 http_load = importlib.util.module_from_spec(_spec)
@@ -17,10 +17,11 @@ _spec.loader.exec_module(http_load)
 
 
 @pytest.fixture(scope="module")
-def roomy(default_model_dir, tmp_path_factory):
-    """A server of 8 slots whose in-flight bound is above the clients: every request may queue."""
-    with running_server(default_model_dir, tmp_path_factory.mktemp("load"), "--max-inflight", "512") as srv:
-        yield srv
+def roomy(agent_server):
+    """A server of 8 slots whose in-flight bound is above the clients: every request may queue. The agents'
+    server (tests/serve/conftest.py: AGENTS, started once for its group of modules) is one."""
+    assert ENGINE["slots"] == 8 and agent_server.max_inflight == AGENT_MAX_INFLIGHT > 200
+    return agent_server
 
 
 @pytest.mark.slow

@@ -49,40 +49,81 @@ def assert_same(engine, a, b):
 # (context, how it was made, the turn appended): on and off the grid, a decoded tail, a piece past a chunk
 CASES = [(0, "append", 40), (64, "append", 32), (100, "append", 28), (150, "append", 300), (130, "decode", 50),
          (200, "append", 1), (0, "append", 200)]
+AFTER = (900, 917)  # the corpus span of the second append, after the generate
+
+
+def open_case(eng, corpus, i):
+    """A session holding case i's context, made as the case says; and the turn to append to it."""
+    ctx, how, n = CASES[i]
+    prompt, turn = corpus[i * 7:i * 7 + ctx], corpus[500 + i:500 + i + n]
+    s = eng.open()
+    if how == "decode":
+        s.append(prompt[:ctx - 20])
+        eng.generate([s], 20, [SamplingParams(ignore_eos=True)])
+    elif prompt:
+        s.append(prompt)
+    return s, turn
+
+
+def record(engine, s):
+    return (s.tokens[:], s.decoded_from, s.tail_end), slot_bytes(engine, s)
+
+
+def assert_recorded(engine, want, b):
+    (tokens, decoded_from, tail_end), x = want
+    assert (tokens, decoded_from, tail_end) == (b.tokens, b.decoded_from, b.tail_end)
+    y = slot_bytes(engine, b)
+    assert x.keys() == y.keys()
+    for k in x:
+        assert torch.equal(x[k], y[k]), k
+
+
+# each case's session run alone, per model: its own appends (ModelRunner.prefill) and batched generate never go
+# through runner.batch_rows, which only switches how append_many runs several slots' pieces, so both rows modes
+# are compared with the same solo run; it is made once per model (on an engine of the same settings, on its own
+# slots, as the original same-engine run made it) instead of once per mode (CPU time: the generate is most of it)
+_SOLO: dict[str, dict] = {}
+
+
+def solo_reference(make_engine, model_dir, corpus) -> dict:
+    key = str(model_dir)
+    if key not in _SOLO:
+        eng = make_engine(slots=2 * len(CASES), max_seq=1024)
+        solo, turns = zip(*(open_case(eng, corpus, i) for i in range(len(CASES))))
+        ref = {"appended": [s.append(t).clone() for s, t in zip(solo, turns)]}
+        ref["after_append"] = [record(eng, s) for s in solo]
+        ref["generated"] = [list(r) for r in eng.generate(list(solo), 70, [SEEDED] * len(solo))]
+        ref["appended_again"] = [s.append(corpus[AFTER[0]:AFTER[1]]).clone() for s in solo]
+        ref["after_again"] = [record(eng, s) for s in solo]
+        eng.close()
+        _SOLO[key] = ref
+    return _SOLO[key]
 
 
 @pytest.mark.parametrize("rows", ["batched", "one by one"])
 @pytest.mark.parametrize("model_dir", MODELS, indirect=True)
-def test_a_batched_append_is_bitwise_each_sessions_own(make_engine, corpus, rows):
+def test_a_batched_append_is_bitwise_each_sessions_own(make_engine, model_dir, corpus, rows):
+    ref = solo_reference(make_engine, model_dir, corpus)
     eng = make_engine(slots=2 * len(CASES), max_seq=1024)
     eng.runner.batch_rows = rows == "batched"
-    solo, batch, turns = [], [], []
-    for i, (ctx, how, n) in enumerate(CASES):
-        prompt, turn = corpus[i * 7:i * 7 + ctx], corpus[500 + i:500 + i + n]
-        pair = []
-        for _ in range(2):
-            s = eng.open()
-            if how == "decode":
-                s.append(prompt[:ctx - 20])
-                eng.generate([s], 20, [SamplingParams(ignore_eos=True)])
-            elif prompt:
-                s.append(prompt)
-            pair.append(s)
-        solo.append(pair[0])
-        batch.append(pair[1])
-        turns.append(turn)
-    want = [s.append(t) for s, t in zip(solo, turns)]
-    got = eng.append_many(batch, turns)
-    for a, b, w, g in zip(solo, batch, want, got):
+    # a live session the batched forwards must leave alone (the solo sessions were that in one engine)
+    bystander = eng.open()
+    bystander.append(corpus[3000:3150])
+    untouched = record(eng, bystander)
+    batch, turns = zip(*(open_case(eng, corpus, i) for i in range(len(CASES))))
+    batch = list(batch)
+    got = eng.append_many(batch, list(turns))
+    for w, g in zip(ref["appended"], got):
         assert torch.equal(w, g)
-        assert_same(eng, a, b)
+    for want, b in zip(ref["after_append"], batch):
+        assert_recorded(eng, want, b)
     # and everything after: a generate (crossing grid points) and another batched append
-    assert [list(r) for r in eng.generate(solo, 70, [SEEDED] * len(solo))] == \
-        [list(r) for r in eng.generate(batch, 70, [SEEDED] * len(batch))]
-    want = [s.append(corpus[900:917]) for s in solo]
-    assert all(torch.equal(w, g) for w, g in zip(want, eng.append_many(batch, [corpus[900:917]] * len(batch))))
-    for a, b in zip(solo, batch):
-        assert_same(eng, a, b)
+    assert ref["generated"] == [list(r) for r in eng.generate(batch, 70, [SEEDED] * len(batch))]
+    got = eng.append_many(batch, [corpus[AFTER[0]:AFTER[1]]] * len(batch))
+    assert all(torch.equal(w, g) for w, g in zip(ref["appended_again"], got))
+    for want, b in zip(ref["after_again"], batch):
+        assert_recorded(eng, want, b)
+    assert_recorded(eng, untouched, bystander)
 
 
 @pytest.mark.parametrize("rows", ["batched", "one by one"])

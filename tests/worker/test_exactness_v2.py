@@ -75,17 +75,33 @@ def test_batched_generate_keeps_every_grid_point_canonical(make_engine, corpus):
         assert_equal_dicts(grid_state(engine, s, G), cold_grid_state(engine, s.tokens, G))
 
 
+# the uninterrupted generate of N tokens, per model and sampling: the same for every split point k, so it is made
+# once, in the first such test's own fresh engine (same settings as every other's), and the other split points
+# are compared with what it recorded (its tokens, logprobs, last logits and slot state); CPU time. The tests of
+# a (model, sampling) run on one xdist worker (tests/conftest.py: TEST_GROUPS), so it is made once per run.
+_WHOLE: dict = {}
+
+
+def whole_run(engine, model_dir, corpus, N, sampling):
+    key = (str(model_dir), N, repr(sampling))
+    if key not in _WHOLE:
+        whole = engine.open()
+        whole.append(corpus[:60])
+        full = engine.generate([whole], N, [sampling])[0]
+        # left open, as before: the session restored next never lands in the slot of the state it must equal
+        _WHOLE[key] = (full, whole.logits().clone(), slot_state(engine, whole))
+    return _WHOLE[key]
+
+
 # every split point and sampling mode on the dense model; the MoE on one (CPU time)
 @pytest.mark.parametrize("model_dir,k,sampling", [
     pytest.param("dense", k, sampling, id=f"dense-{kid}-{sid}")
     for k, kid in [(37, "off-grid"), (CHUNK, "on-grid"), (2 * CHUNK - 1, "one-short")]
     for sampling, sid in [(GREEDY, "greedy"), (SEEDED, "seeded")]
 ] + [pytest.param("moe", 37, SEEDED, id="moe-off-grid-seeded")], indirect=["model_dir"])
-def test_generate_n_equals_generate_k_snapshot_restore_generate_rest(engine, corpus, k, sampling):
+def test_generate_n_equals_generate_k_snapshot_restore_generate_rest(engine, model_dir, corpus, k, sampling):
     N = 3 * CHUNK + 11  # crosses 3 grid points
-    whole = engine.open()
-    whole.append(corpus[:60])
-    full = engine.generate([whole], N, [sampling])[0]
+    full, whole_logits, whole_state = whole_run(engine, model_dir, corpus, N, sampling)
     split = engine.open()
     split.append(corpus[:60])
     first = engine.generate([split], k, [sampling])[0]
@@ -95,8 +111,8 @@ def test_generate_n_equals_generate_k_snapshot_restore_generate_rest(engine, cor
     rest = engine.generate([resumed], N - k, [sampling])[0]
     assert first.tokens + rest.tokens == full.tokens
     assert first.logprobs + rest.logprobs == full.logprobs
-    assert torch.equal(resumed.logits(), whole.logits())
-    assert_equal_dicts(slot_state(engine, resumed), slot_state(engine, whole))
+    assert torch.equal(resumed.logits(), whole_logits)
+    assert_equal_dicts(slot_state(engine, resumed), whole_state)
 
 
 def _step_alone_and_in_batch(engine, corpus, batch, position, sampling):
