@@ -31,7 +31,14 @@ class BlockRecord:
     path: Path | None = None  # disk tier: the block file, once renamed into place
     refs: int = 0
     anon_refs: int = 0
-    slab: SlabRow | None = None  # memory tiers: where `tensors` live (a restore copies slab runs, not blocks)
+    slab: SlabRow | None = None  # memory tiers: where the block lives (a restore copies slab runs, not blocks)
+
+    def block_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The block's tensors in a memory tier; for a block in a slab, views of its row made when first asked
+        for (a snapshot makes none: a restore copies slab runs, and most blocks are never read one by one)."""
+        if self.tensors is None and self.slab is not None:
+            self.tensors = {n: t[self.slab.index] for n, t in self.slab.slabs.items()}
+        return self.tensors
 
 
 class BlockPool:

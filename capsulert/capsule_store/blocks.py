@@ -178,7 +178,7 @@ class BlockViews:
 @dataclass(frozen=True, eq=False)
 class SlabRow:
     """Where a block a memory tier holds lives: row `index` of its slabs (one [count, *block shape] tensor per
-    block tensor, allocated together: transfer.slab_views)."""
+    block tensor, allocated together: transfer.slabs_for)."""
 
     slabs: Mapping[str, torch.Tensor]
     index: int

@@ -27,7 +27,7 @@ from capsulert.capsule_store.format.disk import read_capsule_parts, stage_capsul
 from capsulert.capsule_store.format.staging import StagedWrite, fsync_dir
 from capsulert.capsule_store.plan import DROP_DISK_COPY, Entry, Key, Plan
 from capsulert.capsule_store.tiers import MEMORY_TIERS, RANK, TierBook, pkey
-from capsulert.capsule_store.transfer import SLAB_BLOCKS, copy_into, copy_tensors, empty, slab_source, slab_views
+from capsulert.capsule_store.transfer import SLAB_BLOCKS, copy_into, copy_tensors, empty, slab_source, slabs_for
 from capsulert.errors import BudgetExceededError
 from capsulert.policies.base import TIERS
 
@@ -91,31 +91,32 @@ class Mover:
         device, pin = self._dest(tier)
         new_own = {n: empty(t.shape, t.dtype, device, pin) for n, t in own.items()}
         pairs, waits = [(new_own[n], t) for n, t in own.items()], [own_wait]
-        fresh: dict[str, dict[str, torch.Tensor]] = {}
-        rows: dict[str, SlabRow] = {}
+        rows: dict[str, SlabRow] = {}  # the new KV blocks: their slab rows (no per-block views made here)
+        state: dict[str, torch.Tensor] | None = None  # the new grid-state block's tensors
         if refs is not None:
             missing = [i for i, k in enumerate(refs.keys) if pool.get(k) is None]
             for first, count in slab_ranges(missing):
-                slabs, views = slab_views(refs.specs, count, device, pin=pin)
+                slabs = slabs_for(refs.specs, count, device, pin=pin)
                 keys = refs.keys[first:first + count]
-                fresh.update(zip(keys, views))
                 rows.update((k, SlabRow(slabs, i)) for i, k in enumerate(keys))
                 if whole is not None:
                     pairs += [(slabs[n], slab_source(whole[n], refs.token_dim, first, count, refs.rows)) for n in slabs]
                     continue
-                for k, view in zip(keys, views):
+                for i, k in enumerate(keys):
                     tensors, ev = blocks[k]
-                    pairs += [(view[n], tensors[n]) for n in view]
+                    pairs += [(slabs[n][i], tensors[n]) for n in slabs]
                     waits.append(ev)
             if refs.state is not None and pool.get(refs.state) is None:
                 tensors, ev = blocks[refs.state]
-                fresh[refs.state] = {n: empty(t.shape, t.dtype, device, pin) for n, t in tensors.items()}
-                pairs += [(fresh[refs.state][n], t) for n, t in tensors.items()]
+                state = {n: empty(t.shape, t.dtype, device, pin) for n, t in tensors.items()}
+                pairs += [(state[n], t) for n, t in tensors.items()]
                 waits.append(ev)
         ev = copy_into(pairs, stream=self._stream if copy_stream else None, wait=distinct_events(waits))
         e.tensors, e.event = new_own, ev
-        for k, tensors in fresh.items():
-            pool.add(k, BlockRecord(refs.nbytes_of(k), tensors, ev, slab=rows.get(k)))  # type: ignore[union-attr]
+        for k, row in rows.items():
+            pool.add(k, BlockRecord(refs.nbytes_of(k), None, ev, slab=row))  # type: ignore[union-attr]
+        if state is not None:
+            pool.add(refs.state, BlockRecord(refs.nbytes_of(refs.state), state, ev))  # type: ignore[union-attr,arg-type]
         self._tiers.ref(tier, e)
 
     def _held_blocks(self, e: Entry) -> BlockBytes:
@@ -126,7 +127,7 @@ class Mover:
         if e.tier not in MEMORY_TIERS:
             return {}
         pool = self._tiers.pools[e.tier]
-        return {k: (pool.records[k].tensors, pool.records[k].event) for k in e.block_keys}  # type: ignore[misc]
+        return {k: (pool.records[k].block_tensors(), pool.records[k].event) for k in e.block_keys}  # type: ignore[misc]
 
     def source(self, e: Entry, have: frozenset = frozenset()) -> tuple[Parts, list]:
         """e's bytes where they are, moving nothing: memory tensors (and the distinct CUDA events they are

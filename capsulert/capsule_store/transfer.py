@@ -7,7 +7,7 @@ one device (a snapshot of a slot's strided rows into fresh blocks) go in one gro
 
 Destinations are allocated before the copy: one tensor per own tensor, and the KV blocks of a capsule in
 *slabs*: one tensor of [n, *block shape] per block tensor for up to SLAB_BLOCKS consecutive blocks, each
-block a view of it (`slab_views`). A 16k-token capsule's 256 blocks were 512 allocations (and, with the
+block a row of it (`slabs_for`). A 16k-token capsule's 256 blocks were 512 allocations (and, with the
 allocator's cache cold, as many trips to cudaMalloc): the snapshot's main host cost. A slab's memory goes
 back when its last block does; blocks of one slab are consecutive blocks of one token chain, and a capsule
 that references a block references every block before it, so what a slab keeps beyond the live blocks is
@@ -29,13 +29,10 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device, pin: b
     return torch.empty(tuple(shape), dtype=dtype, device=device, pin_memory=pin)
 
 
-def slab_views(specs: Mapping[str, TensorSpec], count: int, device: torch.device, *,
-               pin: bool) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """`count` blocks of these tensors in one allocation per tensor: the slabs ([count, *shape] each) and
-    each block's tensors (views of its row of every slab)."""
-    slabs = {n: empty((count, *s.shape), s.dtype, device, pin) for n, s in specs.items()}
-    rows = {n: t.unbind(0) for n, t in slabs.items()}
-    return slabs, [{n: rows[n][i] for n in slabs} for i in range(count)]
+def slabs_for(specs: Mapping[str, TensorSpec], count: int, device: torch.device, *, pin: bool) -> dict[str, torch.Tensor]:
+    """`count` blocks of these tensors in one allocation per tensor: the slabs, [count, *shape] each (block i
+    is row i of every slab; its views are made where asked for: blocks.SlabRow)."""
+    return {n: empty((count, *s.shape), s.dtype, device, pin) for n, s in specs.items()}
 
 
 def slab_source(whole: torch.Tensor, dim: int, first: int, count: int, rows: int) -> torch.Tensor:

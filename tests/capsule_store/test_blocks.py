@@ -72,7 +72,7 @@ def test_shared_prefix_is_held_once_and_counted_by_reference():
 
 def test_a_put_of_new_blocks_allocates_them_in_slabs_and_copies_once(monkeypatch):
     """A put whose blocks the tier lacks allocates them in slabs of SLAB_BLOCKS consecutive blocks (one
-    allocation per slab, each block a view of its row) and copies everything in one grouped copy, a slab
+    allocation per slab, each block a view of its row, made when first asked for) and copies everything in one grouped copy, a slab
     as one pair from the rows of the whole tensor; a put that shares blocks allocates and copies only its
     own pieces and the blocks the tier lacks."""
     from capsulert.capsule_store import transfer
@@ -90,7 +90,9 @@ def test_a_put_of_new_blocks_allocates_them_in_slabs_and_copies_once(monkeypatch
     _, ta = put(s, "a", long)
     assert len(calls) == 1  # one grouped copy: own tensors and two slabs
     assert sorted(calls[0]) == sorted([(transfer.SLAB_BLOCKS, 2, ROWS, 4), (4, 2, ROWS, 4), (2, 5, 4), (16,)])
-    held = [r.tensors["kv"] for r in s._tiers.pools["device"].records.values()]
+    records = list(s._tiers.pools["device"].records.values())
+    assert all(r.tensors is None for r in records)  # no per-block views made by the put: made when asked for
+    held = [r.block_tensors()["kv"] for r in records]
     assert len(held) == n and len({t.data_ptr() for t in held}) == n
     storages = [t.untyped_storage().data_ptr() for t in held]
     assert len(set(storages[:transfer.SLAB_BLOCKS])) == 1 and len(set(storages[transfer.SLAB_BLOCKS:])) == 1
