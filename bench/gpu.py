@@ -7,6 +7,7 @@ writes bench/out/gpu.json and gpu_ttft.png.
     python bench/gpu.py [--lengths 2048 4096 8192 16384] [--no-hf] [--quick]
     python bench/gpu.py --model random:capsulert/configs/models/qwen3_5-35b-a3b-shape.yaml   # the MoE
     python bench/gpu.py --device cpu --quick      # the default model on the CPU (no HF, no graphs): a smoke run
+    python bench/gpu.py --speculate [its options] # speculative decode against plain decode: bench/speculate.py
 
 Snapshot is timed as a caller pays it: `snapshot_ms` until the call returns (the session may be written at once:
 the copy is queued on the stream before anything the caller does next), `snapshot_done_ms` until the capsule's
@@ -134,7 +135,13 @@ OFF_GRID = (2048, 2049, 2560, 3000, 3071, 4096, 4500)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    if "--speculate" in sys.argv[1:]:  # the speculative-decode benchmark, with its own options (bench/speculate.py)
+        sys.argv.remove("--speculate")
+        import speculate
+
+        speculate.main()
+        return 0
+    ap = argparse.ArgumentParser(epilog="--speculate [options]: the speculative-decode benchmark (bench/speculate.py)")
     ap.add_argument("--tail-replay", choices=("auto", "on", "off"), default="auto",
                     help="EngineConfig.tail_replay (auto: the engine's default, off on CUDA)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
