@@ -27,8 +27,8 @@ from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
 
-from capsulert.errors import (CapsuleRTError, ConfigError, DuplicateCapsuleError, PeerLinkError, UnknownCapsuleError,
-                              WorkerLost)
+from capsulert.errors import (BudgetExceededError, CapsuleRTError, ConfigError, DuplicateCapsuleError, PeerLinkError,
+                              UnknownCapsuleError, WorkerLost)
 from capsulert.orchestrator.capsule_map import NamespaceMap
 from capsulert.protocol.checks import name_arg, tier_arg
 from capsulert.orchestrator.worker_pool import WorkerPool
@@ -79,9 +79,26 @@ class CapsuleRouter:
                 self.space.add(name, worker)
 
     async def ensure_on(self, name: str, worker: int) -> None:
-        """Copy capsule `name` to `worker` unless it holds one already."""
-        if worker not in self._holders(name):
-            await self.migrate(name, worker)
+        """Copy capsule `name` to `worker` unless it holds one already: into its device tier or, where that tier
+        cannot make room (the capsules it holds are pinned or being read: a step's batch of restores reads
+        many at once), the next tier down. The copy's tier is this placement's choice, not the caller's: a
+        restore reads a capsule from any tier. BudgetExceededError (the device tier's) when no tier has room."""
+        if worker in self._holders(name):
+            return
+        first: BudgetExceededError | None = None
+        for tier in _TIER_ORDER:
+            try:
+                await self.migrate(name, worker, tier=tier)
+                return
+            except BudgetExceededError as e:
+                first = first or e
+                log.info("capsule %r: no room in worker %d's %s tier (%s); placing its copy a tier down",
+                         name, worker, tier, e)
+            except ConfigError:
+                if first is None:
+                    raise  # the device tier itself is refused: as before, the caller's error
+                # a tier down that this worker has disabled: the next one
+        raise first  # type: ignore[misc]
 
     async def on_holder(self, name: str, run: Callable[[int], Awaitable[T]]) -> tuple[int, T]:
         """run(w) (a request that restores capsule `name` into new sessions) on the least loaded worker w holding
