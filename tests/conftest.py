@@ -117,7 +117,7 @@ COST_S = {
 }
 
 
-def test_cost(nodeid: str) -> float:
+def unit_cost(nodeid: str) -> float:
     best = max((p for p in COST_S if nodeid.startswith(p)), key=len, default=None)
     return DEFAULT_COST_S if best is None else COST_S[best]
 
@@ -142,7 +142,7 @@ def pytest_xdist_make_scheduler(config, log):
         def _assign_work_unit(self, node) -> None:
             if not self._ordered:  # the queue is complete before the first unit goes out
                 self._ordered = True
-                units = sorted(self.workqueue.items(), key=lambda kv: -sum(test_cost(t) for t in kv[1]))
+                units = sorted(self.workqueue.items(), key=lambda kv: -sum(unit_cost(t) for t in kv[1]))
                 self.workqueue = OrderedDict(units)
             super()._assign_work_unit(node)
 

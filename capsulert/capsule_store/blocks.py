@@ -28,7 +28,7 @@ import sys
 from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterator, Mapping, Sequence, overload
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -150,7 +150,7 @@ Tensors = Mapping[str, torch.Tensor]
 class BlockViews:
     """The KV blocks of whole tensors as views, made when asked for: a put into a memory tier copies each slab
     from the whole tensors' rows and never looks at a block (at 2k, 32 blocks of 4 tensors: 128 views a
-    snapshot would make for nothing)."""
+    snapshot would make for nothing); a disk write iterates them."""
 
     def __init__(self, tensors: Tensors, names: Sequence[str], dim: int, rows: int, n: int):
         self._tensors, self._names, self._dim, self._rows, self._n = tensors, tuple(names), dim, rows, n
@@ -161,17 +161,9 @@ class BlockViews:
     def __iter__(self) -> Iterator[Tensors]:
         return (self[i] for i in range(self._n))
 
-    @overload
-    def __getitem__(self, i: int) -> Tensors: ...
-    @overload
-    def __getitem__(self, i: slice) -> tuple[Tensors, ...]: ...
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return tuple(self[j] for j in range(*i.indices(self._n)))
-        if not -self._n <= i < self._n:
+    def __getitem__(self, i: int) -> Tensors:
+        if not 0 <= i < self._n:
             raise IndexError(f"block {i} of {self._n}")
-        i %= self._n
         return {name: self._tensors[name].narrow(self._dim, i * self._rows, self._rows) for name in self._names}
 
 

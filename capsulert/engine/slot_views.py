@@ -80,9 +80,9 @@ def kv_pairs(st: StateSet, slot: int, grid: int, parts: Parts, first: int, end: 
     """(slot rows, piece) of the KV tensors for blocks first.. of a capsule's parts and, when `end` is
     given, its own rows past its blocks up to `end`. The slot's rows are cut by one split per tensor, not
     one indexing per block (the views were most of a restore's host time)."""
-    n = len(parts.blocks)
     if parts.runs is not None:  # blocks in slab runs: one pair per run and tensor
         return _run_pairs(st, slot, grid, parts, first, end)
+    n = len(parts.blocks)
     sizes = [grid] * (n - first) + ([end - n * grid] if end is not None else [])
     pairs: list[Pair] = []
     for k in st.layout.block_tensors:
