@@ -281,7 +281,10 @@ def main() -> int:
         # context would otherwise generate the same tokens, and an MoE step would read only their k experts
         for i, x in enumerate(sess):
             x.append([base[ctx + i]])
-        n = 32 if cuda else 8  # a warm-up call first: the process's first generate pays one-time costs
+        # a whole grid period per call: each session re-derives one grid chunk per GRID tokens it decodes (the
+        # canonical grid state), so a call of GRID tokens holds exactly one re-derivation of each, as a long
+        # generate does on average (a shorter call holds one or none, by where it starts)
+        n = GRID if cuda else 8  # a warm-up call first: the process's first generate pays one-time costs
         ms, _ = timed(lambda: eng.generate(sess, n), 3, 1)
         decode[f"ours_b{B}_ms_per_token"] = ms / n
         if fast is None:
@@ -293,6 +296,14 @@ def main() -> int:
         inv_ms, _ = timed(lambda: [eng.graphs.decode(slots, toks) for _ in range(16)], 3, 1)
         fast_ms, _ = timed(lambda: [fast.decode(slots, toks) for _ in range(16)], 3, 1)  # noqa: F821 (`del fast` comes after every call)
         decode[f"step_b{B}_invariant_ms"] = inv_ms / 16
+        # the B sessions' re-derivation alone (one batched prefill of GRID tokens each), and what is left of a
+        # generated token's time once the step and that share are taken off: the host's work
+        grid_rows = [base[ctx:ctx + GRID]] * B
+        rederive_ms, _ = timed(lambda: eng.graphs.prefill_rows(slots, grid_rows), 3, 1)
+        decode[f"rederive_b{B}_ms"] = rederive_ms
+        decode[f"host_b{B}_ms_per_token"] = ms / n - inv_ms / 16 - rederive_ms / GRID
+        decode[f"generate_b{B}_over_step"] = ms / n / (inv_ms / 16)
+        decode[f"generate_b{B}_over_step_and_rederive"] = ms / n / (inv_ms / 16 + rederive_ms / GRID)
         decode[f"step_b{B}_batch_dependent_ms"] = fast_ms / 16
         decode[f"step_b{B}_invariance_overhead"] = inv_ms / fast_ms - 1
         decode[f"floor_b{B}_ms"] = decode_floor_gb(eng, B) / HBM_TBPS
@@ -367,10 +378,15 @@ def main() -> int:
                   "over_floor": decode.get(f"step_b{B}_over_floor"),
                   "floor_with_state_ms": decode.get(f"floor_with_state_b{B}_ms"),
                   "over_floor_with_state": decode.get(f"step_b{B}_over_floor_with_state"),
-                  "generate_ms_per_token": decode[f"ours_b{B}_ms_per_token"]}.items() if v is not None}
+                  "generate_ms_per_token": decode[f"ours_b{B}_ms_per_token"],
+                  "rederive_ms": decode.get(f"rederive_b{B}_ms"), "host_ms_per_token": decode.get(f"host_b{B}_ms_per_token"),
+                  "generate_over_step": decode.get(f"generate_b{B}_over_step"),
+                  "generate_over_step_and_rederive": decode.get(f"generate_b{B}_over_step_and_rederive")}.items()
+                   if v is not None}
                  for B in batches],
                 ["batch", "step_ms", "floor_ms", "over_floor", "floor_with_state_ms", "over_floor_with_state",
-                 "generate_ms_per_token"])
+                 "generate_ms_per_token", "rederive_ms", "host_ms_per_token", "generate_over_step",
+                 "generate_over_step_and_rederive"])
     print("decode:", decode)
     print("fan-out best-of-8 from 8k, 64 tokens:", fan)
     result = dict(machine=machine_info(DEVICE), model=args.model, prefill_chunk=c, tail_replay=eng.runner.tail_replay,

@@ -3,7 +3,8 @@ spread over the workers, steps batched by each worker's step scheduler) against 
 (Engine: the envs restored in place in one batched restore, one batched append of the observations and a
 batched generate over the envs, and the same with a restore and an append per env, the way before batching), plus the time of a weight update and of a
 start-capsule rebuild. Prints a table, writes bench/out/rl.json and bench/out/rl.png. `--no-batch-prefill`
-runs the workers' prefill one forward per session (the orchestrated baseline: run it beside a default run).
+runs the workers' prefill one forward per session (the orchestrated baseline); `--with-baseline` runs that
+baseline too, in the same run, and reports the batched rate over it.
 
     .venv/bin/python bench/rl.py --quick                 # CPU, default model
     python bench/rl.py --device cuda --model random:capsulert/configs/models/qwen3_5-9b-shape.yaml
@@ -99,6 +100,16 @@ def update_times(engine) -> dict:
     return out
 
 
+async def start_orchestrator(cfg: dict, args, c0: list[int], batch_prefill: bool):
+    """An orchestrator over args.workers workers holding the pinned start capsule c0."""
+    orch = await Orchestrator.start(dict(engine={**cfg, "scheduler": {"batch_prefill": batch_prefill}},
+                                         num_workers=args.workers, call_timeout_s=3600, torch_threads=args.threads))
+    s = await orch.open(c0)
+    await s.snapshot("c0", pin=True)
+    await s.close()
+    return orch
+
+
 async def main(args) -> int:
     torch.set_num_threads(args.threads)
     cfg = dict(model=args.model, device=args.device, slots=max(args.envs) + 2, max_seq=args.max_seq,
@@ -121,13 +132,18 @@ async def main(args) -> int:
     rebuild_ms = (time.perf_counter() - t0) * 1e3
     rows = []
     # --no-batch-prefill: the workers run each session's prefill piece as its own forward (the way before
-    # batching), the baseline of the orchestrated steps/s
-    orch = await Orchestrator.start(dict(engine={**cfg, "scheduler": {"batch_prefill": not args.no_batch_prefill}},
-                                         num_workers=args.workers, call_timeout_s=3600, torch_threads=args.threads))
+    # batching), the baseline of the orchestrated steps/s; --with-baseline runs it too, after the default
+    baseline = {}
+    if args.with_baseline:
+        orch = await start_orchestrator(cfg, args, c0, batch_prefill=False)
+        try:
+            for envs in args.envs:
+                log(f"E={envs}: orchestrated, one forward per session's prefill piece")
+                baseline[envs] = await orchestrated(orch, envs, args.resets, args.steps, obs, args.gen)
+        finally:
+            await orch.close()
+    orch = await start_orchestrator(cfg, args, c0, batch_prefill=not args.no_batch_prefill)
     try:
-        s = await orch.open(c0)
-        await s.snapshot("c0", pin=True)
-        await s.close()
         for envs in args.envs:
             log(f"E={envs}")
             local = in_process(engine, envs, args.resets, args.steps, obs, args.gen)
@@ -142,6 +158,10 @@ async def main(args) -> int:
                          "resets_orch_over_inprocess": remote["resets_per_s"] / local["resets_per_s"],
                          "steps_per_s_inprocess": local["steps_per_s"], "steps_per_s_orch": remote["steps_per_s"],
                          "steps_orch_over_inprocess": remote["steps_per_s"] / local["steps_per_s"]})
+            if envs in baseline:
+                rows[-1].update({"steps_per_s_orch_one_forward_each": baseline[envs]["steps_per_s"],
+                                 "steps_orch_batched_over_one_forward_each":
+                                     remote["steps_per_s"] / baseline[envs]["steps_per_s"]})
     finally:
         await orch.close()
     print_table(rows, list(rows[0]))
@@ -175,6 +195,9 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="CPU-sized: fewer resets and steps")
     ap.add_argument("--no-batch-prefill", action="store_true",
                     help="the orchestrator's workers run one forward per session's prefill piece (the baseline)")
+    ap.add_argument("--with-baseline", action="store_true",
+                    help="also run the orchestrated steps with one forward per session's prefill piece, in this "
+                    "run (one more orchestrator start), and report the batched rate over it")
     args = ap.parse_args(argv)
     if args.quick:
         args.resets, args.steps, args.context = 256, 2, 500

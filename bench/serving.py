@@ -185,7 +185,8 @@ async def run(args) -> list[dict]:
     n_max = max(args.ns)
     engine_cfg = dict(model=args.model, device=args.device, slots=n_max + 2, max_seq=max_seq, prefill_chunk=chunk,
                       scheduler={"batch_prefill": not args.no_batch_prefill,
-                                 "step_prefill_tokens_decoding": args.step_prefill_decoding})
+                                 "step_prefill_tokens_decoding": args.step_prefill_decoding,
+                                 "step_rederive_rows": args.step_rederive_rows})
     ocfg = dict(engine=engine_cfg, num_workers=args.workers, call_timeout_s=3600, torch_threads=args.threads)
     if args.replicate_hot is not None:
         ocfg["replicate_hot"] = args.replicate_hot
@@ -207,7 +208,11 @@ async def run(args) -> list[dict]:
         rows = []
         for n in args.ns:
             names = hot[:n] if args.skew else [f"agent{i}" for i in range(n)]
-            log(f"N={n}: concurrent")
+            # where the capsules lie before the crowd restores them: a copy from host memory is bound by the
+            # link (~25-55 GB/s), one on the device by HBM, so a restore step's time reads differently
+            held = [c for c in await orch.capsules() if c["name"] in set(names)]
+            tiers = {t: sum(c["tier"] == t for c in held) for t in sorted({c["tier"] for c in held})}
+            log(f"N={n}: concurrent; capsules by tier {tiers}, {sum(c['size_bytes'] for c in held) / 1e9:.2f} GB")
             before, t_run = await loop_busy(orch), time.monotonic()
             conc = await run_n(orch, names, turns[:n], args.gen, True)
             loop = loop_figures(before, await loop_busy(orch), conc["wall_s"], args.workers)
@@ -229,6 +234,7 @@ async def run(args) -> list[dict]:
                 assert a == solo[i], f"session {i}: batched tokens differ from its solo run"
             rows.append({"n": n, "tokens_per_s": conc["tokens_per_s"], "decode_tokens_per_s": conc["decode_tokens_per_s"],
                          "seq_tokens_per_s": seq["tokens_per_s"], "loop": loop, "copies_per_capsule": placed,
+                         "capsule_tiers": tiers,
                          "speedup_vs_sequential": conc["tokens_per_s"] / seq["tokens_per_s"],
                          "ttft_p50_ms": conc["ttft_p50_ms"], "ttft_p99_ms": conc["ttft_p99_ms"],
                          "itl_p50_ms": conc["itl_p50_ms"], "itl_p99_ms": conc["itl_p99_ms"],
@@ -281,6 +287,10 @@ def parse_args(argv=None):
     ap.add_argument("--turn", type=int, default=32)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prefill-chunk", type=int, default=1024)
+    ap.add_argument("--step-rederive-rows", type=int, default=None, metavar="ROWS",
+                    help="the grid re-derivation rows a decode step runs (SchedulerConfig.step_rederive_rows: 64 a "
+                         "session); the crowd past it waits a step. Bounds ITL p99 for a crowd in lockstep; default: "
+                         "unbounded")
     ap.add_argument("--step-prefill-decoding", type=int, default=None, metavar="TOKENS",
                     help="the workers' step prefill budget while sessions decode (SchedulerConfig."
                          "step_prefill_tokens_decoding): bounds ITL; default: the whole step budget")

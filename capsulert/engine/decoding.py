@@ -101,6 +101,7 @@ class DecodeStream:
         self.params = sampling or GREEDY
         self.drafter: Drafter | None = None
         self.pacing = DraftPacing()  # whether a speculating stream drafts in a step (speculation.py)
+        self.held_steps = 0  # steps in a row it sat out to bound a step's grid re-derivations (advance)
         if self.params.speculate:  # an unknown drafter, or one this model cannot run, is refused before anything
             self.drafter = engine.drafters.get(self.params.speculate_drafter)
             self.drafter.check(engine.runner)
@@ -175,15 +176,20 @@ class _Batch:
 
 def advance(engine: Decoder, streams: list[DecodeStream],
             should_stop: Callable[[DecodeStream], bool] | None = None,
-            events: bool = True) -> list[tuple[DecodeStream, TokenEvent]]:
+            events: bool = True, rederive_sessions: int | None = None) -> list[tuple[DecodeStream, TokenEvent]]:
     """One token for every live stream. Returns the (stream, event) pairs produced, in stream order (none
     with events=False: a caller that reads only the results). Holds the engine lock throughout: the graphs'
-    static inputs and outputs are shared by every step."""
+    static inputs and outputs are shared by every step.
+
+    `rederive_sessions`: the most streams whose step reaches a grid point (and so re-derives it) that step;
+    the others skip it, as a stream whose grammar mask is late does (logits kept, tokens unchanged), and go
+    first in a later one. None: no bound (one forward re-derives them all; a crowd in lockstep then makes
+    one long step, where every stream's next token waits)."""
     with engine.lock:
-        return _advance(engine, streams, should_stop, events)
+        return _advance(engine, streams, should_stop, events, rederive_sessions)
 
 
-def _advance(engine, streams, should_stop, events):
+def _advance(engine, streams, should_stop, events, rederive_sessions=None):
     max_seq = engine.config.max_seq
     live = []
     now = time.monotonic()
@@ -203,6 +209,8 @@ def _advance(engine, streams, should_stop, events):
                 st.finish("interrupted")
             continue  # its mask is late: it skips this step, its logits kept for the next
         live.append(st)
+    if rederive_sessions is not None:
+        live = _bound_rederivations(live, engine.runner.grid, rederive_sessions, should_stop)
     need = [st for st in live if st.logits is None]
     if need:
         for st, row in zip(need, engine.runner.logits_rows([st.session.slot for st in need])):
@@ -227,6 +235,35 @@ def _advance(engine, streams, should_stop, events):
             shown = _commit(st, tokens[r], logprobs[r], top, max_seq, should_stop)
             if events and st.error is None:
                 out.append((st, TokenEvent(tokens[r], logprobs[r], shown, len(st.result) - 1, tuple(top))))
+    return out
+
+
+def _reaches_grid(st: DecodeStream, grid: int) -> bool:
+    """Whether the stream's step may feed the token that ends a grid chunk (a speculating one feeds up to
+    1 + speculate tokens, never past it)."""
+    return grid - len(st.session.tokens) % grid <= 1 + st.params.speculate
+
+
+def _bound_rederivations(live: list[DecodeStream], grid: int, most: int,
+                         should_stop: Callable[[DecodeStream], bool] | None) -> list[DecodeStream]:
+    """`live` without the streams reaching a grid point past the first `most` of them, longest held first
+    (then in stream order); a held stream keeps its logits and may be stopped while it waits."""
+    reaching = [st for st in live if _reaches_grid(st, grid)]
+    if len(reaching) <= most:
+        for st in reaching:
+            st.held_steps = 0
+        return live
+    order = sorted(range(len(reaching)), key=lambda i: (-reaching[i].held_steps, i))
+    held = {id(reaching[i]) for i in order[max(1, most):]}
+    out = []
+    for st in live:
+        if id(st) not in held:
+            st.held_steps = 0
+            out.append(st)
+            continue
+        st.held_steps += 1
+        if should_stop is not None and should_stop(st):
+            st.finish("interrupted")
     return out
 
 

@@ -18,7 +18,9 @@ the engine and runs steps. Each step:
    of it is looked up in the prefix cache (EngineConfig.prefix_cache): the longest cached grid prefix is
    restored and only the rest is prefilled (a Turn's `cached_tokens` counts what was served);
 3. advances every running generate by one token in one batched decode step (engine/decoding.py).
-Every running generate advances once per step, so a long generate never starves a short one. A constrained
+Every running generate advances once per step, so a long generate never starves a short one; where
+`step_rederive_rows` bounds a step's grid re-derivations, the generates past it whose step would reach a grid
+point sit that step out and go first in the next (their tokens stay the same). A constrained
 generate whose grammar mask is not ready when the step starts skips it (its tokens stay the same); its
 generate starts without waiting for the first mask, and when only such generates are left the loop sleeps
 until a mask is ready. One whose mask runs past its budget fails with GrammarTooCostlyError and is undone
@@ -89,6 +91,8 @@ class StepScheduler:
         # while generates run, a step prefills at most this much: their next token waits for it
         self.decoding_budget = min(self.budget, config.step_prefill_tokens_decoding or self.budget)
         self.batch_prefill = config.batch_prefill
+        rows = config.step_rederive_rows
+        self.rederive_sessions = None if rows is None else max(1, rows // engine.grid)
         self._cv = threading.Condition()
         self._incoming: deque[Job] = deque()
         self._waiting: list[Job] = []  # admitted, not started (arrival order)
@@ -393,7 +397,7 @@ class StepScheduler:
             return
         by_stream = {id(j.stream): j for j in jobs}
         events = advance(self.engine, [j.stream for j in jobs],
-                         should_stop=lambda st: by_stream[id(st)].cancelled)
+                         should_stop=lambda st: by_stream[id(st)].cancelled, rederive_sessions=self.rederive_sessions)
         self.steps += bool(events)  # a step every generate skipped (all waiting for masks) is none
         self.decoded_tokens += len(events)
         for st, ev in events:

@@ -633,3 +633,47 @@ async def test_requests_submitted_together_start_in_one_step(make_engine, corpus
         assert [info.length for info in await asyncio.gather(*futures)] == [15] * 3
         steps = await records_when(async_read(aeng.scheduler.trace.since, t0), lambda rs: len(rs) > 0)
         assert [(r["started"], r["prefill_forwards"], r["prefill_tokens"]) for r in steps] == [(3, 1, 15)]
+
+
+@pytest.mark.parametrize("rederive_rows", [None, 64, 128])
+async def test_a_bound_on_rederive_rows_spreads_a_crowds_grid_points_over_steps(make_engine, corpus, rederive_rows):
+    """Five sessions that reach grid point 64 in the same step (one of them speculating): unbounded, that step
+    re-derives all five; with step_rederive_rows the streams past the bound sit the step out and re-derive in
+    later ones (64 rows: one a step; 128: two), and every stream's tokens and logprobs stay its solo run's."""
+    eng = make_engine(slots=6, max_seq=512, scheduler={"step_rederive_rows": rederive_rows})
+    prompts = [corpus[100 * i:100 * i + 60] for i in range(5)]
+    params = [NOEOS, SamplingParams(temperature=0.9, seed=3, ignore_eos=True), NOEOS,
+              SamplingParams(ignore_eos=True, speculate=2), NOEOS]
+    want = []
+    for p, sp in zip(prompts, params):
+        s = eng.open(p)
+        want.append(eng.generate([s], 12, [sp])[0])
+        s.close()
+    async with AsyncEngine(eng) as aeng:
+        sessions = [await aeng.open(p) for p in prompts]
+        per_step: dict[int, int] = {}
+        rederive = eng.table.rederive_grid_points
+
+        def counted(group):
+            per_step[aeng.scheduler.steps] = per_step.get(aeng.scheduler.steps, 0) + len(group)
+            rederive(group)
+        eng.table.rederive_grid_points = counted
+        try:
+            got = await asyncio.gather(*(s.generate(12, sp) for s, sp in zip(sessions, params)))
+        finally:
+            del eng.table.rederive_grid_points
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens and g.logprobs == w.logprobs
+    assert sum(per_step.values()) == 5
+    most = 5 if rederive_rows is None else rederive_rows // 64
+    assert max(per_step.values()) == most
+    assert len(per_step) == -(-5 // most)
+
+
+def test_a_rederive_bound_below_one_grid_chunk_is_refused():
+    from pydantic import ValidationError
+
+    from capsulert.config.scheduler import SchedulerConfig
+
+    with pytest.raises(ValidationError, match="step_rederive_rows"):
+        SchedulerConfig(step_rederive_rows=32)
