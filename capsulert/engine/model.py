@@ -189,7 +189,10 @@ class HybridModel:
         lin_valid, lin_grid_at = valid, grid_at
         if replay is not None:
             lin_valid = replay + (valid if valid is not None else torch.full_like(slots, tokens.shape[1]))
-            lin_grid_at = None if grid_at is None else grid_at + replay
+            if isinstance(grid_at, torch.Tensor):  # a row that crosses none (0) keeps the state its layers start at
+                lin_grid_at = grid_at + replay * (grid_at > 0)
+            elif grid_at is not None:
+                lin_grid_at = grid_at + replay
 
         def mix(layer: Layer, x: torch.Tensor) -> torch.Tensor:
             if layer.kind == FULL:

@@ -287,45 +287,53 @@ class ModelRunner:
             valid = torch.tensor([n], device=self.device)
             self.model.forward(self.state, slots, padded, self.kv_len(a + rows), valid=valid, **extra)
 
-    def prefill_from_grid(self, runs: list[tuple[int, list[int], int]]) -> list[bool]:
-        """Several slots' prefills in one forward per round of pieces: run (slot, tokens, start) puts tokens at
-        [start, start+len) where start is a grid point and the slot's live state is there. Each run is cut into
-        pieces as `prefill` cuts it (prefill_pieces); round k runs every run's k-th piece together, one row a
-        run, padded to the round's longest (CPU: to whole cpu_piece_rows) with per-row valid lengths, start
-        positions and grid points. Every op gives a row the same bits whatever else the forward holds (GEMM rows
-        are split-invariant; attention, the conv and the gated delta rule run per row), so each slot ends
-        bitwise where `prefill` alone leaves it. Per run: True when its last piece crossed a grid point
-        strictly inside (state.grid_hidden then holds the hidden state before it)."""
+    def prefill_from_grid(self, runs: list[tuple[int, list[int], int, int]]) -> list[bool]:
+        """Several slots' prefills in one forward per round of pieces: run (slot, tokens, start, replay) puts
+        tokens at [start, start+len), the slot's live state at start - replay, a grid point, whose `replay`
+        tokens the linear-attention layers of its first piece replay from the slot's tail buffers, as `prefill`
+        does (0: start is the grid point). Each run is cut into pieces as `prefill` cuts it (prefill_pieces);
+        round k runs every run's k-th piece together, one row a run, padded to the round's longest (CPU: to
+        whole cpu_piece_rows) with per-row valid lengths, start positions, replayed rows and grid points. Every
+        op gives a row the same bits whatever else the forward holds (GEMM rows are split-invariant; attention,
+        the conv and the gated delta rule run per row), so each slot ends bitwise where `prefill` alone leaves
+        it. Per run: True when its last piece crossed a grid point strictly inside (state.grid_hidden then
+        holds the hidden state before it)."""
         if not self.batch_rows:
-            return [self.prefill(slot, tokens, start) for slot, tokens, start in runs]
-        pieces = [prefill_pieces(start, start + len(tokens), self.chunk) for _, tokens, start in runs]
+            return [self.prefill(slot, tokens, start, replay) for slot, tokens, start, replay in runs]
+        pieces = []
+        for _, tokens, start, replay in runs:
+            cut = prefill_pieces(start - replay, start + len(tokens), self.chunk)
+            cut[0] = (start, cut[0][1])
+            pieces.append(cut)
         crossed = [False] * len(runs)
         t0 = time.perf_counter()
         for k in range(max(len(p) for p in pieces)):
             rows = [(j, *pieces[j][k]) for j in range(len(runs)) if k < len(pieces[j])]
             ats = []
             for j, a, b in rows:
-                slot, tokens, start = runs[j]
+                slot, tokens, start, _ = runs[j]
                 end = start + len(tokens)
                 at = grid_point_inside(a, b, self.grid) if b == end else None
                 ats.append(at)
                 if b == end:
                     crossed[j] = at is not None
-            self._forward_rows([(runs[j][0], runs[j][1][a - runs[j][2]:b - runs[j][2]], a) for j, a, b in rows], ats)
+            self._forward_rows([(runs[j][0], runs[j][1][a - runs[j][2]:b - runs[j][2]], a,
+                                 runs[j][3] if k == 0 else 0) for j, a, b in rows], ats)
             for j, a, b in rows:
                 if b % self.grid == 0:
                     self.state.save_grid(runs[j][0])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        per_token = (time.perf_counter() - t0) / sum(len(tokens) for _, tokens, _ in runs)
+        per_token = (time.perf_counter() - t0) / sum(len(tokens) for _, tokens, _, _ in runs)
         self.prefill_s_per_token = per_token if not self.prefill_s_per_token else 0.9 * self.prefill_s_per_token + 0.1 * per_token
         return crossed
 
-    def _forward_rows(self, rows: list[tuple[int, list[int], int]], ats: list[int | None]) -> None:
-        """One forward of prefill pieces (slot, tokens, start on the grid) of several slots, each padded to the
-        longest; `ats`: each piece's inner grid point (None: none, as 0: the state where the piece starts,
-        which is the slot's grid checkpoint already)."""
-        n = max(len(tokens) for _, tokens, _ in rows)
+    def _forward_rows(self, rows: list[tuple[int, list[int], int, int]], ats: list[int | None]) -> None:
+        """One forward of prefill pieces (slot, tokens, start, replay: the linear layers' piece starts `replay`
+        rows early, on the grid) of several slots, each padded to the longest; `ats`: each piece's inner grid
+        point (None: none, as 0: the state where the layers' pieces start, which is the slot's grid checkpoint
+        already)."""
+        n = max(len(tokens) for _, tokens, _, _ in rows)
         step = self.cpu_piece_rows
         if step is not None:
             T = -(-n // step) * step
@@ -336,17 +344,19 @@ class ModelRunner:
         else:
             T = n
         ids = torch.zeros(len(rows), T, dtype=torch.long)
-        for r, (_, tokens, _) in enumerate(rows):
+        for r, (_, tokens, _, _) in enumerate(rows):
             ids[r, :len(tokens)] = torch.tensor(tokens)
         dev = self.device
-        valid = torch.tensor([len(tokens) for _, tokens, _ in rows], device=dev)
+        valid = torch.tensor([len(tokens) for _, tokens, _, _ in rows], device=dev)
         grid_at = None if all(at is None for at in ats) else torch.tensor([at or 0 for at in ats], device=dev)
-        # the rows past a piece's last grid point become its slot's tail (engine/tail_replay.py)
-        tail_from = torch.tensor([(a + len(tokens)) // self.grid * self.grid - a for _, tokens, a in rows],
+        replay = torch.tensor([r for _, _, _, r in rows], device=dev) if any(r for _, _, _, r in rows) else None
+        # the rows past a piece's last grid point become its slot's tail (engine/tail_replay.py), counted in the
+        # linear layers' piece
+        tail_from = torch.tensor([(a + len(tokens)) // self.grid * self.grid - (a - r) for _, tokens, a, r in rows],
                                  device=dev) if self.tail_replay else None
-        self.model.forward(self.state, self.slot_ids([slot for slot, _, _ in rows]), ids.to(dev),
-                           self.kv_len(max(a for _, _, a in rows) + T), valid=valid, grid_at=grid_at,
-                           tail_from=tail_from)
+        self.model.forward(self.state, self.slot_ids([slot for slot, _, _, _ in rows]), ids.to(dev),
+                           self.kv_len(max(a for _, _, a, _ in rows) + T), valid=valid, grid_at=grid_at,
+                           replay=replay, tail_from=tail_from)
 
     def prefill_grid_rows(self, slots: list[int], rows: list[list[int]], end: int) -> None:
         """One batched prefill of GRID tokens for each slot, every slot's live state at its previous grid

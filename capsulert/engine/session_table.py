@@ -150,16 +150,18 @@ class SessionTable:
 
     def extend_many(self, items: list[tuple[Session, list[int]]]) -> list[bool]:
         """`extend` for several sessions in one forward per round of pieces (ModelRunner.prefill_from_grid),
-        bitwise what each session's own `extend` gives. Each re-runs the tokens since its grid point in full
-        (no tail replay: replaying a tail is exact, so re-running it gives the same bits)."""
+        bitwise what each session's own `extend` gives: each replays the tail its slot keeps rows for in the
+        linear-attention layers and re-runs the rest since its grid point in full, as `extend` does."""
         runner, runs = self.runner, []
         for s, new in items:
             P = len(s.tokens)
             G = P // runner.grid * runner.grid
+            E = G
             if P != G:
-                runner.state.load_grid(s.slot)
-                runner.state.pos[s.slot] = G
-            runs.append((s.slot, s.tokens[G:] + new, G))
+                E = self.replayable_end(s)
+                runner.state.load_grid(s.slot, seed=E == G)
+                runner.state.pos[s.slot] = E
+            runs.append((s.slot, s.tokens[E:] + new, E, E - G))
         crossed = runner.prefill_from_grid(runs)
         for s, new in items:
             s.tokens.extend(new)

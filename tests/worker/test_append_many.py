@@ -201,3 +201,33 @@ def test_a_batched_row_without_an_inner_grid_point_keeps_its_slots_grid_hidden_s
     kept = eng.state.grid_hidden[short.slot].clone()
     eng.append_many([short, crossing], [corpus[:40], corpus[250:290]])
     assert torch.equal(eng.state.grid_hidden[short.slot], kept)
+
+
+def test_a_batched_append_replays_each_sessions_kept_tail_and_runs_only_its_new_tokens(make_engine, corpus):
+    """Sessions whose prefilled tokens end past a grid point, with their tail rows kept (the CPU's default):
+    one batched append runs only the new tokens through the model and replays each tail in the
+    linear-attention layers, beside a session on the grid; each ends bitwise where its own append leaves it.
+    A row whose piece crosses a grid point and one that crosses none share the forward."""
+    eng = make_engine(slots=6)
+    assert eng.runner.tail_replay
+    contexts, turns = [corpus[:100], corpus[200:330], corpus[400:464]], [corpus[600:610], corpus[700:770], corpus[800:805]]
+    batched = [eng.open(c) for c in contexts]
+    calls = []
+    forward = eng.runner.model.forward
+
+    def spy(*args, **kw):
+        calls.append(kw)
+        return forward(*args, **kw)
+    eng.runner.model.forward = spy
+    try:
+        got = eng.append_many(batched, turns)
+    finally:
+        del eng.runner.model.forward
+    [kw] = calls
+    assert kw["replay"].tolist() == [36, 2, 0] and kw["valid"].tolist() == [10, 70, 5]
+    assert kw["grid_at"].tolist() == [0, 62, 0]  # the second crosses 192, 62 of its new tokens in
+    for s, c, t, logits in zip(batched, contexts, turns, got):
+        alone = eng.open(c)
+        assert torch.equal(alone.append(t), logits)
+        assert_same(eng, s, alone)
+        alone.close()
