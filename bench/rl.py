@@ -113,7 +113,7 @@ async def start_orchestrator(cfg: dict, args, c0: list[int], batch_prefill: bool
 async def main(args) -> int:
     torch.set_num_threads(args.threads)
     cfg = dict(model=args.model, device=args.device, slots=max(args.envs) + 2, max_seq=args.max_seq,
-               prefill_chunk=args.prefill_chunk)
+               prefill_chunk=args.prefill_chunk, tail_replay={"auto": None, "on": True, "off": False}[args.tail_replay])
     vocab = 4000
     g = torch.Generator().manual_seed(0)
     c0 = torch.randint(10, vocab, (args.context,), generator=g).tolist()
@@ -195,6 +195,9 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="CPU-sized: fewer resets and steps")
     ap.add_argument("--no-batch-prefill", action="store_true",
                     help="the orchestrator's workers run one forward per session's prefill piece (the baseline)")
+    ap.add_argument("--tail-replay", choices=("auto", "on", "off"), default="auto",
+                    help="EngineConfig.tail_replay (auto: the engine's default, off on CUDA): on, the envs' appends "
+                    "replay their kept tails instead of re-running them")
     ap.add_argument("--with-baseline", action="store_true",
                     help="also run the orchestrated steps with one forward per session's prefill piece, in this "
                     "run (one more orchestrator start), and report the batched rate over it")

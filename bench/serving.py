@@ -184,6 +184,7 @@ async def run(args) -> list[dict]:
     max_seq = -(-(args.context + args.turn + args.gen + 1) // chunk) * chunk
     n_max = max(args.ns)
     engine_cfg = dict(model=args.model, device=args.device, slots=n_max + 2, max_seq=max_seq, prefill_chunk=chunk,
+                      tail_replay={"auto": None, "on": True, "off": False}[args.tail_replay],
                       scheduler={"batch_prefill": not args.no_batch_prefill,
                                  "step_prefill_tokens_decoding": args.step_prefill_decoding,
                                  "step_rederive_rows": args.step_rederive_rows})
@@ -287,6 +288,9 @@ def parse_args(argv=None):
     ap.add_argument("--turn", type=int, default=32)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prefill-chunk", type=int, default=1024)
+    ap.add_argument("--tail-replay", choices=("auto", "on", "off"), default="auto",
+                    help="EngineConfig.tail_replay (auto: the engine's default, off on CUDA): on, a capsule keeps its "
+                    "tail rows and a crowd's turns replay them instead of re-running them")
     ap.add_argument("--step-rederive-rows", type=int, default=None, metavar="ROWS",
                     help="the grid re-derivation rows a decode step runs (SchedulerConfig.step_rederive_rows: 64 a "
                          "session); the crowd past it waits a step. Bounds ITL p99 for a crowd in lockstep; default: "

@@ -68,9 +68,10 @@ class EngineConfig(BaseModel):
     tail_replay: bool | None = Field(None, description="an append to a session (or capsule) whose prefilled tokens end "
                                      "past a grid point re-runs those tokens through the linear-attention layers' conv "
                                      "and chunk math only, from the rows kept for them (the exact-replay buffer), not "
-                                     "through the whole model; the same bits either way. None: on the CPU (10-25% off "
-                                     "such an append there), off on CUDA (where keeping and gathering the rows costs "
-                                     "more launches than the GEMM rows it saves: bench/RESULTS.md)")
+                                     "through the whole model, alone or in a batched append (a crowd's turns); the same "
+                                     "bits either way. None: on the CPU (10-25% off such an append there), off on CUDA "
+                                     "(where keeping and gathering the rows costs a lone append more launches than the "
+                                     "GEMM rows it saves: bench/RESULTS.md; a crowd's batched appends save the rows)")
     kernels: Literal["auto", "reference", "triton"] = Field(
         "auto", description="CUDA kernels: auto = Triton + fla chunked prefill when installed")
     slot_wait_s: float = Field(60.0, ge=0.0, le=3600.0,
