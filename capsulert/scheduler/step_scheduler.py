@@ -63,15 +63,17 @@ __all__ = ["StepScheduler", "Sink", "queue_sink", "stream_item"]
 MASK_POLL_S = 0.02  # longest sleep while every job waits for a grammar mask
 
 
-def prefill_steps(held: int, new: int, grid: int, chunk: int) -> list[tuple[int, int]]:
+def prefill_steps(held: int, new: int, grid: int, chunk: int, replayed: int | None = None) -> list[tuple[int, int]]:
     """The scheduler's prefill steps for `new` tokens after `held`: (end, work) each, a step ending a chunk past
     the last grid point before it (one prefill piece: engine.prefill_pieces) and its work counted with the
-    re-run past that grid point."""
+    re-run past that grid point; `replayed`: where the tail the first step replays in the linear-attention
+    layers ends (SessionTable.replayable_end), rows that never pass through the rest of the model and so are
+    not counted."""
     steps, P, end = [], held, held + new
     while P < end:
         G = P // grid * grid
         stop = min(end, G + chunk)
-        steps.append((stop, stop - G))
+        steps.append((stop, stop - (max(G, replayed) if replayed is not None and not steps else G)))
         P = stop
     return steps
 
@@ -353,7 +355,8 @@ class StepScheduler:
                     self._fail_prefill(job, e)
                     continue
                 P = len(s.tokens)
-                [(end, work)] = prefill_steps(P, len(job.prefill), self.engine.grid, self.engine.chunk)[:1]
+                [(end, work)] = prefill_steps(P, len(job.prefill), self.engine.grid, self.engine.chunk,
+                                              self.engine.table.replayable_end(s))[:1]
                 batch.append((job, s, job.prefill[:end - P]))
                 budget -= work
             if not batch:

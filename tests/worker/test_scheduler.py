@@ -588,6 +588,14 @@ def test_prefill_steps_end_a_chunk_past_their_grid_point_and_count_the_rerun(hel
     assert prefill_steps(held, new, 64, 128) == want
 
 
+def test_a_replayed_tail_is_not_counted_in_a_prefill_steps_work():
+    """The tail the first piece replays in the linear-attention layers (kept rows up to `replayed`) costs no
+    row of the rest of the model: the step's work is what runs through it."""
+    assert prefill_steps(100, 200, 64, 128, replayed=100) == [(192, 92), (300, 108)]
+    assert prefill_steps(100, 200, 64, 128, replayed=80) == [(192, 112), (300, 108)]
+    assert prefill_steps(100, 200, 64, 128, replayed=64) == prefill_steps(100, 200, 64, 128)
+
+
 @pytest.mark.parametrize("decoding_budget", [None, 128])
 async def test_the_prefill_budget_while_others_decode_spreads_an_append_over_steps(make_engine, corpus,
                                                                                    decoding_budget):
@@ -677,3 +685,29 @@ def test_a_rederive_bound_below_one_grid_chunk_is_refused():
 
     with pytest.raises(ValidationError, match="step_rederive_rows"):
         SchedulerConfig(step_rederive_rows=32)
+
+
+async def test_a_crowd_whose_tails_replay_shares_one_forward_under_a_small_budget(make_engine, corpus):
+    """Four sessions 60 tokens past their grid point, their tails kept: an 8-token turn each is 8 rows of work,
+    not 68, so a 64-token step budget runs all four in one forward; each append equals its solo run."""
+    eng = make_engine(slots=8, tail_replay=True, scheduler={"step_prefill_tokens": 64})
+    contexts, turns = [corpus[50 * i:50 * i + 124] for i in range(4)], [corpus[900 + i:908 + i] for i in range(4)]
+    want = []
+    for c, t in zip(contexts, turns):
+        s = eng.open(c)
+        want.append(s.append(t))
+        s.close()
+    loop = asyncio.get_running_loop()
+    async with AsyncEngine(eng) as aeng:
+        sessions = [await aeng.open(c) for c in contexts]
+        before = aeng.scheduler.prefill_forwards
+        futures = []
+        with aeng.scheduler.together():  # all four start in one step
+            for s, t in zip(sessions, turns):
+                fut, sink = _future_sink(loop)
+                aeng.scheduler.submit(Append(s.id, t, logits=True), sink)
+                futures.append(fut)
+        got = await asyncio.gather(*futures)
+        assert aeng.scheduler.prefill_forwards - before == 1
+    for g, w in zip(got, want):
+        assert torch.equal(torch.from_numpy(g.logits), w.cpu())
