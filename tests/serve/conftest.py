@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -25,6 +26,9 @@ KEYS = {"acme": "sk-acme-test-0123456789", "globex": "sk-globex-test-0123456789"
 MODEL = "capsulert-default"
 MAX_INFLIGHT = 4
 START_TIMEOUT_S = 180
+# one TLS context for every client the tests make (their URLs are plain http): a client that builds its own loads
+# the CA bundle, ~50 ms of CPU, and the start-up poll below makes ten a second while the server's processes start
+TLS = ssl.create_default_context()
 
 
 def free_port() -> int:
@@ -44,14 +48,15 @@ class Server:
     pid: int = 0  # the `capsulert serve` process (Ray's processes are its descendants)
 
     def client(self, tenant: str = "acme", **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEYS[tenant], max_retries=0, timeout=60, **kw)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEYS[tenant], max_retries=0, timeout=60,
+                             http_client=openai.DefaultHttpxClient(verify=TLS), **kw)
 
     def http(self, method: str, path: str, tenant: str | None = "acme", headers: dict | None = None,
              **kw) -> httpx.Response:
         """A raw request; as `tenant` (its key), or with exactly the `headers` given."""
         if headers is None:
             headers = {"Authorization": f"Bearer {KEYS[tenant]}"} if tenant else {}
-        return httpx.request(method, self.url + path, headers=headers, timeout=60, **kw)
+        return httpx.request(method, self.url + path, headers=headers, timeout=60, verify=TLS, **kw)
 
 
 @contextmanager
