@@ -15,9 +15,11 @@ demo: $(STAMP)
 	$(VENV)/bin/capsulert demo
 
 # two workers (pytest-xdist): a file with module-scoped servers or orchestrators runs whole on one of them, every
-# other test goes to whichever worker is free (tests/conftest.py, pytest_xdist_make_scheduler)
+# other test goes to whichever worker is free (tests/conftest.py, pytest_xdist_make_scheduler). langsmith (a
+# dependency of the frameworks extra) registers a pytest plugin the suite does not use; loading it costs each
+# pytest process ~2.5 s of CPU (its modules imported and assertion-rewritten)
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" -n 2 tests
+	$(PY) -m pytest -q -p no:langsmith_plugin -m "not gpu" -n 2 tests
 
 # the docs site into site/; strict (mkdocs.yml): a broken link or a page missing from the nav fails the build
 docs: $(STAMP)
