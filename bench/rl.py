@@ -125,6 +125,8 @@ async def main(args) -> int:
     s.snapshot("c0", pin=True)
     s.close()
     update_ms = update_times(engine)
+    if args.device == "cuda":  # the update's source copies are freed; give their cached blocks to the workers
+        torch.cuda.empty_cache()
     cuda_sync(args.device)
     t0 = time.perf_counter()
     engine.rebuild("c0")
