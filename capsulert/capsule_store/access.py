@@ -35,7 +35,7 @@ class EntryAccess:
         `tier`, room made first (an anonymous entry only displaces other anonymous ones). Into disk the
         files are durable before it returns; a refusal changes nothing (caller holds the lock)."""
         tiers, mover = self._tiers, self._mover
-        parts = split(meta, tensors, tiers.layout, origin)
+        parts = split(meta, tensors, tiers.layout, origin, tiers.chains)
         own = tensor_nbytes(parts.own)
         plan, budget = tiers.new_plan(), tiers.budgets[tier]
         need = plan.added(tier, own, parts.refs)

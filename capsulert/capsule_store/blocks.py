@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import threading
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterator, Mapping, Sequence
@@ -66,12 +68,72 @@ def chain_seed(namespace: str, fingerprint: str, layout_version: int, rows: int,
 def chain_keys(seed: bytes, tokens: Sequence[int], rows: int, n: int | None = None) -> list[str]:
     """The keys of the first n blocks (default: every complete block) of `tokens`."""
     n = len(tokens) // rows if n is None else n
-    data, step = _token_bytes(tokens[:n * rows]), 4 * rows  # encoded once, not per block
-    keys, prev = [], seed
-    for i in range(n):
+    return _extend_chain(seed, tokens, rows, 0, n)
+
+
+def _extend_chain(prev: bytes, tokens: Sequence[int], rows: int, start: int, n: int) -> list[str]:
+    """The keys of blocks [start, n) of `tokens`, `prev` the digest of block start - 1's key (or the seed)."""
+    data, step = _token_bytes(tokens[start * rows:n * rows]), 4 * rows  # encoded once, not per block
+    keys = []
+    for i in range(n - start):
         prev = hashlib.sha256(prev + data[i * step:(i + 1) * step]).digest()
         keys.append(prev.hex())
     return keys
+
+
+class ChainKeys:
+    """`chain_keys` that remembers the chains it computed last (`capacity` of them, least recently used
+    dropped): an agent that snapshots every turn, or a prompt looked up at every append, repeats its prefix, and
+    hashing its blocks again was a third of a repeated 16k-token snapshot's host time. A remembered chain is found
+    by its seed and first block's key; the whole blocks a new sequence shares with it keep their keys and only the
+    rest is hashed, so every key is what chain_keys gives. One lock: the store's puts and the prefix lookups come
+    from several threads."""
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self._chains: OrderedDict[tuple[bytes, str], tuple[tuple[int, ...], list[str]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """The chains it remembers."""
+        return len(self._chains)
+
+    def keys(self, seed: bytes, tokens: Sequence[int], rows: int, n: int | None = None) -> list[str]:
+        n = len(tokens) // rows if n is None else n
+        if n == 0:
+            return []
+        held = tuple(tokens[:n * rows])  # the memo keeps its own: a caller's list may change
+        first = _extend_chain(seed, held, rows, 0, 1)[0]
+        with self._lock:
+            hit = self._chains.get((seed, first))
+        shared = 1
+        if hit is not None:
+            shared = max(1, _shared_blocks(held, hit[0], rows, min(n, len(hit[1]))))
+            keys = hit[1][:shared]
+        else:
+            keys = [first]
+        keys = keys + _extend_chain(bytes.fromhex(keys[-1]), held, rows, shared, n)
+        with self._lock:
+            if hit is None or n >= len(hit[1]):  # the longer chain stays (a shorter look-up shares its start)
+                self._chains[(seed, first)] = (held, keys)
+            self._chains.move_to_end((seed, first))
+            while len(self._chains) > self.capacity:
+                self._chains.popitem(last=False)
+        return keys
+
+
+def _shared_blocks(a: tuple[int, ...], b: tuple[int, ...], rows: int, most: int) -> int:
+    """How many whole blocks (at most `most`) `a` and `b` start with in common."""
+    if a[:most * rows] == b[:most * rows]:
+        return most
+    lo, hi = 0, most - 1  # blocks [0, lo) are shared, block `hi` is not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid * rows] == b[:mid * rows]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def state_key(last_key: str) -> str:
@@ -79,8 +141,10 @@ def state_key(last_key: str) -> str:
     return hashlib.sha256(STATE_TAG + bytes.fromhex(last_key)).hexdigest()
 
 
-def keys_for(meta: CapsuleMeta, origin: str, n: int) -> list[str]:
+def keys_for(meta: CapsuleMeta, origin: str, n: int, chains: ChainKeys | None = None) -> list[str]:
     seed = chain_seed(meta.namespace, meta.fingerprint, meta.layout_version, meta.grid, origin)
+    if chains is not None:
+        return chains.keys(seed, meta.tokens, meta.grid, n)
     return chain_keys(seed, meta.tokens, meta.grid, n)
 
 
@@ -266,10 +330,11 @@ class Parts:
 
 
 def split(meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor], layout: BlockLayout | None,
-          origin: str | None) -> Parts:
+          origin: str | None, chains: ChainKeys | None = None) -> Parts:
     """Cut a capsule's tensors into blocks (views) and own tensors. A capsule stays whole (refs None) when
     the store has no layout, its origin is unknown, or it does not have the layout's shape. Its state at
-    the grid point becomes the grid-state block when the layout names it and the capsule covers a block."""
+    the grid point becomes the grid-state block when the layout names it and the capsule covers a block.
+    `chains`: the store's memo of chain keys (else each key is hashed)."""
     whole = Parts(dict(tensors))
     if layout is None or origin is None or meta.grid < 1:
         return whole
@@ -288,7 +353,7 @@ def split(meta: CapsuleMeta, tensors: Mapping[str, torch.Tensor], layout: BlockL
     # a session whose state is canonical for that origin)
     specs = {name: TensorSpec(tuple(rows if d == dim else x for d, x in enumerate(tensors[name].shape)),
                               tensors[name].dtype) for name in layout.tensors}
-    keys = tuple(keys_for(meta, origin, n))
+    keys = tuple(keys_for(meta, origin, n, chains))
     # on the grid the live state is the state at G; off it the grid checkpoint is (the live state at P is
     # computed from tokens past G: never shared)
     names = {(on if P == n * rows else off): on for on, off in layout.grid_state}

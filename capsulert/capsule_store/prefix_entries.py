@@ -17,7 +17,7 @@ from typing import Iterator, Mapping
 import torch
 
 from capsulert.capsule_store.access import EntryAccess
-from capsulert.capsule_store.blocks import Parts, chain_keys, chain_seed, split
+from capsulert.capsule_store.blocks import Parts, chain_seed, split
 from capsulert.capsule_store.capsule import CapsuleMeta, tensor_nbytes
 from capsulert.capsule_store.moves import Mover
 from capsulert.capsule_store.plan import ANON, Entry
@@ -52,8 +52,8 @@ class PrefixEntries:
         snapshot looking for a shared state), kept out of the prefix cache's counters."""
         if self._layout is None:
             return PrefixMatch()
-        keys = chain_keys(chain_seed(namespace, fingerprint, self._layout_version, rows, self._layout.origin),
-                          tokens, rows)
+        keys = self._tiers.chains.keys(chain_seed(namespace, fingerprint, self._layout_version, rows,
+                                                  self._layout.origin), tokens, rows)
         tiers = self._tiers
         with self._lock:
             tiers.check_open()
@@ -97,7 +97,7 @@ class PrefixEntries:
         tier = next((t for t in MEMORY_TIERS if self._tiers.usable(t)), None)
         if not self.prefix_enabled or tier is None:
             return False
-        parts = split(meta, tensors, self._layout, self.block_origin)
+        parts = split(meta, tensors, self._layout, self.block_origin, self._tiers.chains)
         if parts.refs is None or not parts.refs.keys or parts.refs.grid != meta.boundary:
             return False
         key = (meta.namespace, ANON + parts.refs.keys[-1])

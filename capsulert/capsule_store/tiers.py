@@ -27,7 +27,7 @@ import warnings
 from pathlib import Path
 
 from capsulert.capsule_store.block_pool import BlockPool, BlockRecord
-from capsulert.capsule_store.blocks import BlockLayout
+from capsulert.capsule_store.blocks import BlockLayout, ChainKeys
 from capsulert.protocol.names import validate_name
 from capsulert.capsule_store.plan import DROP_DISK_COPY, Entry, Key, Plan
 from capsulert.capsule_store.prefix_index import PrefixIndex
@@ -91,6 +91,7 @@ class TierBook:
         self.entries: dict[Key, Entry] = {}
         self.pools = {t: BlockPool(t) for t in TIERS}
         self.index = PrefixIndex(blocks)
+        self.chains = ChainKeys()  # the block keys of recent token sequences (puts and prefix lookups)
         self.used = {t: 0 for t in TIERS}
         self.counters = dict(hits=0, misses=0, promotions=0, demotions=0, evictions=0, dropped=0,
                              dropped_bytes=0, disk_write_errors=0)

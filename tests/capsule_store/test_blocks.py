@@ -276,3 +276,50 @@ def test_block_runs_join_consecutive_rows_of_one_slab_only():
     assert [r.tensors["kv"].flatten().tolist() for r in runs] == [[2.0, 3.0], [5.0], [0.0, 1.0], [4.0]]
     assert block_runs(rows[:2] + [None]) is None  # a block whose place is unknown: no runs at all
     assert block_runs([]) == ()
+
+
+def test_the_chain_key_memo_gives_every_key_chain_keys_gives():
+    """ChainKeys reuses the keys of the whole blocks a sequence shares with a chain it computed before (a
+    repeat, an extension, a branch, a shorter look-up) and hashes the rest: the keys are chain_keys' in every
+    case, under any seed, after evictions and after the caller's list changes."""
+    from capsulert.capsule_store.blocks import ChainKeys, chain_keys, chain_seed
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 5000, (64 * 40 + 17,), generator=g).tolist()
+    branch = base[:64 * 25 + 3] + [7] + base[64 * 25 + 4:]  # differs inside block 25
+    seeds = [chain_seed(ns, "f" * 64, 4, 64, "origin") for ns in ("a", "b")]
+    memo = ChainKeys(capacity=2)
+    cases = [base, base, base[:64 * 10], base + [1] * 200, branch, branch[:64 * 30], base[:63], base[:64],
+             base[64:], base]
+    for seed in seeds:
+        for tokens in cases:
+            for n in (None, len(tokens) // 64 // 2):
+                assert memo.keys(seed, tokens, 64, n) == chain_keys(seed, tokens, 64, n)
+    mutable = list(base)
+    memo.keys(seeds[0], mutable, 64)
+    mutable[5] += 1  # the memo holds its own copy of the tokens it hashed
+    assert memo.keys(seeds[0], mutable, 64) == chain_keys(seeds[0], mutable, 64)
+    assert memo.keys(seeds[0], base, 64) == chain_keys(seeds[0], base, 64)
+    assert len(memo) == 2
+
+
+def test_a_put_hashes_only_the_blocks_its_earlier_puts_did_not(monkeypatch):
+    """A session snapshotted turn after turn: each put's block keys come from the store's chain memo, so only the
+    blocks past the previous put's are hashed (and the first, which finds the chain); the capsules are whole."""
+    from capsulert.capsule_store import blocks
+
+    hashed = []
+    extend = blocks._extend_chain
+
+    def counting(prev, toks, rows, start, n):
+        hashed.append(n - start)
+        return extend(prev, toks, rows, start, n)
+    monkeypatch.setattr(blocks, "_extend_chain", counting)
+    s = store()
+    turns = SHARED + tokens(40, 3)  # 10 blocks
+    _, first = put(s, "t1", turns[:40])
+    assert sum(hashed) == 5
+    hashed.clear()
+    _, second = put(s, "t2", turns)
+    assert sum(hashed) == 1 + 5  # the first block finds the chain; blocks 5-9 are new
+    assert exact(s.get("t1")[1], first) and exact(s.get("t2")[1], second)
