@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from common import OUT_DIR, cuda_sync, log, machine_info, median, plot_lines, print_table, timeit, write_json  # noqa: E402
+from common import OUT_DIR, TAIL_REPLAY, cuda_sync, log, machine_info, median, plot_lines, print_table, timeit, write_json  # noqa: E402
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192)
 QUICK_LENGTHS = (512, 1024)
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     log(f"engine: model={args.model} device={args.device} slots=4 max_seq={max_seq} prefill_chunk={chunk} "
         f"threads={torch.get_num_threads()}")
     engine = Engine.from_config(model=args.model, device=args.device, slots=4, max_seq=max_seq, prefill_chunk=chunk,
-                                tail_replay={"auto": None, "on": True, "off": False}[args.tail_replay])
+                                tail_replay=TAIL_REPLAY[args.tail_replay])
     ids = corpus_tokens(engine, max(lengths) + args.suffix)
     hf = None
     if not args.skip_hf:

@@ -21,6 +21,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO_ROOT / "bench" / "out"
 
 
+# the benches' --tail-replay choices as EngineConfig.tail_replay values (auto: the engine's default)
+TAIL_REPLAY = {"auto": None, "on": True, "off": False}
+
+
 def log(msg: str) -> None:
     """Progress line on stderr (flushed), prefixed with the wall-clock time."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

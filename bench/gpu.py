@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT_DIR, hf_causal_lm, log, machine_info, median, plot_lines, print_table, write_json  # noqa: E402
+from common import OUT_DIR, TAIL_REPLAY, hf_causal_lm, log, machine_info, median, plot_lines, print_table, write_json  # noqa: E402
 
 from capsulert.engine.default_model import REPO_ROOT  # noqa: E402
 from capsulert.config.engine import EngineConfig  # noqa: E402
@@ -46,7 +46,6 @@ from capsulert.engine.moe_weights import DOWN, GATE_UP  # noqa: E402
 from capsulert.serve.model_files import model_config  # noqa: E402
 from capsulert.protocol.sampling import SamplingParams  # noqa: E402
 
-TAIL_REPLAY = {"auto": None, "on": True, "off": False}
 SHAPE = REPO_ROOT / "capsulert" / "configs" / "models" / "qwen3_5-9b-shape.yaml"
 SUFFIX = 32
 DECODE_BATCHES = (1, 8, 32, 64)

@@ -20,12 +20,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT_DIR, log, machine_info, print_table, write_json  # noqa: E402
+from common import OUT_DIR, TAIL_REPLAY, log, machine_info, print_table, write_json  # noqa: E402
 
 from capsulert.engine.default_model import REPO_ROOT  # noqa: E402
 from capsulert.engine.engine import Engine  # noqa: E402
 
-TAIL_REPLAY = {"auto": None, "on": True, "off": False}
 SHAPE = REPO_ROOT / "capsulert" / "configs" / "models" / "qwen3_5-9b-shape.yaml"
 KINDS = [  # first match wins
     ("gemm", r"gemm|gemv|nvjet|cutlass|sm90_xmma|splitK|matmul"),

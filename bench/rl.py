@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from common import OUT_DIR, cuda_sync, log, machine_info, plot_lines, print_table, write_json  # noqa: E402
+from common import OUT_DIR, TAIL_REPLAY, cuda_sync, log, machine_info, plot_lines, print_table, write_json  # noqa: E402
 
 from capsulert.orchestrator import EpisodeDriver, Orchestrator  # noqa: E402
 from capsulert.engine.engine import Engine  # noqa: E402
@@ -129,7 +129,7 @@ async def start_orchestrator(cfg: dict, args, c0: list[int], batch_prefill: bool
 async def main(args) -> int:
     torch.set_num_threads(args.threads)
     cfg = dict(model=args.model, device=args.device, slots=max(args.envs) + 2, max_seq=args.max_seq,
-               prefill_chunk=args.prefill_chunk, tail_replay={"auto": None, "on": True, "off": False}[args.tail_replay])
+               prefill_chunk=args.prefill_chunk, tail_replay=TAIL_REPLAY[args.tail_replay])
     vocab = 4000
     g = torch.Generator().manual_seed(0)
     c0 = torch.randint(10, vocab, (args.context,), generator=g).tolist()

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from common import OUT_DIR, hf_causal_lm, log, machine_info, percentile, plot_lines, print_table, write_json  # noqa: E402
+from common import OUT_DIR, TAIL_REPLAY, hf_causal_lm, log, machine_info, percentile, plot_lines, print_table, write_json  # noqa: E402
 
 from capsulert.orchestrator import Orchestrator  # noqa: E402
 from capsulert.protocol.sampling import SamplingParams  # noqa: E402
@@ -184,7 +184,7 @@ async def run(args) -> list[dict]:
     max_seq = -(-(args.context + args.turn + args.gen + 1) // chunk) * chunk
     n_max = max(args.ns)
     engine_cfg = dict(model=args.model, device=args.device, slots=n_max + 2, max_seq=max_seq, prefill_chunk=chunk,
-                      tail_replay={"auto": None, "on": True, "off": False}[args.tail_replay],
+                      tail_replay=TAIL_REPLAY[args.tail_replay],
                       scheduler={"batch_prefill": not args.no_batch_prefill,
                                  "step_prefill_tokens_decoding": args.step_prefill_decoding,
                                  "step_rederive_rows": args.step_rederive_rows})
