@@ -151,7 +151,8 @@ def _qualnames() -> dict[tuple[str, int], str]:
     return out
 
 
-_ENGINE_INPUTS = {"pad_logits", "decode", "slot_ids", "decode_groups", "logits_rows", "rederive_grid_points", "step"}
+_ENGINE_INPUTS = {"pad_logits", "decode", "slot_ids", "decode_groups", "logits_rows", "rederive_grid_points",
+                  "decode_rederiving", "step"}
 _LOGPROB_OPS = ("log_softmax", "topk", "gather")
 
 

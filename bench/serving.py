@@ -188,6 +188,8 @@ async def run(args) -> list[dict]:
                       scheduler={"batch_prefill": not args.no_batch_prefill,
                                  "step_prefill_tokens_decoding": args.step_prefill_decoding,
                                  "step_rederive_rows": args.step_rederive_rows})
+    if args.mixed_pieces is not None:
+        engine_cfg["mixed_rederive_pieces"] = tuple(args.mixed_pieces)
     ocfg = dict(engine=engine_cfg, num_workers=args.workers, call_timeout_s=3600, torch_threads=args.threads)
     if args.replicate_hot is not None:
         ocfg["replicate_hot"] = args.replicate_hot
@@ -295,6 +297,10 @@ def parse_args(argv=None):
                     help="the grid re-derivation rows a decode step runs (SchedulerConfig.step_rederive_rows: 64 a "
                          "session); the crowd past it waits a step. Bounds ITL p99 for a crowd in lockstep; default: "
                          "unbounded")
+    ap.add_argument("--mixed-pieces", type=int, nargs="*", default=None, metavar="N",
+                    help="EngineConfig.mixed_rederive_pieces: the re-derivation counts a decode step's mixed forward "
+                         "is captured for (none given: every re-derivation is a forward of its own); default: the "
+                         "engine's")
     ap.add_argument("--step-prefill-decoding", type=int, default=None, metavar="TOKENS",
                     help="the workers' step prefill budget while sessions decode (SchedulerConfig."
                          "step_prefill_tokens_decoding): bounds ITL; default: the whole step budget")

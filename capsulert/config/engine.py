@@ -82,6 +82,13 @@ class EngineConfig(BaseModel):
                                "wait_s")
     cuda_graphs: bool = Field(True, description="capture CUDA graphs at start (CUDA only)")
     decode_batches: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32, 64), description="batch sizes of the decode graphs (capped at slots; the largest is always captured)")
+    mixed_rederive_pieces: tuple[int, ...] = Field(
+        (1, 2, 4), description="a decode step whose sessions include some that reach a grid point runs their "
+        "re-derivations (64 rows each) in the same forward as the other sessions' decode rows, one pass of the "
+        "weights (CUDA, where every GEMM keeps a row's bits at any row count; checked at start): the numbers of "
+        "re-deriving sessions such a step's graphs are captured for (with each decode batch). More than the "
+        "largest run as two forwards, as do all with (): the same bits either way. Pair with "
+        "SchedulerConfig.step_rederive_rows to keep a crowd's steps within them")
     speculate_slots: int = Field(8, ge=0, le=64, description="sessions that may speculate (SamplingParams."
                                  "speculate) in one decode step; each has 3 rollback copies of its slot's recurrent "
                                  "and conv state, allocated at start (~150 MB each on the 9B shape). A step's further "
@@ -97,6 +104,13 @@ class EngineConfig(BaseModel):
         if v % GATED_DELTA_CHUNK:
             raise ValueError(f"prefill_chunk must be a multiple of {GATED_DELTA_CHUNK}, got {v}")
         return v
+
+    @field_validator("mixed_rederive_pieces")
+    @classmethod
+    def _pieces_of_a_step(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if any(k < 1 or k > 64 for k in v):
+            raise ValueError(f"mixed_rederive_pieces are numbers of sessions in a decode step: 1..64, got {v}")
+        return tuple(sorted(set(v)))
 
     @model_validator(mode="after")
     def _max_seq_on_grid(self) -> "EngineConfig":

@@ -6,7 +6,9 @@ graph of the smallest bucket >= n with the tail marked as padding; a decode batc
 the graph of the smallest batch bucket >= b, padding rows pointing at the scratch slot. Capture shows a
 progress bar over the shapes warmed up and captured on a terminal (capsulert/progress.py). Sessions whose
 decode reaches a grid point in one step re-derive it together: a prefill of `grid` tokens for each of b
-slots replays the (prefill, b, grid) graph of the decode batch bucket.
+slots replays the (prefill, b, grid) graph of the decode batch bucket; when the step's other sessions decode,
+their rows and those re-derivations are one forward (HybridModel.step_with_pieces): the (mixed, B, k) graph of
+the decode bucket B and the smallest captured count k of re-derivations that holds them.
 
 A speculative verify step of b slots fed up to w tokens each (HybridModel.verify) replays the (verify, B, w)
 graph of the smallest decode bucket B >= b among those up to VERIFY_BATCH, for w in 2..MAX_SPECULATE + 1: its
@@ -40,7 +42,8 @@ VERIFY_BATCH = 8
 @dataclass(frozen=True, order=True)
 class ShapeKey:
     # "prefill", "prefill_grid" (keeps the state at a grid point inside the piece), either with "_replay" (the
-    # linear-attention layers replay the slot's tail first, engine/tail_replay.py), or "decode"
+    # linear-attention layers replay the slot's tail first, engine/tail_replay.py), "decode", "verify" (tokens:
+    # the width) or "mixed" (a decode step with `tokens` grid re-derivations in its forward)
     phase: str
     batch: int
     tokens: int
@@ -71,7 +74,7 @@ def prefill_buckets(prefill_chunk: int, smallest: int = 16) -> list[int]:
 class GraphPlans:
     def __init__(self, model: HybridModel, state: StateSet, scratch_slot: int, max_seq: int,
                  prefill_chunk: int, decode_batches: tuple[int, ...], grid: int, tail_replay: bool = False,
-                 rollback: KeptStates | None = None, scratch_set: int = 0):
+                 rollback: KeptStates | None = None, scratch_set: int = 0, mixed_pieces: tuple[int, ...] = ()):
         self.model, self.state, self.scratch = model, state, scratch_slot
         self.grid = grid
         self.tail_replay = tail_replay  # prefill pieces keep their tails, and the replaying pieces have graphs
@@ -83,6 +86,11 @@ class GraphPlans:
         self.tokens = torch.zeros(max(bmax, 1), prefill_chunk, dtype=torch.long, device=dev)
         self.slots = torch.full((bmax,), scratch_slot, dtype=torch.long, device=dev)
         self.valid = torch.ones(bmax, dtype=torch.long, device=dev)
+        # a mixed step's re-derivation pieces (HybridModel.step_with_pieces): their counts, tokens and slots
+        self.mixed_pieces = tuple(sorted(mixed_pieces))
+        kmax = max(self.mixed_pieces, default=0)
+        self.piece_tokens = torch.zeros(kmax, grid, dtype=torch.long, device=dev)
+        self.piece_slots = torch.full((kmax,), scratch_slot, dtype=torch.long, device=dev)
         self.grid_at = torch.full((1,), grid, dtype=torch.long, device=dev)
         self.replay = torch.zeros(1, dtype=torch.long, device=dev)
         self.tail_from = torch.zeros(1, dtype=torch.long, device=dev)
@@ -91,7 +99,7 @@ class GraphPlans:
         # the output holds a decode step's rows and a verify step's: with row-invariant GEMMs (decode_rows None)
         # a verify step of any (b, w) on the grid keeps decode's bits; padded decode steps (decode_rows R) bound
         # a verify step to R rows too, so the shapes past R run eagerly
-        rows = model.decode_rows or max(bmax, verify_rows_max)
+        rows = model.decode_rows or max(bmax + kmax, verify_rows_max)
         self.logits = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         # verify steps: the rollback sets they keep to, the shapes captured and each shape's static rows
         self.rollback, self.scratch_set = rollback, scratch_set
@@ -109,6 +117,13 @@ class GraphPlans:
         B, T = key.batch, key.tokens
         # the scratch slot absorbs padding rows; keep its position in range whatever ran before
         self.state.pos[self.scratch:self.scratch + 1].zero_()
+        if key.phase == "mixed":
+            pieces = self.piece_slots[:T]
+            self.model.step_with_pieces(self.state, self.slots[:B], self.tokens[:B, 0], pieces, self.piece_tokens[:T],
+                                        self.max_seq)
+            logits = self.model.logits(self.state, torch.cat([self.slots[:B], pieces]))
+            self.logits[:B + T].copy_(logits)
+            return
         if key.phase == "verify":
             logits = self.model.verify(self.state, self.verify_rows[key.batch, key.tokens], self.max_seq, self.rollback)
             self.logits[:logits.shape[0]].copy_(logits)
@@ -133,12 +148,14 @@ class GraphPlans:
         keys += [ShapeKey(p, 1, t) for p in ("prefill_replay", "prefill_grid_replay") for t in self.prefill_sizes
                  ] if prefill and self.tail_replay else []
         keys += [ShapeKey("prefill", b, self.grid) for b in self.decode_batches if b > 1] if prefill else []
+        keys += [ShapeKey("mixed", b, k) for b in self.decode_batches for k in self.mixed_pieces]
         return keys + [ShapeKey("verify", b, w) for b, w in self.verify_shapes]
 
     def warm_inputs(self) -> None:
         """Static inputs every shape can run on: padding rows in the scratch slot, one real token, a grid
         point and a replayed row one token in (a piece of any length holds them)."""
         self.slots.fill_(self.scratch)
+        self.piece_slots.fill_(self.scratch)
         self.valid.fill_(1)
         self.grid_at.fill_(1)
         self.replay.fill_(1)
@@ -233,6 +250,29 @@ class GraphPlans:
         self.slots[:B].copy_(torch.tensor(slots + [self.scratch] * pad), non_blocking=True)
         self.valid[:B].fill_(T)
         self.graphs[ShapeKey("prefill", B, T)].replay()
+
+    def mixed_shape(self, n: int, m: int) -> tuple[int, int] | None:
+        """The (decode batch, pieces) graph a mixed step of n decode rows and m re-derivations replays; None when
+        none holds it."""
+        B = next((b for b in self.decode_batches if b >= n), None)
+        K = next((k for k in self.mixed_pieces if k >= m), None)
+        return None if B is None or K is None else (B, K)
+
+    def mixed(self, slots: list[int], tokens: list[int], piece_slots: list[int], pieces: list[list[int]]) -> torch.Tensor:
+        """A decode step of `slots` with the grid re-derivations of `piece_slots` (`grid` tokens each, from
+        their live state at the previous grid point) in one graph (HybridModel.step_with_pieces); padding rows
+        and pieces run in the scratch slot. The next-token logits [n + m, vocab]: the step's slots first."""
+        n, m = len(slots), len(pieces)
+        shape = self.mixed_shape(n, m)
+        if shape is None or any(len(p) != self.grid for p in pieces):
+            raise ValueError(f"no mixed graph holds {n} decode rows and {m} pieces of {self.grid} tokens")
+        B, K = shape
+        self.tokens[:B, 0].copy_(torch.tensor(tokens + [0] * (B - n)), non_blocking=True)
+        self.slots[:B].copy_(torch.tensor(slots + [self.scratch] * (B - n)), non_blocking=True)
+        self.piece_tokens[:K].copy_(torch.tensor(pieces + [[0] * self.grid] * (K - m)), non_blocking=True)
+        self.piece_slots[:K].copy_(torch.tensor(piece_slots + [self.scratch] * (K - m)), non_blocking=True)
+        self.graphs[ShapeKey("mixed", B, K)].replay()
+        return torch.cat([self.logits[:n], self.logits[B:B + m]])
 
     def verify_shape(self, fed: list[list[int]]) -> tuple[int, int] | None:
         """The (batch, width) graph a verify step of these fed tokens replays; None when none holds it."""

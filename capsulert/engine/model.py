@@ -219,6 +219,50 @@ class HybridModel:
             state.pos.index_add_(0, slots, valid.to(torch.int32))
 
     @torch.inference_mode()
+    def step_with_pieces(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, piece_slots: torch.Tensor,
+                         pieces: torch.Tensor, kv_len: int) -> None:
+        """A decode step of `slots` (tokens [B]) and prefill pieces [P, T] of `piece_slots` in one forward: what
+        `forward(decode=True)` does to the first and `forward` to the second (whole pieces from each slot's
+        position: no padding, grid point, replayed or kept tail), in one pass of the weights. Every GEMM, norm
+        and MLP runs once over the B + P * T rows, which needs each row's bits to be the same at any row count:
+        GEMM rows count-invariant and per-row kernels (decode_rows None, not rowwise; the engine checks the
+        GEMMs). Attention, the conv and the gated delta rule run per part, decode's kernels on the step's rows
+        and the prefill kernels on the pieces, so every row is bitwise what its own forward computes."""
+        if self.rowwise or self.decode_rows is not None:
+            raise ValueError("a decode step shares a forward with prefill pieces only where every row keeps its "
+                             "bits at any row count (decode_rows None, not rowwise)")
+        B, (P, T) = slots.shape[0], pieces.shape
+        start, piece_start = state.pos[slots].long(), state.pos[piece_slots].long()
+        if self.mtp is not None:  # the step's head rows read their seeds before the layers move last_hidden
+            self.mtp.step(state, slots, tokens[:, None], start, kv_len)
+        rope = self.rope(start[:, None])
+        piece_rope = self.rope(piece_start[:, None] + torch.arange(T, device=self.device))
+
+        def mix(layer: Layer, x: torch.Tensor) -> torch.Tensor:  # x [B + P * T, 1, H]: the step's rows first
+            w = layer.w
+            if layer.kind == FULL:
+                q_gate, k, v = self._project(w, "attn_in", x)
+                o = self._attention(layer, q_gate[:B], k[:B], v[:B], state, slots, start, kv_len, rope, True)
+                o_p = self._attention(layer, *(t[B:].view(P, T, -1) for t in (q_gate, k, v)), state, piece_slots,
+                                      piece_start, kv_len, piece_rope, False)
+                return F.linear(torch.cat([o.reshape(B, 1, -1), o_p.reshape(P * T, 1, -1)]),
+                                w["self_attn.o_proj.weight"])
+            mixed, z, b, a = self._project(w, "gdn_in", x)
+            y = self._gated_delta_step(layer, mixed[:B], z[:B], b[:B], a[:B], state, slots)
+            y_p = self._gated_delta_piece(layer, *(t[B:].view(P, T, -1) for t in (mixed, z, b, a)), state,
+                                          piece_slots, None)
+            return F.linear(torch.cat([y, y_p.reshape(P * T, 1, -1)]), w["linear_attn.out_proj.weight"])
+
+        ids = torch.cat([tokens, pieces.reshape(-1)])
+        h = self.layer_stack(self.embed[ids][:, None], ids.shape[0], mix)[:, 0]
+        h_p = h[B:].view(P, T, -1)
+        if self.mtp is not None:
+            self.mtp.piece(state, piece_slots, pieces, h_p, state.last_hidden[piece_slots], piece_start, kv_len)
+        state.last_hidden.index_copy_(0, torch.cat([slots, piece_slots]), torch.cat([h[:B], h_p[:, -1]]))
+        state.pos.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+        state.pos.index_add_(0, piece_slots, torch.full_like(piece_slots, T, dtype=torch.int32))
+
+    @torch.inference_mode()
     def verify(self, state: StateSet, rows: VerifyRows, kv_len: int, keep: KeptStates | None = None) -> torch.Tensor:
         """A speculative verify step in one forward: every row of `rows` (engine/verify_rows.py) is the decode
         row of its slot at its position, with decode's numerics, so its logits and the state it leaves are
@@ -296,11 +340,18 @@ class HybridModel:
     def attend(self, layer, x, state, slots, start, kv_len, rope, decode: bool, kv=None, lin: Callable = F.linear):
         """A full-attention layer's mixer on x [R, T, H]: KV rows written at start[b] + t of the layer's cache
         (`kv`: (k, v) cache tensors [slots, rows, kv_heads, head_dim] instead, the MTP head's)."""
-        cfg, w = self.cfg, layer.w
         R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
+        q_gate, k, v = self._project(layer.w, "attn_in", x, lin)
+        o = self._attention(layer, q_gate, k, v, state, slots, start, kv_len, rope, decode, kv)
+        return lin(pad_rows(o, R).reshape(R, T, -1), layer.w["self_attn.o_proj.weight"])
+
+    def _attention(self, layer, q_gate, k, v, state, slots, start, kv_len, rope, decode: bool, kv=None):
+        """Attention between a full-attention layer's projections ([R, T, .]) and its out projection: the real
+        rows' q and k normed and rotated, their K and V written to the cache, their gated output [B, T, ...]."""
+        cfg, w = self.cfg, layer.w
+        R, T = q_gate.shape[:2]
         B = slots.shape[0]
         D = cfg.head_dim
-        q_gate, k, v = self._project(w, "attn_in", x, lin)
         q, gate = q_gate.view(R, T, -1, 2 * D).chunk(2, dim=-1)
         cos, sin = rope
         kv_k, kv_v = kv if kv is not None else (state.kv_k[layer.state_index], state.kv_v[layer.state_index])
@@ -309,25 +360,40 @@ class HybridModel:
                                         w["self_attn.k_norm.weight"], v.view(R, T, -1, D)[:B], cos[:B], sin[:B],
                                         cfg.rotary_dim, cfg.rms_norm_eps, kv_k, kv_v, slots, start)
         attend = self.kernels.attention if decode else self.kernels.prefill_attention
-        o = attend(q, kv_k, kv_v, slots, start, kv_len, D**-0.5, gate[:B])  # gated: o * sigmoid(gate)
-        return lin(pad_rows(o, R).reshape(R, T, -1), w["self_attn.o_proj.weight"])
+        return attend(q, kv_k, kv_v, slots, start, kv_len, D**-0.5, gate[:B])  # gated: o * sigmoid(gate)
 
     def _gated_delta_net(self, layer, x, state, slots, decode: bool, valid, grid_at=None, replay=None,
                          tail_from=None):
         """`valid` and `grid_at` count in the layer's piece: from the first replayed tail row on."""
-        cfg, w = self.cfg, layer.w
         R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
-        B = slots.shape[0]
+        mixed, z, b, a = self._project(layer.w, "gdn_in", x)
+        if decode:
+            y = self._gated_delta_step(layer, mixed, z, b, a, state, slots)
+        else:
+            y = self._gated_delta_piece(layer, mixed, z, b, a, state, slots, valid, grid_at, replay, tail_from)
+        return F.linear(y, layer.w["linear_attn.out_proj.weight"])
+
+    def _gated_delta_step(self, layer, mixed, z, b, a, state, slots) -> torch.Tensor:
+        """A decode step of the gated delta net between its projections ([R, 1, .]) and its out projection: the
+        conv, gates, q/k norms and the recurrent step on the real rows only; the gated norm's rows [R, 1, .]."""
+        cfg, w = self.cfg, layer.w
+        R, B = z.shape[0], slots.shape[0]
         Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        mixed, z, b, a = self._project(w, "gdn_in", x)
-        z = z.view(R, T, Hv, Dv)
+        li = layer.state_index
+        mixed = self.kernels.conv_step(mixed[:B, 0], state.conv[li], slots, w["conv"])
+        o = self.kernels.gated_delta_step_fused(mixed, a[:B, 0], b[:B, 0], w["neg_A"], w["linear_attn.dt_bias"],
+                                                state.ssm[li], slots, Hk, Dk, Dv)
+        return self._gated_norm(w, pad_rows(o, R)[:, None], z.view(R, 1, Hv, Dv))
+
+    def _gated_delta_piece(self, layer, mixed, z, b, a, state, slots, valid, grid_at=None, replay=None,
+                           tail_from=None) -> torch.Tensor:
+        """A prefill piece of the gated delta net between its projections ([B, T, .]) and its out projection
+        (the chunked rule); the gated norm's rows [B, T, .]."""
+        cfg, w = self.cfg, layer.w
+        R, T = z.shape[:2]
+        Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         li = layer.state_index
         conv_buf, ssm_buf = state.conv[li], state.ssm[li]
-        if decode:  # conv, gates, q/k norms and the recurrent step on the real rows only
-            mixed = self.kernels.conv_step(mixed[:B, 0], conv_buf, slots, w["conv"])
-            o = self.kernels.gated_delta_step_fused(mixed, a[:B, 0], b[:B, 0], w["neg_A"], w["linear_attn.dt_bias"],
-                                                    ssm_buf, slots, Hk, Dk, Dv)
-            return self._gated_delta_out(w, pad_rows(o, R)[:, None], z)
         if replay is not None or tail_from is not None:
             gates = torch.cat([b, a], dim=-1)
             if replay is not None:  # the tail's rows first: the piece this layer runs starts at the grid point
@@ -348,7 +414,7 @@ class HybridModel:
         o = self.kernels.gated_delta_prefill(*qkvgb, ssm_buf, slots, ssm_grid)
         if replay is not None:
             o = new_rows(o, replay, T)
-        return self._gated_delta_out(w, o, z)
+        return self._gated_norm(w, o, z.view(R, T, Hv, Dv))
 
     def _gated_delta_waves(self, layer: Layer, x: torch.Tensor, state: StateSet, rows: VerifyRows,
                            keep: KeptStates | None, lin: Callable) -> torch.Tensor:
@@ -376,9 +442,12 @@ class HybridModel:
     def _gated_delta_out(self, w: dict[str, torch.Tensor], o: torch.Tensor, z: torch.Tensor,
                          lin: Callable = F.linear) -> torch.Tensor:
         """The gated delta net's output from the rule's o [R, T, Hv, Dv]: its gated norm, its out projection."""
+        return lin(self._gated_norm(w, o, z), w["linear_attn.out_proj.weight"])
+
+    def _gated_norm(self, w: dict[str, torch.Tensor], o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated norm of the rule's o [R, T, Hv, Dv] by z: [R, T, Hv * Dv], the out projection's input."""
         R, T = o.shape[:2]
-        o = self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], self.cfg.rms_norm_eps)
-        return lin(o.reshape(R, T, -1), w["linear_attn.out_proj.weight"])
+        return self.kernels.gated_rms_norm(o, z, w["linear_attn.norm.weight"], self.cfg.rms_norm_eps).reshape(R, T, -1)
 
     def _project(self, w: dict[str, torch.Tensor], pack: str, x: torch.Tensor,
                  lin: Callable = F.linear) -> list[torch.Tensor]:

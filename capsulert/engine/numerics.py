@@ -12,6 +12,7 @@ a process that ran CUDA GEMMs before with other settings gets a ConfigError, nev
 from __future__ import annotations
 
 import os
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -80,20 +81,44 @@ def first_split_variant_piece(weight: torch.Tensor, rows: int,
     return next(((a, m) for a, m in pieces if not torch.equal(F.linear(x[a:a + m], weight), full[a:a + m])), None)
 
 
+def distinct_shapes(weights: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The first weight of each (shape, dtype, stride): a GEMM check needs one of each."""
+    seen: set[tuple] = set()
+    for w in weights:
+        key = (tuple(w.shape), w.dtype, w.stride())
+        if key not in seen:
+            seen.add(key)
+            yield w
+
+
 def first_row_variant_gemm(weights: list[torch.Tensor], rows: int) -> tuple[tuple[int, ...], int] | None:
     """The first weight shape, and the row count m < `rows`, at which a GEMM of m rows gives other bits than the
     same rows of one `rows`-row GEMM; None when every shape keeps its rows' bits at every count. The condition
     for running a decode step's dense ops on the batch's own rows instead of padding them to `rows` (a batch of
     b sessions then computes each row as the same session alone does). Shapes are checked once each."""
-    seen: set[tuple] = set()
-    for w in weights:
-        key = (tuple(w.shape), w.dtype, w.stride())
-        if key in seen:
-            continue
-        seen.add(key)
+    for w in distinct_shapes(weights):
         bad = first_split_variant_piece(w, rows, tuple((0, m) for m in range(1, rows)))
         if bad is not None:
             return tuple(w.shape), bad[1]
+    return None
+
+
+def first_mixed_variant_gemm(weights: list[torch.Tensor], decode_rows: int,
+                             piece_rows: int) -> tuple[tuple[int, ...], int] | None:
+    """The first weight shape, and the rows of a mixed step's GEMM (a decode step's m <= decode_rows rows, then
+    up to piece_rows rows of prefill pieces), at which the step's rows or the pieces' get other bits than in
+    GEMMs of their own; None when none does. The condition for a decode step and grid re-derivations to share
+    one forward (HybridModel.step_with_pieces). Shapes are checked once each."""
+    for w in distinct_shapes(weights):
+        g = torch.Generator(device=w.device).manual_seed(0)
+        x = torch.randn(decode_rows + piece_rows, w.shape[1], device=w.device, dtype=w.dtype, generator=g)
+        pieces = x[decode_rows:]
+        own = F.linear(pieces, w)
+        for m in range(1, decode_rows + 1):
+            both = torch.cat([x[:m], pieces])
+            mixed = F.linear(both, w)
+            if not torch.equal(mixed[:m], F.linear(x[:m], w)) or not torch.equal(mixed[m:], own):
+                return tuple(w.shape), m + piece_rows
     return None
 
 
@@ -109,13 +134,8 @@ def row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def first_row_linear_variant(weights: list[torch.Tensor], rows: int) -> tuple[int, ...] | None:
     """The first weight shape for which row_linear over `rows` rows gives a row other bits than a one-row
     F.linear; None when it keeps every row's bits for every shape (each shape checked once)."""
-    seen: set[tuple] = set()
     g = torch.Generator(device="cpu").manual_seed(0)
-    for w in weights:
-        key = (tuple(w.shape), w.dtype, w.stride())
-        if key in seen:
-            continue
-        seen.add(key)
+    for w in distinct_shapes(weights):
         x = torch.randn(rows, 1, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
         alone = torch.cat([F.linear(x[r], w) for r in range(rows)])
         if not torch.equal(row_linear(x, w)[:, 0], alone):

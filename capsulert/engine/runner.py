@@ -27,8 +27,8 @@ from capsulert.engine.model import HybridModel, pad_rows
 from capsulert.engine.rollback import RollbackStates
 from capsulert.engine.mtp import MtpHead, check_draft
 from capsulert.engine.numerics import (
-    CPU_PIECE_ROWS_CHOICES, check_split_invariant_gemm, configure_cuda, cpu_piece_rows, first_row_linear_variant,
-    first_row_variant_gemm)
+    CPU_PIECE_ROWS_CHOICES, check_split_invariant_gemm, configure_cuda, cpu_piece_rows, first_mixed_variant_gemm,
+    first_row_linear_variant, first_row_variant_gemm)
 from capsulert.engine.state import StateLayout, StateSet
 from capsulert.engine.verify_rows import verify_rows
 from capsulert.errors import InvalidRequestError, NoMtpHeadError
@@ -136,6 +136,10 @@ class ModelRunner:
             self.model.attach_mtp(self.mtp)
         if cuda:
             self.choose_decode_rows()
+        # a decode step's grid re-derivations ride in its forward (HybridModel.step_with_pieces) where every
+        # GEMM keeps a row's bits at any row count; else they run as a forward of their own
+        self.mixed_steps = bool(cuda and config.mixed_rederive_pieces and self.model.decode_rows is None
+                                and self._mixed_rows_exact(max(config.mixed_rederive_pieces)))
         self.fingerprint = fingerprint
         self.weights_version = 0  # bumped by replace_weights; the fingerprint carries it
         # keep and replay the rows of prefilled tails (engine/tail_replay.py): on the CPU unless asked otherwise
@@ -164,7 +168,8 @@ class ModelRunner:
             buckets = decode_buckets(config.decode_batches, min(config.slots, MAX_DECODE_BATCH))
             keep = self.rollback if self.rollback.capacity else None
             self.graphs = GraphPlans(self.model, self.state, self.scratch_slot, config.max_seq, self.chunk, buckets,
-                                     self.grid, self.tail_replay, keep, self.rollback.scratch)
+                                     self.grid, self.tail_replay, keep, self.rollback.scratch,
+                                     config.mixed_rederive_pieces if self.mixed_steps else ())
             self.graphs.capture(progress=config.progress)
 
     # ------------------------------------------------------------------ set-up
@@ -180,6 +185,16 @@ class ModelRunner:
                     "than in a %d-row GEMM, so a step of few sessions pays for %d rows to stay batch-invariant",
                     MAX_DECODE_BATCH, self.device, self.dtype, "x".join(map(str, shape)), rows, MAX_DECODE_BATCH,
                     MAX_DECODE_BATCH)
+
+    def _mixed_rows_exact(self, pieces: int) -> bool:
+        """Whether every GEMM of this model gives a decode step's rows (up to MAX_DECODE_BATCH) and `pieces`
+        re-derivation pieces' rows, computed in one GEMM, the bits of their own forwards' GEMMs."""
+        variant = first_mixed_variant_gemm(self.model.gemm_weights(), MAX_DECODE_BATCH, GRID * pieces)
+        if variant is not None:
+            log.warning("decode steps re-derive their grid points in a forward of their own on %s (%s): a %s GEMM "
+                        "gives a row other bits in a %s-row GEMM than in its own forward's", self.device, self.dtype,
+                        "x".join(map(str, variant[0])), variant[1])
+        return variant is None
 
     def _row_linear_exact(self) -> bool:
         variant = first_row_linear_variant(self.model.gemm_weights(), MAX_DECODE_BATCH)
@@ -369,6 +384,28 @@ class ModelRunner:
             self.model.forward(self.state, self.slot_ids(slots), ids, self.kv_len(end))
 
     # ------------------------------------------------------------------ decode
+    def decode_rederiving(self, slots: list[int], tokens: list[int], grid_slots: list[int],
+                          grid_rows: list[list[int]], end: int) -> torch.Tensor:
+        """A decode step of `slots` fed `tokens` and the grid re-derivation of `grid_slots`, each slot's live
+        state at its previous grid point and grid_rows[i] the GRID tokens from there (`end`: the furthest
+        position one reaches), at most MAX_DECODE_BATCH of each. One forward where `mixed_steps` holds and a
+        graph (if graphs are on) holds them; else a decode step and a batched re-derivation. The same bits either
+        way. Their next-token logits [len(slots) + len(grid_slots), vocab]: the step's slots first."""
+        n, m = len(slots), len(grid_slots)
+        if n and m and self.mixed_steps:
+            if self.graphs is None:
+                self.model.step_with_pieces(self.state, self.slot_ids(slots), torch.tensor(tokens, device=self.device),
+                                            self.slot_ids(grid_slots), torch.tensor(grid_rows, device=self.device),
+                                            self.config.max_seq)
+                return self.model.logits(self.state, self.slot_ids(list(slots) + list(grid_slots)))
+            if self.graphs.mixed_shape(n, m) is not None:
+                return self.graphs.mixed(slots, tokens, grid_slots, grid_rows)
+        parts = [self.decode(slots, tokens)[:n]] if n else []
+        if m:
+            self.prefill_grid_rows(grid_slots, grid_rows, end)
+            parts += [torch.stack(self.logits_rows(grid_slots))]
+        return torch.cat(parts)
+
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         """Feed one token to each slot (one batched step); their next-token logits, row r for slots[r] (the
         graph's output buffer on CUDA: read or copy before the next step)."""

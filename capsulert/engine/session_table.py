@@ -170,18 +170,27 @@ class SessionTable:
 
     def step(self, sessions: list[Session], tokens: list[int]):
         """Feed one token to each session (one batched decode step); their next-token logits, row r for
-        sessions[r] (on CUDA the graph's output buffer: read or copy before the next step)."""
-        logits = self.runner.decode([s.slot for s in sessions], tokens)
-        crossed = []
-        for r, (s, t) in enumerate(zip(sessions, tokens)):
-            s.tokens.append(t)
-            if len(s.tokens) % self.runner.grid == 0:
-                crossed.append(r)
-        if crossed:
-            self.rederive_grid_points([sessions[r] for r in crossed])
-            for r, row in zip(crossed, self.runner.logits_rows([sessions[r].slot for r in crossed])):
-                logits[r] = row
-        return logits
+        sessions[r] (on CUDA the graph's output buffer: read or copy before the next step). A session whose
+        token ends a grid chunk is not decoded: its grid point is re-derived (rederive_grid_points) in the
+        step, the others' decode rows riding in that forward where the runner mixes them."""
+        grid = self.runner.grid
+        reach = [r for r, s in enumerate(sessions) if (len(s.tokens) + 1) % grid == 0]
+        if not reach:
+            logits = self.runner.decode([s.slot for s in sessions], tokens)
+            for s, t in zip(sessions, tokens):
+                s.tokens.append(t)
+            return logits
+        plain = [r for r in range(len(sessions)) if (len(sessions[r].tokens) + 1) % grid]
+        for r in reach:
+            sessions[r].tokens.append(tokens[r])
+        rows = self.rederive_grid_points([sessions[r] for r in reach],
+                                         ([sessions[r] for r in plain], [tokens[r] for r in plain]))
+        for r in plain:
+            sessions[r].tokens.append(tokens[r])
+        if not plain:
+            return rows
+        order = torch.tensor(plain + reach, device=rows.device)
+        return torch.empty_like(rows).index_copy_(0, order, rows)  # row r for sessions[r]
 
     def verify(self, sessions: list[Session], fed: list[list[int]]) -> list[torch.Tensor]:
         """One speculative step (ModelRunner.verify): sessions[r] is fed fed[r], a sampled token and its drafts
@@ -199,8 +208,7 @@ class SessionTable:
             if len(sessions[r].tokens) % runner.grid == 0:
                 crossed.append(r)
         if crossed:
-            self.rederive_grid_points([sessions[r] for r in crossed])
-            for r, row in zip(crossed, runner.logits_rows([sessions[r].slot for r in crossed])):
+            for r, row in zip(crossed, self.rederive_grid_points([sessions[r] for r in crossed])):
                 rows[r][0] = row
         return rows
 
@@ -215,23 +223,30 @@ class SessionTable:
         if kept < fed:
             self.runner.roll_back(session.slot, kept - 1)
         if len(session.tokens) % self.runner.grid == 0:
-            self.rederive_grid_points([session])
-            return self.runner.logits_rows([session.slot])[0]
+            return self.rederive_grid_points([session])[0]
         return rows[kept - 1]
 
-    def rederive_grid_points(self, sessions: list[Session]) -> None:
-        """Decode just reached grid point G of each session: re-run [G - GRID, G) through the prefill path from
-        the previous grid checkpoint, so the slot's KV rows, recurrent and conv state and last hidden state at
-        G are bitwise those of a cold prefill of tokens[:G] (canonical grid state). The sessions that cross in
-        one step re-derive together, one batched prefill of GRID tokens each (split-invariant prefill: a row's
-        bits do not depend on the other rows)."""
+    def rederive_grid_points(self, sessions: list[Session],
+                             decoding: tuple[list[Session], list[int]] = ([], [])) -> torch.Tensor:
+        """Decode just reached grid point G of each session (its last token, fed or not, ends a grid chunk):
+        re-run [G - GRID, G) through the prefill path from the previous grid checkpoint, so the slot's KV rows,
+        recurrent and conv state and last hidden state at G are bitwise those of a cold prefill of tokens[:G]
+        (canonical grid state). The sessions that cross in one step re-derive together, one batched prefill of
+        GRID tokens each (split-invariant prefill: a row's bits do not depend on the other rows), and a decode
+        step's other sessions (`decoding`: sessions and the tokens they are fed, at most MAX_DECODE_BATCH with
+        `sessions`) ride in the same forward (ModelRunner.decode_rederiving). The next-token logits
+        [len(decoding[0]) + len(sessions), vocab]: the decoding sessions' rows first."""
         runner, grid = self.runner, self.runner.grid
-        for group in decode_groups(sessions):
+        fed, fed_tokens = decoding
+        out = []
+        for i, group in enumerate(decode_groups(sessions)):
             for s in group:
                 runner.state.load_grid(s.slot)
                 runner.state.pos[s.slot] = len(s.tokens) - grid
-            runner.prefill_grid_rows([s.slot for s in group], [s.tokens[-grid:] for s in group],
-                                     max(len(s.tokens) for s in group))
+            out.append(runner.decode_rederiving([s.slot for s in fed] if i == 0 else [], fed_tokens if i == 0 else [],
+                                                [s.slot for s in group], [s.tokens[-grid:] for s in group],
+                                                max(len(s.tokens) for s in group)))
             for s in group:
                 runner.state.save_grid(s.slot)
                 s.decoded_from = len(s.tokens)
+        return torch.cat(out) if len(out) > 1 else out[0]

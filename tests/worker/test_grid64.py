@@ -167,7 +167,7 @@ def test_sessions_crossing_a_grid_point_in_one_step_rederive_together_bitwise_as
         s.close()
     calls = []
     rederive = eng.table.rederive_grid_points
-    eng.table.rederive_grid_points = lambda ss: (calls.append(len(ss)), rederive(ss))[1]
+    eng.table.rederive_grid_points = lambda ss, *riding: (calls.append(len(ss)), rederive(ss, *riding))[1]
     sessions = [eng.open() for _ in prompts]
     for s, p in zip(sessions, prompts):
         s.append(p)

@@ -662,9 +662,9 @@ async def test_a_bound_on_rederive_rows_spreads_a_crowds_grid_points_over_steps(
         per_step: dict[int, int] = {}
         rederive = eng.table.rederive_grid_points
 
-        def counted(group):
+        def counted(group, *riding):
             per_step[aeng.scheduler.steps] = per_step.get(aeng.scheduler.steps, 0) + len(group)
-            rederive(group)
+            return rederive(group, *riding)
         eng.table.rederive_grid_points = counted
         try:
             got = await asyncio.gather(*(s.generate(12, sp) for s, sp in zip(sessions, params)))
