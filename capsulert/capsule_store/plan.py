@@ -53,38 +53,49 @@ class Plan:
     tier (a block costs its bytes once per tier, however many capsules there reference it), and the
     ordered actions."""
 
-    def __init__(self, used: dict[str, int], count: Callable[[str, str], int]):
+    def __init__(self, used: dict[str, int], counts: Callable[[str], Callable[[str], int]]):
         self.where: dict[Key, str | None] = {}
         self.used = dict(used)
         self.actions: list[tuple[Key, str | None]] = []
-        self._count = count  # the references a tier's block has now
+        self._counts = counts  # a tier's count of the references its block has now
         self._refs: dict[tuple[str, str], int] = {}  # (tier, block key) -> references after the plan
 
-    def refs(self, tier: str, key: str) -> int:
-        return self._refs.get((tier, key), self._count(tier, key))
-
+    # enter, leave and added run once per block of a capsule (256 for a 16k one, on every snapshot): their
+    # loops look the counts up without a call per block
     def enter(self, tier: str, own: int, blocks: BlockRefs | None) -> None:
         """A capsule holding `own` bytes and referencing `blocks` would be in `tier`."""
-        self.used[tier] += own
-        for k in blocks.all_keys if blocks is not None else ():
-            n = self.refs(tier, k)
-            self._refs[(tier, k)] = n + 1
-            if n == 0:
-                self.used[tier] += blocks.nbytes_of(k)
+        self.used[tier] += own + self._step(tier, blocks, 1)
 
     def leave(self, tier: str, own: int, blocks: BlockRefs | None) -> None:
-        self.used[tier] -= own
-        for k in blocks.all_keys if blocks is not None else ():
-            n = self.refs(tier, k) - 1
-            self._refs[(tier, k)] = n
-            if n == 0:
-                self.used[tier] -= blocks.nbytes_of(k)
+        self.used[tier] -= own + self._step(tier, blocks, -1)
+
+    def _step(self, tier: str, blocks: BlockRefs | None, by: int) -> int:
+        """Move each block's references in `tier` by `by`; the bytes of the blocks that gain their first
+        reference (by 1) or lose their last (by -1)."""
+        if blocks is None:
+            return 0
+        refs, count, edge = self._refs, self._counts(tier), 0 if by > 0 else 1
+        moved = 0
+        for k in blocks.all_keys:
+            n = refs.get((tier, k))
+            if n is None:
+                n = count(k)
+            refs[(tier, k)] = n + by
+            if n == edge:
+                moved += blocks.nbytes_of(k)
+        return moved
 
     def added(self, tier: str, own: int, blocks: BlockRefs | None) -> int:
         """The bytes entering `tier` would add there now (blocks it already holds are free)."""
         if blocks is None:
             return own
-        return own + sum(blocks.nbytes_of(k) for k in blocks.all_keys if not self.refs(tier, k))
+        refs, count = self._refs, self._counts(tier)
+        extra = 0
+        for k in blocks.all_keys:
+            n = refs.get((tier, k))
+            if (count(k) if n is None else n) == 0:
+                extra += blocks.nbytes_of(k)
+        return own + extra
 
     def snapshot(self) -> tuple:
         return dict(self.where), dict(self.used), len(self.actions), dict(self._refs)

@@ -197,7 +197,7 @@ class TierBook:
 
     # -- planning (no side effects on the books) ---------------------------------------------------
     def new_plan(self) -> Plan:
-        return Plan(self.used, lambda tier, key: self.pools[tier].count(key))
+        return Plan(self.used, lambda tier: self.pools[tier].count)
 
     def plan_budget(self, tier: str, nbytes: int | None) -> Plan:
         """Set a tier's budget and plan the moves that make it hold; the budget is put back if it cannot."""
