@@ -11,28 +11,17 @@ import time
 import pytest
 
 from capsulert.orchestrator.lifeline import ProcessWatch
-from capsulert.worker.lifeline import Lifeline
+from tests.orchestrator.lifeline_process import serve
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-def _serve(conn, nofile=None) -> None:
-    """A stand-in worker process: it holds a lifeline and does nothing else (with `nofile`: under that
-    many descriptors, so a flood makes its accepts fail)."""
-    if nofile is not None:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-    lifeline = Lifeline("127.0.0.1")
-    conn.send((lifeline.address, lifeline.token))
-    time.sleep(600)
-
-
 @pytest.fixture
 def process(request):
+    """A stand-in worker process (lifeline_process.serve), spawned."""
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
-    p = ctx.Process(target=_serve, args=(there, getattr(request, "param", None)), daemon=True)
+    p = ctx.Process(target=serve, args=(there, getattr(request, "param", None)), daemon=True)
     p.start()
     assert here.poll(60), "the stand-in process did not start"
     address, token = here.recv()
