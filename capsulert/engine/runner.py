@@ -388,11 +388,13 @@ class ModelRunner:
                           grid_rows: list[list[int]], end: int) -> torch.Tensor:
         """A decode step of `slots` fed `tokens` and the grid re-derivation of `grid_slots`, each slot's live
         state at its previous grid point and grid_rows[i] the GRID tokens from there (`end`: the furthest
-        position one reaches), at most MAX_DECODE_BATCH of each. One forward where `mixed_steps` holds and a
-        graph (if graphs are on) holds them; else a decode step and a batched re-derivation. The same bits either
+        position one reaches), at most MAX_DECODE_BATCH of each. One forward where `mixed_steps` holds, for up
+        to the largest of EngineConfig.mixed_rederive_pieces re-derivations (with graphs: the smallest captured
+        count that holds them); else a decode step and a batched re-derivation. The same bits either
         way. Their next-token logits [len(slots) + len(grid_slots), vocab]: the step's slots first."""
         n, m = len(slots), len(grid_slots)
-        if n and m and self.mixed_steps:
+        # the start-up check covered the rows of up to the largest count of pieces
+        if n and m and self.mixed_steps and m <= max(self.config.mixed_rederive_pieces):
             if self.graphs is None:
                 self.model.step_with_pieces(self.state, self.slot_ids(slots), torch.tensor(tokens, device=self.device),
                                             self.slot_ids(grid_slots), torch.tensor(grid_rows, device=self.device),

@@ -84,7 +84,7 @@ def test_a_step_re_derives_the_sessions_at_a_grid_point_bitwise_as_decoding_all_
                                                                                           reaching):
     """On CUDA the first step is one forward, in the captured (mixed, decode batch, pieces) graph, for up to
     four re-derivations (mixed_rederive_pieces (1, 2, 4)); five run as two forwards, six (no decode row) as one."""
-    eng = make_engine(slots=12, max_seq=512)
+    eng = make_engine(slots=12, max_seq=512, mixed_rederive_pieces=(1, 2, 4))
     # CUDA mixes where every GEMM keeps a row's bits at the step's row counts (the start-up check); the CPU never
     exact = eng.model.decode_rows is None and first_mixed_variant_gemm(eng.model.gemm_weights(), MAX_DECODE_BATCH,
                                                                        GRID * 4) is None
@@ -98,10 +98,10 @@ def test_a_step_re_derives_the_sessions_at_a_grid_point_bitwise_as_decoding_all_
 def test_an_eager_cuda_step_runs_its_re_derivations_and_decode_rows_in_one_forward(make_engine, reaching):
     if not torch.cuda.is_available():
         pytest.fail("the gpu marker needs a CUDA device: run with -m gpu --device cuda on the GPU machine")
-    eng = make_engine(device="cuda", slots=12, max_seq=512, cuda_graphs=False)
+    eng = make_engine(device="cuda", slots=12, max_seq=512, cuda_graphs=False, mixed_rederive_pieces=(4,))
     assert eng.runner.mixed_steps, "this GPU's GEMMs give a row other bits at the mixed step's row counts"
-    # without graphs any number of re-derivations rides in the step
-    assert check_two_steps(eng, reaching) == [(6 - reaching, reaching)]
+    # without graphs up to the largest count rides in the step; more run as two forwards
+    assert check_two_steps(eng, reaching) == ([(6 - reaching, reaching)] if reaching <= 4 else [])
 
 
 @pytest.mark.parametrize("model_dir", MODELS, indirect=True)
@@ -128,7 +128,7 @@ def test_a_crowd_decoding_past_grid_points_at_different_steps_keeps_each_session
 def test_the_mixed_forward_is_refused_where_a_row_would_change_its_bits(make_engine, device):
     """A model that runs decode rows alone (the CPU) or padded to a fixed count cannot share a forward with
     pieces: it says so rather than computing other bits."""
-    eng = make_engine()
+    eng = make_engine(mixed_rederive_pieces=(1, 2, 4))
     if device == "cuda":
         eng.runner.model.decode_rows = 64  # as where the start-up check finds a row-variant GEMM
     assert not (eng.runner.mixed_steps and device == "cpu")
@@ -144,6 +144,7 @@ def test_mixed_rederive_pieces_are_numbers_of_sessions_in_a_step():
 
     from capsulert.config.engine import EngineConfig
 
+    assert EngineConfig().mixed_rederive_pieces == ()  # opt-in
     assert EngineConfig(mixed_rederive_pieces=(4, 1, 2, 2)).mixed_rederive_pieces == (1, 2, 4)
     assert EngineConfig(mixed_rederive_pieces=()).mixed_rederive_pieces == ()
     for bad in ((0,), (65,)):
