@@ -364,8 +364,8 @@ class HybridModel:
 
     def _gated_delta_net(self, layer, x, state, slots, decode: bool, valid, grid_at=None, replay=None,
                          tail_from=None):
-        """`valid` and `grid_at` count in the layer's piece: from the first replayed tail row on."""
-        R, T, _ = x.shape  # R rows: B real ones first, then (decode on CUDA) zero padding
+        """`valid` and `grid_at` count in the layer's piece: from the first replayed tail row on. x [R, T, H]: B
+        real rows first, then (decode on CUDA) zero padding."""
         mixed, z, b, a = self._project(layer.w, "gdn_in", x)
         if decode:
             y = self._gated_delta_step(layer, mixed, z, b, a, state, slots)

@@ -106,7 +106,7 @@ def first_row_variant_gemm(weights: list[torch.Tensor], rows: int) -> tuple[tupl
 def first_mixed_variant_gemm(weights: list[torch.Tensor], decode_rows: int,
                              piece_rows: int) -> tuple[tuple[int, ...], int] | None:
     """The first weight shape, and the rows of a mixed step's GEMM (a decode step's m <= decode_rows rows, then
-    up to piece_rows rows of prefill pieces), at which the step's rows or the pieces' get other bits than in
+    piece_rows rows of prefill pieces), at which the step's rows or the pieces' get other bits than in
     GEMMs of their own; None when none does. The condition for a decode step and grid re-derivations to share
     one forward (HybridModel.step_with_pieces). Shapes are checked once each."""
     for w in distinct_shapes(weights):
