@@ -71,12 +71,41 @@ def check_update(current: Mapping[str, torch.Tensor], new: Mapping[str, torch.Te
             raise WeightUpdateError(f"{name} has shape {tuple(t.shape)}, the model's is {tuple(current[name].shape)}")
         if not t.dtype.is_floating_point:
             raise WeightUpdateError(f"{name} has dtype {t.dtype}; weights are floating point")
-    for name, t in new.items():  # after the cheap checks: this one reads every byte
-        if not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
+    nonfinite = nonfinite_counts({name: (t, current[name].device) for name, t in new.items()})
+    for name, bad in nonfinite.items():
+        if bad:
             raise WeightUpdateError(f"{name} holds {bad} NaN or infinite value(s); a model with them samples "
                                     "garbage (NaN logprobs), so the update is refused")
     return new
+
+
+FINITE_CHUNK_ELEMENTS = 1 << 26
+
+
+def nonfinite_counts(tensors: Mapping[str, tuple[torch.Tensor, torch.device]]) -> dict[str, int]:
+    """How many NaN or infinite values each tensor holds, counted on the device its weights live on (a host
+    tensor bound for a GPU is read there in chunks: a bf16 check on the CPU took 45 s for a 9B model, the copy
+    0.3 s) with one synchronisation for all of them. Run after the cheap checks: this reads every byte."""
+    counts = []
+    for t, device in tensors.values():
+        if t.device == device:
+            counts.append((~torch.isfinite(t)).sum())
+            continue
+        flat, total = t.reshape(-1), torch.zeros((), dtype=torch.int64, device=device)
+        for start in range(0, flat.numel(), FINITE_CHUNK_ELEMENTS):
+            chunk = flat[start:start + FINITE_CHUNK_ELEMENTS].to(device, non_blocking=t.is_pinned())
+            total += (~torch.isfinite(chunk)).sum()
+        counts.append(total)
+    if not counts:
+        return {}
+    by_device: dict[torch.device, list[int]] = {}
+    for i, c in enumerate(counts):
+        by_device.setdefault(c.device, []).append(i)
+    values = [0] * len(counts)
+    for idx in by_device.values():
+        for i, v in zip(idx, torch.stack([counts[i] for i in idx]).tolist()):
+            values[i] = int(v)
+    return dict(zip(tensors, values))
 
 
 IDENTITY_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-_")

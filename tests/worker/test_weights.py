@@ -190,3 +190,23 @@ def test_bad_per_expert_updates_change_nothing(model_dir, make_engine, tmp_path,
         engine.update_weights(update)
     assert engine.weights_version == 0
     assert all(torch.equal(engine.model_weights[k], v) for k, v in snapshot.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_nonfinite_counts_on_the_weights_device(device, monkeypatch, dtype):
+    """Counted where the weights live; a host tensor bound for a GPU is read there in chunks, and a bad value at
+    a chunk's edge or in a short last chunk is counted once."""
+    import capsulert.engine.weights as weights
+
+    monkeypatch.setattr(weights, "FINITE_CHUNK_ELEMENTS", 64)
+    dev = torch.device(device)
+    a = torch.randn(7, 37, dtype=dtype)  # 259 values: four whole chunks and a last one of 3
+    for i, v in ((0, float("nan")), (63, float("inf")), (64, float("-inf")), (258, float("nan"))):
+        a.view(-1)[i] = v
+    b = torch.randn(5, 3, dtype=dtype)
+    host = {"a": a.pin_memory() if dev.type == "cuda" else a, "b": b}
+    counts = weights.nonfinite_counts({k: (t, dev) for k, t in host.items()})
+    assert counts == {"a": 4, "b": 0}
+    on_device = weights.nonfinite_counts({"a": (a.to(dev), dev), "b": (b.to(dev), dev)})
+    assert on_device == {"a": 4, "b": 0}
+    assert weights.nonfinite_counts({}) == {}
