@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -49,10 +49,6 @@ class BlockPool:
         self.records: dict[str, BlockRecord] = {}
         self.external: Counter[str] = Counter()  # disk: references from capsule files not indexed (yet)
 
-    def count(self, key: str) -> int:
-        rec = self.records.get(key)
-        return 0 if rec is None else rec.refs
-
     def get(self, key: str) -> BlockRecord | None:
         return self.records.get(key)
 
@@ -60,19 +56,28 @@ class BlockPool:
         """Hold a new block (no references yet); an existing record wins."""
         return self.records.setdefault(key, rec)
 
-    def ref(self, key: str, anon: bool) -> int:
-        """Reference a block the pool holds; the bytes this adds to the tier."""
-        rec = self.records[key]
-        rec.refs += 1
-        rec.anon_refs += anon
-        return rec.nbytes if rec.refs == 1 else 0
+    def ref(self, keys: Iterable[str], anon: bool) -> int:
+        """Reference blocks the pool holds, once each; the bytes this adds to the tier. One loop with no call
+        per block: a 16k capsule has 256 of them, referenced on every snapshot."""
+        records, added = self.records, 0
+        for key in keys:
+            rec = records[key]
+            rec.refs += 1
+            rec.anon_refs += anon
+            if rec.refs == 1:
+                added += rec.nbytes
+        return added
 
-    def unref(self, key: str, anon: bool) -> int:
-        """Drop a reference; the bytes this frees in the tier (released at collect())."""
-        rec = self.records[key]
-        rec.refs -= 1
-        rec.anon_refs -= anon
-        return rec.nbytes if rec.refs == 0 else 0
+    def unref(self, keys: Iterable[str], anon: bool) -> int:
+        """Drop a reference to each block; the bytes this frees in the tier (released at collect())."""
+        records, freed = self.records, 0
+        for key in keys:
+            rec = records[key]
+            rec.refs -= 1
+            rec.anon_refs -= anon
+            if rec.refs == 0:
+                freed += rec.nbytes
+        return freed
 
     def anon_only_nbytes(self) -> int:
         """Bytes of the blocks only anonymous entries reference."""

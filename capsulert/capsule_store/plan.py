@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from capsulert.capsule_store.block_pool import BlockRecord
 from capsulert.capsule_store.blocks import BlockRefs
 from capsulert.capsule_store.capsule import CapsuleMeta, TensorSpec
 from capsulert.capsule_store.writer import DiskJob
@@ -53,11 +54,11 @@ class Plan:
     tier (a block costs its bytes once per tier, however many capsules there reference it), and the
     ordered actions."""
 
-    def __init__(self, used: dict[str, int], counts: Callable[[str], Callable[[str], int]]):
+    def __init__(self, used: dict[str, int], records: Callable[[str], Mapping[str, BlockRecord]]):
         self.where: dict[Key, str | None] = {}
         self.used = dict(used)
         self.actions: list[tuple[Key, str | None]] = []
-        self._counts = counts  # a tier's count of the references its block has now
+        self._records = records  # a tier's blocks, each with the count of the references it has now
         self._refs: dict[tuple[str, str], int] = {}  # (tier, block key) -> references after the plan
 
     # enter, leave and added run once per block of a capsule (256 for a 16k one, on every snapshot): their
@@ -74,12 +75,13 @@ class Plan:
         reference (by 1) or lose their last (by -1)."""
         if blocks is None:
             return 0
-        refs, count, edge = self._refs, self._counts(tier), 0 if by > 0 else 1
+        refs, records, edge = self._refs, self._records(tier), 0 if by > 0 else 1
         moved = 0
         for k in blocks.all_keys:
             n = refs.get((tier, k))
             if n is None:
-                n = count(k)
+                rec = records.get(k)
+                n = 0 if rec is None else rec.refs
             refs[(tier, k)] = n + by
             if n == edge:
                 moved += blocks.nbytes_of(k)
@@ -89,11 +91,14 @@ class Plan:
         """The bytes entering `tier` would add there now (blocks it already holds are free)."""
         if blocks is None:
             return own
-        refs, count = self._refs, self._counts(tier)
+        refs, records = self._refs, self._records(tier)
         extra = 0
         for k in blocks.all_keys:
             n = refs.get((tier, k))
-            if (count(k) if n is None else n) == 0:
+            if n is None:
+                rec = records.get(k)
+                n = 0 if rec is None else rec.refs
+            if n == 0:
                 extra += blocks.nbytes_of(k)
         return own + extra
 

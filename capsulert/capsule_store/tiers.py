@@ -162,12 +162,10 @@ class TierBook:
         if tier == "disk":
             for k in e.block_keys:
                 self.pools[tier].add(k, BlockRecord(e.blocks.nbytes_of(k)))  # type: ignore[union-attr]
-        for k in e.block_keys:
-            self.used[tier] += self.pools[tier].ref(k, e.anonymous)
+        self.used[tier] += self.pools[tier].ref(e.block_keys, e.anonymous)
 
     def unref(self, tier: str, e: Entry) -> None:
-        for k in e.block_keys:
-            self.used[tier] -= self.pools[tier].unref(k, e.anonymous)
+        self.used[tier] -= self.pools[tier].unref(e.block_keys, e.anonymous)
 
     def moved(self, key: Key, e: Entry, dest: str) -> None:
         """Book e's move from its tier to `dest` (its block references in `dest` are taken already). With
@@ -197,7 +195,7 @@ class TierBook:
 
     # -- planning (no side effects on the books) ---------------------------------------------------
     def new_plan(self) -> Plan:
-        return Plan(self.used, lambda tier: self.pools[tier].count)
+        return Plan(self.used, lambda tier: self.pools[tier].records)
 
     def plan_budget(self, tier: str, nbytes: int | None) -> Plan:
         """Set a tier's budget and plan the moves that make it hold; the budget is put back if it cannot."""
