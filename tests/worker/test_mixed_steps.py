@@ -48,11 +48,12 @@ def reference_step(eng, sessions, tokens) -> torch.Tensor:
     return logits
 
 
-def check_two_steps(eng, reaching: int) -> list[tuple[int, int]]:
+def check_two_steps(eng, reaching: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Six sessions, `reaching` of them one token short of a grid point, take two steps (the second from the
     re-derived state). Each step's logits and each slot's state equal the reference's, and no decode row is
-    computed for a session that reaches its grid point. Returns the (decode rows, pieces) of each eager mixed
-    forward that ran."""
+    computed for a session that reaches its grid point (the decode rows counted wherever they run: a decode
+    step, an eager mixed forward or a mixed graph). Returns the (decode rows, pieces) of each eager mixed
+    forward and of each mixed graph replay that ran."""
     sizes = lengths(reaching)
     ours, ref = open_all(eng, sizes), open_all(eng, sizes)
     decoded: list[list[int]] = []
@@ -61,7 +62,15 @@ def check_two_steps(eng, reaching: int) -> list[tuple[int, int]]:
     mixed: list[tuple[int, int]] = []
     step_with_pieces = eng.runner.model.step_with_pieces
     eng.runner.model.step_with_pieces = lambda state, slots, tokens, piece_slots, *a: (
-        mixed.append((slots.shape[0], piece_slots.shape[0])), step_with_pieces(state, slots, tokens, piece_slots, *a))[1]
+        mixed.append((slots.shape[0], piece_slots.shape[0])), decoded.append(slots.tolist()),
+        step_with_pieces(state, slots, tokens, piece_slots, *a))[-1]
+    replayed: list[tuple[int, int]] = []
+    graphs = eng.runner.graphs
+    if graphs is not None:
+        graph_mixed = graphs.mixed
+        graphs.mixed = lambda slots, tokens, grid_slots, *a: (
+            replayed.append((len(slots), len(grid_slots))), decoded.append(list(slots)),
+            graph_mixed(slots, tokens, grid_slots, *a))[-1]
     try:
         for step in range(2):
             tokens = toks(len(sizes), 7 + step)
@@ -75,7 +84,9 @@ def check_two_steps(eng, reaching: int) -> list[tuple[int, int]]:
                 assert_same(eng, a, b)
     finally:
         del eng.runner.decode, eng.runner.model.step_with_pieces
-    return mixed
+        if graphs is not None:
+            del graphs.mixed
+    return mixed, replayed
 
 
 @pytest.mark.parametrize("model_dir", MODELS, indirect=True)
@@ -89,7 +100,9 @@ def test_a_step_re_derives_the_sessions_at_a_grid_point_bitwise_as_decoding_all_
     exact = eng.model.decode_rows is None and first_mixed_variant_gemm(eng.model.gemm_weights(), MAX_DECODE_BATCH,
                                                                        GRID * 4) is None
     assert eng.runner.mixed_steps == (device == "cuda" and exact)
-    assert check_two_steps(eng, reaching) == []  # on CUDA the mixed forward ran inside its graph
+    eager, replayed = check_two_steps(eng, reaching)
+    assert eager == []  # on CUDA the mixed forward ran inside its graph
+    assert replayed == ([(6 - reaching, reaching)] if eng.runner.mixed_steps and reaching <= 4 else [])
 
 
 @pytest.mark.gpu
@@ -101,7 +114,7 @@ def test_an_eager_cuda_step_runs_its_re_derivations_and_decode_rows_in_one_forwa
     eng = make_engine(device="cuda", slots=12, max_seq=512, cuda_graphs=False, mixed_rederive_pieces=(4,))
     assert eng.runner.mixed_steps, "this GPU's GEMMs give a row other bits at the mixed step's row counts"
     # without graphs up to the largest count rides in the step; more run as two forwards
-    assert check_two_steps(eng, reaching) == ([(6 - reaching, reaching)] if reaching <= 4 else [])
+    assert check_two_steps(eng, reaching) == ([(6 - reaching, reaching)] if reaching <= 4 else [], [])
 
 
 @pytest.mark.parametrize("model_dir", MODELS, indirect=True)
