@@ -141,6 +141,7 @@ async def main(args) -> int:
     s.snapshot("c0", pin=True)
     s.close()
     update_ms = update_times(engine)
+    log("weight update: " + ", ".join(f"{k} {v:.2f}" for k, v in update_ms.items() if k != "bytes"))
     if args.device == "cuda":  # the update's source copies are freed; give their cached blocks to the workers
         torch.cuda.empty_cache()
     cuda_sync(args.device)
@@ -158,6 +159,7 @@ async def main(args) -> int:
             for envs in args.envs:
                 log(f"E={envs}: orchestrated, one forward per session's prefill piece")
                 baseline[envs] = await orchestrated(orch, envs, args.resets, args.steps, obs, args.gen)
+                log(f"E={envs}: {baseline[envs]['steps_per_s']:.2f} steps/s")
         finally:
             await orch.close()
     orch = await start_orchestrator(cfg, args, c0, batch_prefill=not args.no_batch_prefill)
@@ -167,6 +169,9 @@ async def main(args) -> int:
             local = in_process(engine, envs, args.resets, args.steps, obs, args.gen)
             alone = in_process(engine, envs, args.resets, args.steps, obs, args.gen, one_by_one=True)
             remote = await orchestrated(orch, envs, args.resets, args.steps, obs, args.gen)
+            log(f"E={envs}: " + "; ".join(f"{name} {r['resets_per_s']:.1f} resets/s, {r['steps_per_s']:.2f} steps/s"
+                                         for name, r in (("in-process", local), ("one by one", alone),
+                                                         ("orchestrated", remote))))
             rows.append({"envs": envs, "resets_per_s_inprocess": local["resets_per_s"],
                          "resets_per_s_inprocess_one_by_one": alone["resets_per_s"],
                          "resets_batched_over_one_by_one": local["resets_per_s"] / alone["resets_per_s"],
