@@ -50,3 +50,4 @@ def test_no_gpu_for_the_worker_is_refused_at_once(default_model_dir, tmp_path):
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "serving.py --http: InsufficientResourcesError:" in proc.stderr and "GPU" in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert "Started a local Ray instance" not in proc.stderr  # refused before Ray starts: this machine has no GPU

@@ -176,6 +176,7 @@ class Orchestrator:
             if cfg.address:
                 ray.init(address=cfg.address, **kw)
             else:
+                _check_local_gpus(cfg)  # a Ray started here has this machine's GPUs: refuse before starting it
                 ray.init(num_cpus=cfg.local_num_cpus, _system_config=FAST_FAILURE_RAY_CONFIG, **kw)
             owns = True
         try:
@@ -299,6 +300,26 @@ def _workers_take_gpus(cfg: OrchestratorConfig) -> bool:
             f"{cfg.num_workers} GPU(s) asked for, and the Ray cluster has {gpus:g}: add GPUs, start fewer "
             f"workers, or use device='cpu'")
     return True
+
+
+def _local_gpus() -> int:
+    """The GPUs of this machine that its workers' torch can use (CUDA_VISIBLE_DEVICES applies, as to Ray)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _check_local_gpus(cfg: OrchestratorConfig) -> None:
+    """device="cuda" with a local Ray to start: InsufficientResourcesError before Ray starts when this machine
+    has fewer GPUs than workers (_workers_take_gpus would refuse the same, after seconds of Ray's start)."""
+    if cfg.engine.device != "cuda":
+        return
+    gpus = _local_gpus()
+    if gpus < cfg.num_workers:
+        raise InsufficientResourcesError(
+            f"each of the {cfg.num_workers} worker(s) takes a GPU of its own (device={cfg.engine.device!r}): "
+            f"{cfg.num_workers} GPU(s) asked for, and this machine (whose GPUs a local Ray has) has {gpus:g}: "
+            f"add GPUs, start fewer workers, or use device='cpu'")
 
 
 # resources another orchestrator just released take a moment to show as free: wait this long for them when

@@ -155,6 +155,26 @@ async def test_start_fails_at_once_when_the_cluster_cannot_place_the_workers(ray
         await mod._check_free_resources(cfg, mod._workers_take_gpus(cfg))
 
 
+async def test_a_local_ray_is_not_started_for_cuda_workers_on_a_machine_without_gpus(engine_cfg, monkeypatch):
+    """device="cuda" with no Ray yet and no address: the Ray it would start has this machine's GPUs, so a
+    machine with fewer GPUs than workers is refused before Ray starts (bench/serving.py --http's case)."""
+    from capsulert.errors import InsufficientResourcesError
+    from capsulert.orchestrator import orchestrator as mod
+
+    def no_start(*a, **kw):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(mod.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(mod.ray, "init", no_start)
+    monkeypatch.setattr(mod, "_local_gpus", lambda: 1)
+    with pytest.raises(InsufficientResourcesError, match=r"2 GPU\(s\) asked for, and this machine .* has 1"):
+        await Orchestrator.start(dict(engine={**engine_cfg, "device": "cuda"}, num_workers=2))
+    with pytest.raises(AssertionError, match="Ray was started"):  # enough GPUs here: Ray is started as before
+        await Orchestrator.start(dict(engine={**engine_cfg, "device": "cuda"}, num_workers=1))
+    with pytest.raises(AssertionError, match="Ray was started"):  # device="auto" takes GPUs only where Ray has them
+        await Orchestrator.start(dict(engine={**engine_cfg, "device": "auto"}, num_workers=2))
+
+
 async def test_a_hot_capsule_is_replicated_to_the_idle_worker_on_demand(ray_session, engine_cfg):
     cfg = dict(engine={**engine_cfg, "slots": 8}, num_workers=2, call_timeout_s=TIMEOUT, torch_threads=1,
                replicate_hot=2, worker_num_cpus=0)  # beside orch2's workers on this 2-CPU test cluster
