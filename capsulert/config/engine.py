@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 import warnings
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from capsulert.config.scheduler import SchedulerConfig
-from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK
+
+if TYPE_CHECKING:
+    import torch
 
 RANDOM_PREFIX = "random:"  # model="random:<architecture yaml>": deterministic random weights on the device
+# the chunk of the gated delta kernels (kernels/gated_delta.py, whose value tests/test_packaging.py checks this
+# equals): held here too so that a config is validated without importing torch (the serve CLI, its replica)
+GATED_DELTA_CHUNK = 64
 
 
 class TierBudgets(BaseModel):
@@ -120,6 +124,8 @@ class EngineConfig(BaseModel):
         return self
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -129,6 +135,8 @@ class EngineConfig(BaseModel):
         return torch.device(self.device)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)

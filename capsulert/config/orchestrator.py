@@ -7,6 +7,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from capsulert.config.engine import EngineConfig
 
+# Ray settings of a local Ray the orchestrator (or `capsulert serve`) starts. A call in flight on a worker
+# whose process died fails only once Ray has the death confirmed, or after this many milliseconds (Ray's
+# default: 1000); at 100 a killed worker's callers get WorkerLost in about half a second. A Ray started by
+# hand takes it as `ray start --system-config='{"timeout_ms_task_wait_for_death_info": 100}'`.
+FAST_FAILURE_RAY_CONFIG = {"timeout_ms_task_wait_for_death_info": 100}
+
 
 class OrchestratorConfig(BaseModel):
     """How to start an Orchestrator. `engine` configures every worker's Engine; with `engine.disk_dir`

@@ -30,7 +30,7 @@ from capsulert.orchestrator.admission import SessionGate
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.namespace import Namespace
 from capsulert.orchestrator.router import CapsuleRouter
-from capsulert.config.orchestrator import OrchestratorConfig
+from capsulert.config.orchestrator import FAST_FAILURE_RAY_CONFIG, OrchestratorConfig
 from capsulert.sessions.session import AsyncSession
 from capsulert.worker.actor import WorkerActor
 from capsulert.orchestrator.worker_pool import WorkerPool, WorkerRecord
@@ -39,12 +39,6 @@ from capsulert.protocol.names import DEFAULT_NAMESPACE
 from capsulert.protocol.results import FinalEvent, GenerateResult, TokenEvent
 from capsulert.protocol.requests import Ping, Request, Stats
 
-
-# Ray settings of a local Ray the orchestrator (or `capsulert serve`) starts. A call in flight on a worker
-# whose process died fails only once Ray has the death confirmed, or after this many milliseconds (Ray's
-# default: 1000); at 100 a killed worker's callers get WorkerLost in about half a second. A Ray started by
-# hand takes it as `ray start --system-config='{"timeout_ms_task_wait_for_death_info": 100}'`.
-FAST_FAILURE_RAY_CONFIG = {"timeout_ms_task_wait_for_death_info": 100}
 
 
 

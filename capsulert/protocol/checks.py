@@ -6,9 +6,9 @@ May import: errors and the rest of protocol (sampling, the name rule, the text r
 nothing that runs a verb."""
 from __future__ import annotations
 
+import sys
 from typing import Any, Literal
 
-import torch
 from pydantic import TypeAdapter, ValidationError
 
 from capsulert.protocol.names import validate_name
@@ -57,8 +57,11 @@ def tokens_arg(value: Any, what: str = "tokens") -> str | list[int] | ChatPrompt
 
 
 def _is_array(value: Any) -> bool:
-    """A torch tensor or a numpy array (by module, so numpy is never imported here)."""
-    return isinstance(value, torch.Tensor) or (type(value).__module__ == "numpy" and hasattr(value, "tolist"))
+    """A torch tensor or a numpy array (by module, so neither is imported here: a process that has not imported
+    torch holds no tensor)."""
+    torch = sys.modules.get("torch")
+    return (torch is not None and isinstance(value, torch.Tensor)) or (
+        type(value).__module__ == "numpy" and hasattr(value, "tolist"))
 
 
 def int_arg(value: Any, what: str, minimum: int) -> int:

@@ -95,7 +95,7 @@ def _local_ray_init(opts: ServerOptions) -> dict:
     """ray.init arguments for a Ray this server starts: a lost worker seen at once (FAST_FAILURE_RAY_CONFIG:
     503 at once), and Ray's own metrics exported on the port asked for, else not collected at all, so that
     Ray's agent opens no exporter (on this machine's network address) that nobody asked for."""
-    from capsulert.orchestrator.orchestrator import FAST_FAILURE_RAY_CONFIG
+    from capsulert.config.orchestrator import FAST_FAILURE_RAY_CONFIG
 
     system = dict(FAST_FAILURE_RAY_CONFIG)
     if opts.ray_metrics_port is not None:
@@ -116,8 +116,8 @@ def start(opts: ServerOptions) -> None:
         # is retried, each time with its traceback)
         tenants = Tenants.load(opts.keys_file)
         _check_port(opts.host, opts.port)
-        if not opts.ray_address:  # a local Ray has this machine's GPUs
-            _check_gpus(opts, _local_gpus(), "this machine")
+        if not opts.ray_address and opts.engine.device == "cuda":  # a local Ray has this machine's GPUs
+            _check_gpus(opts, _local_gpus(), "this machine")  # (torch is imported for CUDA only)
         notice = random_weights_notice(opts.engine.model)
         if notice:  # said once the refusals are past, before Ray's own start-up lines (again in the serving line)
             log.warning("note: %s", notice)

@@ -21,10 +21,9 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from capsulert.capsule_store import validate_name
 from capsulert.errors import CapsuleRTError, ConfigError
 from capsulert.serve.http_errors import UNAUTHORIZED, ApiError
-from capsulert.protocol.names import DEFAULT_NAMESPACE
+from capsulert.protocol.names import DEFAULT_NAMESPACE, validate_name
 
 OPEN_NAMESPACE = DEFAULT_NAMESPACE
 MIN_KEY_LENGTH = 8
