@@ -1,6 +1,6 @@
 """Crash safety of the disk tier: a writer process SIGKILLed at chosen points while saving capsules.
 
-The writer (a subprocess) saves capsules into a CapsuleStore's disk tier; the parent kills it with
+The writer (a process of its own) saves capsules into a CapsuleStore's disk tier; the parent kills it with
 SIGKILL, over several rounds, restarting it each time with the capsules not yet on disk. After every
 kill a fresh store loads the directory: every capsule that loads is byte-identical to what the writer
 meant to save, a capsule once on disk stays there, every temp file left by an interrupted write is
@@ -31,6 +31,7 @@ same as a crash just before the demotion), and the explicit demote may be durabl
 survives need not be a prefix: the writer is restarted with exactly the missing capsules.
 """
 import logging
+import multiprocessing
 import os
 import random
 import select
@@ -132,9 +133,54 @@ def read_line(proc, timeout=60.0):
     return proc.stdout.readline().decode()
 
 
-def start_writer(directory, todo, mode="put", hold="-"):
-    proc = subprocess.Popen([sys.executable, "-c", WRITER_SRC, str(directory), ",".join(map(str, todo)), str(SEED),
-                             mode, hold], cwd=REPO, stdout=subprocess.PIPE, bufsize=0)
+# Writers whose kill point does not depend on their speed (a held round's, stopped by the hook, and the last
+# one, never killed) are processes forked by multiprocessing's fork server, a fresh interpreter that has
+# imported torch and the store once: each is still a process of its own that runs WRITER_SRC and is SIGKILLed,
+# without ~2 s of CPU spent importing them again. A timed round's writer is a fresh interpreter, as before:
+# where its kill lands depends on how fast it runs (a forked one, its code paths warm, often finishes first)
+FORKS = multiprocessing.get_context("forkserver")
+FORKS.set_forkserver_preload(["torch", "safetensors.torch", "capsulert.capsule_store.store",
+                              "capsulert.capsule_store.format.staging", "capsulert.capsule_store.capsule"])
+
+
+class Writer:
+    """A writer process (WRITER_SRC with `argv`, its stdout a pipe to this process), with the part of
+    subprocess.Popen's interface the test uses."""
+
+    def __init__(self, argv: list[str]):
+        here, there = FORKS.Pipe(duplex=False)
+        code = f"import os, sys\nos.chdir({str(REPO)!r})\nos.dup2(_out.fileno(), 1)\nsys.argv = {argv!r}\n"
+        self._proc = FORKS.Process(target=exec, args=(code + WRITER_SRC, {"__name__": "__main__", "_out": there}))
+        self._proc.start()
+        there.close()
+        self.pid = self._proc.pid
+        self.stdout = os.fdopen(os.dup(here.fileno()), "rb", buffering=0)
+        here.close()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode  # -N: killed by signal N, as Popen says
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: a writer that has exited (and been reaped) is signalled no more
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        self._proc.join(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired("writer", timeout)
+        return self.returncode
+
+
+def start_writer(directory, todo, mode="put", hold="-", fresh=False):
+    argv = [str(directory), ",".join(map(str, todo)), str(SEED), mode, hold]
+    if fresh:
+        proc = subprocess.Popen([sys.executable, "-c", WRITER_SRC, *argv], cwd=REPO, stdout=subprocess.PIPE, bufsize=0)
+    else:
+        proc = Writer(["-c", *argv])
     line = read_line(proc)
     assert line.strip() == "ready", f"writer did not start: {line!r}"
     return proc
@@ -225,7 +271,7 @@ def test_sigkill_during_saves(tmp_path, caplog, mode, n, rounds):
             assert (directory / tmp_name).stat().st_size == int(nbytes) <= int(total)
         else:
             delay = rng.uniform(0.0, 0.012)
-            proc = start_writer(directory, todo, mode)
+            proc = start_writer(directory, todo, mode, fresh=True)
             wait_for_write(directory, target, proc, before)
             time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
