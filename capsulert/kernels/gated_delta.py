@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-GATED_DELTA_CHUNK = 64
+from capsulert.kernels.chunk import GATED_DELTA_CHUNK
 
 
 def recurrent_gated_delta_rule_ref(q, k, v, g, beta, state):

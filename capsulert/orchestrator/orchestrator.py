@@ -40,8 +40,6 @@ from capsulert.protocol.results import FinalEvent, GenerateResult, TokenEvent
 from capsulert.protocol.requests import Ping, Request, Stats
 
 
-
-
 class Orchestrator:
     """The operator's object: lifecycle, workers, stats, and namespace handles. It answers the session and
     capsule verbs of namespace "default" through that namespace's handle (orch.open / restore / capsules /
