@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -62,7 +62,7 @@ class Plan:
         self._refs: dict[tuple[str, str], int] = {}  # (tier, block key) -> references after the plan
 
     # enter, leave and added run once per block of a capsule (256 for a 16k one, on every snapshot): their
-    # loops look the counts up without a call per block
+    # loops read the counts from one generator, without a method call per block
     def enter(self, tier: str, own: int, blocks: BlockRefs | None) -> None:
         """A capsule holding `own` bytes and referencing `blocks` would be in `tier`."""
         self.used[tier] += own + self._step(tier, blocks, 1)
@@ -75,13 +75,9 @@ class Plan:
         reference (by 1) or lose their last (by -1)."""
         if blocks is None:
             return 0
-        refs, records, edge = self._refs, self._records(tier), 0 if by > 0 else 1
+        refs, edge = self._refs, 0 if by > 0 else 1
         moved = 0
-        for k in blocks.all_keys:
-            n = refs.get((tier, k))
-            if n is None:
-                rec = records.get(k)
-                n = 0 if rec is None else rec.refs
+        for k, n in self._counts(tier, blocks):
             refs[(tier, k)] = n + by
             if n == edge:
                 moved += blocks.nbytes_of(k)
@@ -91,16 +87,18 @@ class Plan:
         """The bytes entering `tier` would add there now (blocks it already holds are free)."""
         if blocks is None:
             return own
+        return own + sum(blocks.nbytes_of(k) for k, n in self._counts(tier, blocks) if n == 0)
+
+    def _counts(self, tier: str, blocks: BlockRefs) -> Iterator[tuple[str, int]]:
+        """Each block key with its references in `tier` as the plan has them (the pool's count where the plan
+        has not touched it yet), read as the caller's loop reaches it."""
         refs, records = self._refs, self._records(tier)
-        extra = 0
         for k in blocks.all_keys:
             n = refs.get((tier, k))
             if n is None:
                 rec = records.get(k)
                 n = 0 if rec is None else rec.refs
-            if n == 0:
-                extra += blocks.nbytes_of(k)
-        return own + extra
+            yield k, n
 
     def snapshot(self) -> tuple:
         return dict(self.where), dict(self.used), len(self.actions), dict(self._refs)

@@ -91,8 +91,7 @@ class EngineConfig(BaseModel):
         "re-deriving sessions such a step's graphs are captured for (with each decode batch), e.g. (1, 2, 4). "
         "More than the largest run as two forwards, as all do with () (the default, until its bitwise tests "
         "have passed on a GPU; measured on an H100: a bounded 9B crowd's steps 19 ms against 25): the same bits "
-        "either way. Pair with SchedulerConfig.step_rederive_rows to keep a "
-        "crowd's steps within them")
+        "either way. Pair with SchedulerConfig.step_rederive_rows to keep a crowd's steps within them")
     speculate_slots: int = Field(8, ge=0, le=64, description="sessions that may speculate (SamplingParams."
                                  "speculate) in one decode step; each has 3 rollback copies of its slot's recurrent "
                                  "and conv state, allocated at start (~150 MB each on the 9B shape). A step's further "

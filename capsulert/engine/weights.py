@@ -98,13 +98,8 @@ def nonfinite_counts(tensors: Mapping[str, tuple[torch.Tensor, torch.device]]) -
         counts.append(total)
     if not counts:
         return {}
-    by_device: dict[torch.device, list[int]] = {}
-    for i, c in enumerate(counts):
-        by_device.setdefault(c.device, []).append(i)
-    values = [0] * len(counts)
-    for idx in by_device.values():
-        for i, v in zip(idx, torch.stack([counts[i] for i in idx]).tolist()):
-            values[i] = int(v)
+    # one engine's weights share a device, so this gathers nothing; the one .tolist() is the synchronisation
+    values = torch.stack([c.to(counts[0].device) for c in counts]).tolist()
     return dict(zip(tensors, values))
 
 
