@@ -30,7 +30,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -231,6 +231,36 @@ class BlockViews:
         return {name: self._tensors[name].narrow(self._dim, i * self._rows, self._rows) for name in self._names}
 
 
+class KeyedBlocks:
+    """A capsule's KV blocks in order, each looked up by its key only when asked for: a memory tier makes a
+    slab-held block's views on first use, and a restore copies slab runs without them (a crowd's 64 restores at
+    3.5k would otherwise make 3,500 blocks' views, tens of ms, on every capsule's first read)."""
+
+    def __init__(self, keys: Sequence[str], by_key: "Mapping[str, Tensors] | BlockLookup"):
+        self._keys, self._by_key = tuple(keys), by_key
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self) -> Iterator[Tensors]:
+        return (self._by_key[k] for k in self._keys)
+
+    def __getitem__(self, i: int | slice):
+        if isinstance(i, slice):
+            return [self._by_key[k] for k in self._keys[i]]
+        return self._by_key[self._keys[i]]
+
+
+class BlockLookup:
+    """Blocks' tensors by key, each looked up when asked for (`tensors_of`: a memory tier's record lookup)."""
+
+    def __init__(self, tensors_of: Callable[[str], Tensors]):
+        self._tensors_of = tensors_of
+
+    def __getitem__(self, key: str) -> Tensors:
+        return self._tensors_of(key)
+
+
 @dataclass(frozen=True, eq=False)
 class SlabRow:
     """Where a block a memory tier holds lives: row `index` of its slabs (one [count, *block shape] tensor per
@@ -274,21 +304,21 @@ class Parts:
     origin that file records (None: unknown)."""
 
     own: Tensors
-    blocks: "tuple[Tensors, ...] | BlockViews" = ()
+    blocks: "tuple[Tensors, ...] | BlockViews | KeyedBlocks" = ()
     refs: BlockRefs | None = None
     state: Tensors | None = None
     file_origin: str | None = None
     runs: tuple[BlockRun, ...] | None = None  # the KV blocks as slab runs, where a memory tier holds them
 
     @classmethod
-    def of(cls, own: Tensors, refs: BlockRefs | None, by_key: Mapping[str, Tensors],
+    def of(cls, own: Tensors, refs: BlockRefs | None, by_key: "Mapping[str, Tensors] | BlockLookup",
            slab_rows: Mapping[str, SlabRow | None] | None = None) -> "Parts":
         """A capsule's parts from its own tensors and its blocks' tensors by key (and, for blocks a memory tier
         holds, their slab rows by key)."""
         if refs is None:
             return cls(own)
         runs = block_runs([slab_rows.get(k) for k in refs.keys]) if slab_rows is not None else None
-        return cls(own, tuple(by_key[k] for k in refs.keys), refs,
+        return cls(own, KeyedBlocks(refs.keys, by_key), refs,
                    by_key[refs.state] if refs.state is not None else None, runs=runs)
 
     @property

@@ -20,7 +20,7 @@ import torch
 
 from capsulert.capsule_store.background import BackgroundWrites
 from capsulert.capsule_store.block_pool import BlockRecord
-from capsulert.capsule_store.blocks import Parts, SlabRow
+from capsulert.capsule_store.blocks import BlockLookup, Parts, SlabRow
 from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.capsule_store.format.blockfiles import stage_block
 from capsulert.capsule_store.format.disk import read_capsule_parts, stage_capsule
@@ -136,9 +136,14 @@ class Mover:
             _, parts = read_capsule_parts(e.path, self.fingerprint, self.layout_version,  # type: ignore[arg-type]
                                           e.meta.nbytes, have)
             return parts, []
-        held = self._held_blocks(e)
-        return (Parts.of(e.tensors, e.blocks, {k: held[k][0] for k in e.block_keys}, self._slab_rows(e)),
-                distinct_events([e.event] + [held[k][1] for k in e.block_keys]))
+        if e.held is None and e.tier in MEMORY_TIERS:  # blocks looked up when used: a restore copies slab runs
+            records = self._tiers.pools[e.tier].records
+            by_key: Mapping | BlockLookup = BlockLookup(lambda k: records[k].block_tensors())  # type: ignore[arg-type,return-value]
+            events = [records[k].event for k in e.block_keys]
+        else:
+            held = self._held_blocks(e)
+            by_key, events = {k: held[k][0] for k in e.block_keys}, [held[k][1] for k in e.block_keys]
+        return Parts.of(e.tensors, e.blocks, by_key, self._slab_rows(e)), distinct_events([e.event] + events)
 
     def _slab_rows(self, e: Entry) -> dict[str, SlabRow | None] | None:
         """The slab rows of e's KV blocks in its memory tier (None while it holds its own until a disk write)."""
