@@ -178,6 +178,10 @@ async def main(args) -> int:
     return 0
 
 
+def _rows_or_none(v: str) -> int | None:
+    return None if v.lower() == "none" else int(v)
+
+
 async def run(args) -> list[dict]:
     torch.set_num_threads(args.threads)
     chunk = args.prefill_chunk
@@ -187,7 +191,8 @@ async def run(args) -> list[dict]:
                       tail_replay=TAIL_REPLAY[args.tail_replay],
                       scheduler={"batch_prefill": not args.no_batch_prefill,
                                  "step_prefill_tokens_decoding": args.step_prefill_decoding,
-                                 "step_rederive_rows": args.step_rederive_rows})
+                                 **({} if args.step_rederive_rows == "default"
+                                    else {"step_rederive_rows": args.step_rederive_rows})})
     if args.mixed_pieces is not None:
         engine_cfg["mixed_rederive_pieces"] = tuple(args.mixed_pieces)
     ocfg = dict(engine=engine_cfg, num_workers=args.workers, call_timeout_s=3600, torch_threads=args.threads)
@@ -293,10 +298,10 @@ def parse_args(argv=None):
     ap.add_argument("--tail-replay", choices=("auto", "on", "off"), default="auto",
                     help="EngineConfig.tail_replay (auto: the engine's default, off on CUDA): on, a capsule keeps its "
                     "tail rows and a crowd's turns replay them instead of re-running them")
-    ap.add_argument("--step-rederive-rows", type=int, default=None, metavar="ROWS",
+    ap.add_argument("--step-rederive-rows", type=_rows_or_none, default="default", metavar="ROWS|none",
                     help="the grid re-derivation rows a decode step runs (SchedulerConfig.step_rederive_rows: 64 a "
-                         "session); the crowd past it waits a step. Bounds ITL p99 for a crowd in lockstep; default: "
-                         "unbounded")
+                         "session); the crowd past it waits a step. Bounds ITL p99 for a crowd in lockstep; none: "
+                         "unbounded; default: the engine's (256)")
     ap.add_argument("--mixed-pieces", type=int, nargs="*", default=None, metavar="N",
                     help="EngineConfig.mixed_rederive_pieces: the re-derivation counts a decode step's mixed forward "
                          "is captured for (none given: every re-derivation is a forward of its own); default: the "

@@ -85,13 +85,13 @@ class EngineConfig(BaseModel):
     cuda_graphs: bool = Field(True, description="capture CUDA graphs at start (CUDA only)")
     decode_batches: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32, 64), description="batch sizes of the decode graphs (capped at slots; the largest is always captured)")
     mixed_rederive_pieces: tuple[int, ...] = Field(
-        (), description="a decode step whose sessions include some that reach a grid point runs their "
+        (1, 2, 4), description="a decode step whose sessions include some that reach a grid point runs their "
         "re-derivations (64 rows each) in the same forward as the other sessions' decode rows, one pass of the "
         "weights (CUDA, where every GEMM keeps a row's bits at any row count; checked at start): the numbers of "
-        "re-deriving sessions such a step's graphs are captured for (with each decode batch), e.g. (1, 2, 4). "
-        "More than the largest run as two forwards, as all do with () (the default, until its bitwise tests "
-        "have passed on a GPU; measured on an H100: a bounded 9B crowd's steps 19 ms against 25): the same bits "
-        "either way. Pair with SchedulerConfig.step_rederive_rows to keep a crowd's steps within them")
+        "re-deriving sessions such a step's graphs are captured for (with each decode batch). More than the "
+        "largest run as two forwards, as all do with () (and the CPU): the same bits either way. Measured on an "
+        "H100: a bounded 9B crowd's steps 19 ms against 25. SchedulerConfig.step_rederive_rows (default 256, four "
+        "sessions) keeps a crowd's steps within them")
     speculate_slots: int = Field(8, ge=0, le=64, description="sessions that may speculate (SamplingParams."
                                  "speculate) in one decode step; each has 3 rollback copies of its slot's recurrent "
                                  "and conv state, allocated at start (~150 MB each on the 9B shape). A step's further "

@@ -157,7 +157,7 @@ def test_mixed_rederive_pieces_are_numbers_of_sessions_in_a_step():
 
     from capsulert.config.engine import EngineConfig
 
-    assert EngineConfig().mixed_rederive_pieces == ()  # opt-in
+    assert EngineConfig().mixed_rederive_pieces == (1, 2, 4)  # the CPU runs the two forwards whatever it says
     assert EngineConfig(mixed_rederive_pieces=(4, 1, 2, 2)).mixed_rederive_pieces == (1, 2, 4)
     assert EngineConfig(mixed_rederive_pieces=()).mixed_rederive_pieces == ()
     for bad in ((0,), (65,)):
