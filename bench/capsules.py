@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch intra-op threads (default: 1 on CPU, see bench/RESULTS.md; 0 = torch's default)")
     p.add_argument("--skip-hf", action="store_true", help="measure ours only")
     p.add_argument("--tail-replay", choices=("auto", "on", "off"), default="auto",
-                   help="EngineConfig.tail_replay (auto: the engine's default, on for the CPU)")
+                   help="EngineConfig.tail_replay (auto: the engine's default, on)")
     p.add_argument("--out", type=Path, default=OUT_DIR, help="output directory (capsules.json, capsules.png)")
     args = p.parse_args(argv)
     if args.lengths is None:

@@ -17,12 +17,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from capsulert.config.engine import EngineConfig
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO_ROOT / "bench" / "out"
 
 
 # the benches' --tail-replay choices as EngineConfig.tail_replay values (auto: the engine's default)
-TAIL_REPLAY = {"auto": None, "on": True, "off": False}
+TAIL_REPLAY = {"auto": EngineConfig.model_fields["tail_replay"].default, "on": True, "off": False}
 
 
 def log(msg: str) -> None:

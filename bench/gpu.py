@@ -142,7 +142,7 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(epilog="--speculate [options]: the speculative-decode benchmark (bench/speculate.py)")
     ap.add_argument("--tail-replay", choices=("auto", "on", "off"), default="auto",
-                    help="EngineConfig.tail_replay (auto: the engine's default, off on CUDA)")
+                    help="EngineConfig.tail_replay (auto: the engine's default, on)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--model", default=None, help="random:<shape YAML> (default on CUDA: the 9B shape), a checkpoint "
                     "directory, or \"default\" (the embedded model, the default on the CPU)")

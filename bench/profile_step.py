@@ -100,7 +100,7 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--tail-replay", choices=("auto", "on", "off"), default="auto",
-                    help="EngineConfig.tail_replay (auto: the engine's default, off on CUDA)")
+                    help="EngineConfig.tail_replay (auto: the engine's default, on)")
     ap.add_argument("--model", default=f"random:{SHAPE}", help="random:<shape YAML> (default: the 9B shape) or a "
                     "checkpoint directory")
     ap.add_argument("--append", type=int, default=32, help="tokens of the profiled restore + append")

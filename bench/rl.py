@@ -219,8 +219,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-batch-prefill", action="store_true",
                     help="the orchestrator's workers run one forward per session's prefill piece (the baseline)")
     ap.add_argument("--tail-replay", choices=("auto", "on", "off"), default="auto",
-                    help="EngineConfig.tail_replay (auto: the engine's default, off on CUDA): on, the envs' appends "
-                    "replay their kept tails instead of re-running them")
+                    help="EngineConfig.tail_replay (auto: the engine's default, on): on, the envs' appends replay their "
+                    "kept tails instead of re-running them")
     ap.add_argument("--with-baseline", action="store_true",
                     help="also run the orchestrated steps with one forward per session's prefill piece, in this "
                     "run (one more orchestrator start), and report the batched rate over it")

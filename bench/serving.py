@@ -178,6 +178,9 @@ async def main(args) -> int:
     return 0
 
 
+ENGINE_DEFAULT = object()  # an option left to the engine's config (argparse converts string defaults)
+
+
 def _rows_or_none(v: str) -> int | None:
     return None if v.lower() == "none" else int(v)
 
@@ -191,7 +194,7 @@ async def run(args) -> list[dict]:
                       tail_replay=TAIL_REPLAY[args.tail_replay],
                       scheduler={"batch_prefill": not args.no_batch_prefill,
                                  "step_prefill_tokens_decoding": args.step_prefill_decoding,
-                                 **({} if args.step_rederive_rows == "default"
+                                 **({} if args.step_rederive_rows is ENGINE_DEFAULT
                                     else {"step_rederive_rows": args.step_rederive_rows})})
     if args.mixed_pieces is not None:
         engine_cfg["mixed_rederive_pieces"] = tuple(args.mixed_pieces)
@@ -296,9 +299,9 @@ def parse_args(argv=None):
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prefill-chunk", type=int, default=1024)
     ap.add_argument("--tail-replay", choices=("auto", "on", "off"), default="auto",
-                    help="EngineConfig.tail_replay (auto: the engine's default, off on CUDA): on, a capsule keeps its "
-                    "tail rows and a crowd's turns replay them instead of re-running them")
-    ap.add_argument("--step-rederive-rows", type=_rows_or_none, default="default", metavar="ROWS|none",
+                    help="EngineConfig.tail_replay (auto: the engine's default, on): on, a capsule keeps its tail "
+                    "rows and a crowd's turns replay them instead of re-running them")
+    ap.add_argument("--step-rederive-rows", type=_rows_or_none, default=ENGINE_DEFAULT, metavar="ROWS|none",
                     help="the grid re-derivation rows a decode step runs (SchedulerConfig.step_rederive_rows: 64 a "
                          "session); the crowd past it waits a step. Bounds ITL p99 for a crowd in lockstep; none: "
                          "unbounded; default: the engine's (256)")

@@ -142,8 +142,8 @@ class ModelRunner:
                                 and self._mixed_rows_exact(max(config.mixed_rederive_pieces)))
         self.fingerprint = fingerprint
         self.weights_version = 0  # bumped by replace_weights; the fingerprint carries it
-        # keep and replay the rows of prefilled tails (engine/tail_replay.py): on the CPU unless asked otherwise
-        self.tail_replay = config.tail_replay if config.tail_replay is not None else not cuda
+        # keep and replay the rows of prefilled tails (engine/tail_replay.py)
+        self.tail_replay = config.tail_replay
         self.chunk = config.prefill_chunk  # the longest prefill piece
         self.grid = GRID  # where canonical state is kept (capsules, prefix blocks, re-runs)
         # one extra scratch slot absorbs the padding rows of captured graphs; KV keeps a chunk of slack

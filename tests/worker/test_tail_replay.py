@@ -2,7 +2,7 @@
 prefilled tokens end past a grid point runs only its new tokens through the model; the tokens past the grid
 point are replayed in the linear-attention layers from the rows kept for them. Bitwise a cold prefill: the
 logits and the slot's whole state (KV rows included: the tail's KV rows are the ones the capsule or the
-session kept, never recomputed). The engines ask for tail_replay (the default only on the CPU), so that
+session kept, never recomputed). The engines ask for tail_replay (the default) explicitly, so that
 `--device cuda` runs test the CUDA graphs of the replaying pieces."""
 from __future__ import annotations
 
@@ -196,9 +196,11 @@ def test_every_graph_shape_runs_on_the_warm_up_inputs(make_engine):
         plans.run_shape(key)
 
 
-def test_tail_replay_is_on_by_default_on_the_cpu_and_an_engine_without_it_holds_no_tail_buffers(make_engine):
+def test_tail_replay_is_on_by_default_and_an_engine_without_it_holds_no_tail_buffers(make_engine):
+    from capsulert.config.engine import EngineConfig
     from capsulert.engine.graphs import GraphPlans
 
+    assert EngineConfig().tail_replay is True  # on every device: a crowd's batched turns replay their tails
     assert make_engine(device="cpu").runner.tail_replay
     eng = make_engine(device="cpu", tail_replay=False)
     assert "tail_in" not in eng.state.buffers and "tail_gates" not in eng.state.buffers
