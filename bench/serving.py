@@ -50,6 +50,11 @@ from capsulert.protocol.sampling import SamplingParams  # noqa: E402
 from capsulert.protocol.results import FinalEvent  # noqa: E402
 
 PARAMS = SamplingParams(ignore_eos=True)  # fixed lengths, so every N does the same work per session
+ENGINE_DEFAULT = object()  # an option left to the engine's config (argparse converts string defaults)
+
+
+def _rows_or_none(v: str) -> int | None:
+    return None if v.lower() == "none" else int(v)
 
 
 async def agent(orch, name: str, turn: list[int], gen: int) -> dict:
@@ -176,13 +181,6 @@ async def main(args) -> int:
         write_json(OUT_DIR / "serving_contexts.json", {"machine": machine_info(args.device), "args": vars(args),
                                                         "rows": ratios})
     return 0
-
-
-ENGINE_DEFAULT = object()  # an option left to the engine's config (argparse converts string defaults)
-
-
-def _rows_or_none(v: str) -> int | None:
-    return None if v.lower() == "none" else int(v)
 
 
 async def run(args) -> list[dict]:
