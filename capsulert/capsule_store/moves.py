@@ -27,7 +27,7 @@ from capsulert.capsule_store.format.disk import read_capsule_parts, stage_capsul
 from capsulert.capsule_store.format.staging import StagedWrite, fsync_dir
 from capsulert.capsule_store.plan import DROP_DISK_COPY, Entry, Key, Plan
 from capsulert.capsule_store.tiers import MEMORY_TIERS, RANK, TierBook, pkey
-from capsulert.capsule_store.transfer import SLAB_BLOCKS, copy_into, copy_tensors, empty, slab_source, slabs_for
+from capsulert.capsule_store.transfer import SLAB_BLOCKS, blocked, copy_into, copy_tensors, empty, slabs_for
 from capsulert.errors import BudgetExceededError
 from capsulert.policies.base import TIERS
 
@@ -95,12 +95,14 @@ class Mover:
         state: dict[str, torch.Tensor] | None = None  # the new grid-state block's tensors
         if refs is not None:
             missing = [i for i, k in enumerate(refs.keys) if pool.get(k) is None]
+            sources = ({n: blocked(whole[n], refs.token_dim, len(refs.keys), refs.rows) for n in refs.specs}
+                       if whole is not None and missing else {})
             for first, count in slab_ranges(missing):
                 slabs = slabs_for(refs.specs, count, device, pin=pin)
                 keys = refs.keys[first:first + count]
                 rows.update((k, SlabRow(slabs, i)) for i, k in enumerate(keys))
                 if whole is not None:
-                    pairs += [(slabs[n], slab_source(whole[n], refs.token_dim, first, count, refs.rows)) for n in slabs]
+                    pairs += [(slabs[n], sources[n].narrow(0, first, count)) for n in slabs]
                     continue
                 for i, k in enumerate(keys):
                     tensors, ev = blocks[k]

@@ -35,10 +35,11 @@ def slabs_for(specs: Mapping[str, TensorSpec], count: int, device: torch.device,
     return {n: empty((count, *s.shape), s.dtype, device, pin) for n, s in specs.items()}
 
 
-def slab_source(whole: torch.Tensor, dim: int, first: int, count: int, rows: int) -> torch.Tensor:
-    """Blocks first..first+count of `whole` (cut every `rows` along `dim`) as one view shaped like their
-    slab, [count, *block shape]: one copy pair for the slab instead of one per block."""
-    return whole.narrow(dim, first * rows, count * rows).unflatten(dim, (count, rows)).movedim(dim, 0)
+def blocked(whole: torch.Tensor, dim: int, count: int, rows: int) -> torch.Tensor:
+    """The first `count` blocks of `whole` (cut every `rows` along `dim`) as one view, [count, *block shape]:
+    a slab's source is its rows of it, one copy pair for the slab instead of one per block (and one view per
+    slab: a 16k snapshot's 16 slabs of 4 tensors made 192 views where this makes 64 and 12)."""
+    return whole.narrow(dim, 0, count * rows).unflatten(dim, (count, rows)).movedim(dim, 0)
 
 
 def copy_into(pairs: Sequence[Pair], *, stream: Any = None, wait: Any = None) -> Any:
