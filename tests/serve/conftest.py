@@ -10,6 +10,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -83,11 +84,28 @@ def running_server(default_model_dir, work: Path, *extra: str, keys: bool = True
         yield srv
     finally:
         proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stopping = threading.Thread(target=_reap, args=(proc,), name=f"stop-serve-{proc.pid}")
+        stopping.start()
+        STOPPING.append(stopping)
+
+
+# servers told to stop (SIGINT) whose exit is waited for in the background: a stop takes ~5 s (Serve's graceful
+# shutdown, then Ray's), nearly all of it waiting, which the test worker spends on its next test instead; every
+# one is waited for before the session ends (pytest_sessionfinish), so none outlives the run
+STOPPING: list[threading.Thread] = []
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def pytest_sessionfinish(session):
+    while STOPPING:
+        STOPPING.pop().join()
 
 
 class SharedServer:
