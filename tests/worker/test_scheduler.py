@@ -645,9 +645,10 @@ async def test_requests_submitted_together_start_in_one_step(make_engine, corpus
 
 @pytest.mark.parametrize("rederive_rows", [None, 64, 128])
 async def test_a_bound_on_rederive_rows_spreads_a_crowds_grid_points_over_steps(make_engine, corpus, rederive_rows):
-    """Five sessions that reach grid point 64 in the same step (one of them speculating): unbounded, that step
-    re-derives all five; with step_rederive_rows the streams past the bound sit the step out and re-derive in
-    later ones (64 rows: one a step; 128: two), and every stream's tokens and logprobs stay its solo run's."""
+    """Five sessions that reach grid point 64 in the same step (one of them speculating; their generates are
+    submitted together, so one step starts them all): unbounded, that step re-derives all five; with
+    step_rederive_rows the streams past the bound sit the step out and re-derive in later ones (64 rows: one a
+    step; 128: two), and every stream's tokens and logprobs stay its solo run's."""
     eng = make_engine(slots=6, max_seq=512, scheduler={"step_rederive_rows": rederive_rows})
     prompts = [corpus[100 * i:100 * i + 60] for i in range(5)]
     params = [NOEOS, SamplingParams(temperature=0.9, seed=3, ignore_eos=True), NOEOS,
@@ -666,8 +667,14 @@ async def test_a_bound_on_rederive_rows_spreads_a_crowds_grid_points_over_steps(
             per_step[aeng.scheduler.steps] = per_step.get(aeng.scheduler.steps, 0) + len(group)
             return rederive(group, *riding)
         eng.table.rederive_grid_points = counted
+        loop, futures = asyncio.get_running_loop(), []
         try:
-            got = await asyncio.gather(*(s.generate(12, sp) for s, sp in zip(sessions, params)))
+            with aeng.scheduler.together():  # else a loaded box can start some before the rest arrive
+                for s, sp in zip(sessions, params):
+                    fut, sink = _future_sink(loop)
+                    aeng.scheduler.submit(Generate(s.id, 12, sp), sink)
+                    futures.append(fut)
+            got = await asyncio.gather(*futures)
         finally:
             del eng.table.rederive_grid_points
     for g, w in zip(got, want):
