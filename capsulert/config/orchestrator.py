@@ -14,6 +14,14 @@ from capsulert.config.engine import EngineConfig
 FAST_FAILURE_RAY_CONFIG = {"timeout_ms_task_wait_for_death_info": 100}
 
 
+def local_gpus() -> int:
+    """The GPUs of this machine that a local Ray and its workers' torch can use (CUDA_VISIBLE_DEVICES applies);
+    torch is imported only when asked, so the serve CLI's CPU path stays torch-free."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 class OrchestratorConfig(BaseModel):
     """How to start an Orchestrator. `engine` configures every worker's Engine; with `engine.disk_dir`
     set, worker i keeps its disk tier in `<disk_dir>/worker-i` and its pinned capsules persisted in

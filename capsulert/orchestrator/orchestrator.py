@@ -30,7 +30,7 @@ from capsulert.orchestrator.admission import SessionGate
 from capsulert.orchestrator.capsule_map import CapsuleMap
 from capsulert.orchestrator.namespace import Namespace
 from capsulert.orchestrator.router import CapsuleRouter
-from capsulert.config.orchestrator import FAST_FAILURE_RAY_CONFIG, OrchestratorConfig
+from capsulert.config.orchestrator import FAST_FAILURE_RAY_CONFIG, OrchestratorConfig, local_gpus
 from capsulert.sessions.session import AsyncSession
 from capsulert.worker.actor import WorkerActor
 from capsulert.orchestrator.worker_pool import WorkerPool, WorkerRecord
@@ -294,19 +294,12 @@ def _workers_take_gpus(cfg: OrchestratorConfig) -> bool:
     return True
 
 
-def _local_gpus() -> int:
-    """The GPUs of this machine that its workers' torch can use (CUDA_VISIBLE_DEVICES applies, as to Ray)."""
-    import torch
-
-    return torch.cuda.device_count()
-
-
 def _check_local_gpus(cfg: OrchestratorConfig) -> None:
     """device="cuda" with a local Ray to start: InsufficientResourcesError before Ray starts when this machine
     has fewer GPUs than workers (_workers_take_gpus would refuse the same, after seconds of Ray's start)."""
     if cfg.engine.device != "cuda":
         return
-    gpus = _local_gpus()
+    gpus = local_gpus()
     if gpus < cfg.num_workers:
         raise InsufficientResourcesError(
             f"each of the {cfg.num_workers} worker(s) takes a GPU of its own (device={cfg.engine.device!r}): "

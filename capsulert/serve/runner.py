@@ -19,6 +19,7 @@ from capsulert.progress import progress_bar
 from capsulert.errors import ConfigError
 from capsulert.logs import LEVEL_ENV, setup_logging
 from capsulert.model_notice import random_weights_notice
+from capsulert.config.orchestrator import FAST_FAILURE_RAY_CONFIG, local_gpus
 from capsulert.config.server import ServerOptions
 from capsulert.serve.model_files import model_dir, vocab_size
 from capsulert.serve.tenants import Tenants
@@ -57,12 +58,6 @@ def _check_port(host: str, port: int) -> None:
         raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def _local_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
 def _check_gpus(opts: ServerOptions, gpus: float, where: str) -> None:
     """--device cuda takes a GPU per worker: refuse a machine or cluster without enough, in one line."""
     if opts.engine.device == "cuda" and gpus < opts.num_workers:
@@ -95,8 +90,6 @@ def _local_ray_init(opts: ServerOptions) -> dict:
     """ray.init arguments for a Ray this server starts: a lost worker seen at once (FAST_FAILURE_RAY_CONFIG:
     503 at once), and Ray's own metrics exported on the port asked for, else not collected at all, so that
     Ray's agent opens no exporter (on this machine's network address) that nobody asked for."""
-    from capsulert.config.orchestrator import FAST_FAILURE_RAY_CONFIG
-
     system = dict(FAST_FAILURE_RAY_CONFIG)
     if opts.ray_metrics_port is not None:
         return {"_system_config": system, "_metrics_export_port": opts.ray_metrics_port}
@@ -117,7 +110,7 @@ def start(opts: ServerOptions) -> None:
         tenants = Tenants.load(opts.keys_file)
         _check_port(opts.host, opts.port)
         if not opts.ray_address and opts.engine.device == "cuda":  # a local Ray has this machine's GPUs
-            _check_gpus(opts, _local_gpus(), "this machine")  # (torch is imported for CUDA only)
+            _check_gpus(opts, local_gpus(), "this machine")  # (torch is imported for CUDA only)
         notice = random_weights_notice(opts.engine.model)
         if notice:  # said once the refusals are past, before Ray's own start-up lines (again in the serving line)
             log.warning("note: %s", notice)

@@ -166,7 +166,7 @@ async def test_a_local_ray_is_not_started_for_cuda_workers_on_a_machine_without_
 
     monkeypatch.setattr(mod.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(mod.ray, "init", no_start)
-    monkeypatch.setattr(mod, "_local_gpus", lambda: 1)
+    monkeypatch.setattr(mod, "local_gpus", lambda: 1)
     with pytest.raises(InsufficientResourcesError, match=r"2 GPU\(s\) asked for, and this machine .* has 1"):
         await Orchestrator.start(dict(engine={**engine_cfg, "device": "cuda"}, num_workers=2))
     with pytest.raises(AssertionError, match="Ray was started"):  # enough GPUs here: Ray is started as before

@@ -685,6 +685,21 @@ async def test_a_bound_on_rederive_rows_spreads_a_crowds_grid_points_over_steps(
     assert len(per_step) == -(-5 // most)
 
 
+def test_a_crowds_rederivations_are_bounded_to_four_sessions_a_step_by_default(make_engine):
+    """The default bound is 256 rows (four sessions a step): unbounded, a crowd in lockstep has an inter-token p99
+    of 7.5x its median on an H100 (bench/RESULTS.md); None still asks for unbounded."""
+    from capsulert.config.scheduler import SchedulerConfig
+    from capsulert.scheduler.step_scheduler import StepScheduler
+
+    assert SchedulerConfig().step_rederive_rows == 256
+    for rows, sessions in ((None, 4), ({"step_rederive_rows": None}, None)):
+        sch = StepScheduler(make_engine(slots=1, **({"scheduler": rows} if rows else {})))
+        try:
+            assert sch.rederive_sessions == sessions
+        finally:
+            sch.stop()
+
+
 def test_a_rederive_bound_below_one_grid_chunk_is_refused():
     from pydantic import ValidationError
 
