@@ -196,6 +196,8 @@ async def run(args) -> list[dict]:
                                     else {"step_rederive_rows": args.step_rederive_rows})})
     if args.mixed_pieces is not None:
         engine_cfg["mixed_rederive_pieces"] = tuple(args.mixed_pieces)
+    if args.batched_piece_rows is not None:
+        engine_cfg["batched_piece_rows"] = args.batched_piece_rows
     ocfg = dict(engine=engine_cfg, num_workers=args.workers, call_timeout_s=3600, torch_threads=args.threads)
     if args.replicate_hot is not None:
         ocfg["replicate_hot"] = args.replicate_hot
@@ -307,6 +309,10 @@ def parse_args(argv=None):
                     help="EngineConfig.mixed_rederive_pieces: the re-derivation counts a decode step's mixed forward "
                          "is captured for (none given: every re-derivation is a forward of its own); default: the "
                          "engine's")
+    ap.add_argument("--batched-piece-rows", type=int, default=None, metavar="ROWS",
+                    help="EngineConfig.batched_piece_rows: the largest batched-append shape (sessions x tokens) "
+                         "captured as a CUDA graph; 0: every batched append an eager forward (the path before "
+                         "those graphs); default: the engine's (2048)")
     ap.add_argument("--step-prefill-decoding", type=int, default=None, metavar="TOKENS",
                     help="the workers' step prefill budget while sessions decode (SchedulerConfig."
                          "step_prefill_tokens_decoding): bounds ITL; default: the whole step budget")

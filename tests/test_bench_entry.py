@@ -24,6 +24,9 @@ def test_serving_bench_leaves_the_rederive_bound_to_the_engine_unless_told():
     assert serving.parse_args([]).step_rederive_rows is serving.ENGINE_DEFAULT
     assert serving.parse_args(["--step-rederive-rows", "none"]).step_rederive_rows is None
     assert serving.parse_args(["--step-rederive-rows", "512"]).step_rederive_rows == 512
+    # the same for the batched-append graphs' cap: 0 runs the eager path the graphs are measured against
+    assert serving.parse_args([]).batched_piece_rows is None
+    assert serving.parse_args(["--batched-piece-rows", "0"]).batched_piece_rows == 0
     out = subprocess.run([sys.executable, "bench/serving.py", "--step-rederive-rows", "lots"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--step-rederive-rows" in out.stderr

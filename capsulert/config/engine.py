@@ -84,6 +84,12 @@ class EngineConfig(BaseModel):
                                "wait_s")
     cuda_graphs: bool = Field(True, description="capture CUDA graphs at start (CUDA only)")
     decode_batches: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32, 64), description="batch sizes of the decode graphs (capped at slots; the largest is always captured)")
+    batched_piece_rows: int = Field(
+        2048, ge=0, description="a batched append (several sessions' prefill pieces in one forward: a crowd's turns) "
+        "replays a CUDA graph where one is captured for its shape: a decode batch size (> 1) of sessions times a "
+        "prefill token bucket, captured for every such shape of at most this many rows (sessions x tokens), with "
+        "and without replayed tails; larger ones run eagerly. The same bits either way; an eager crowd forward of "
+        "the 9B is host-bound (~1,300 launches). 0: none captured (a faster start)")
     mixed_rederive_pieces: tuple[int, ...] = Field(
         (1, 2, 4), description="a decode step whose sessions include some that reach a grid point runs their "
         "re-derivations (64 rows each) in the same forward as the other sessions' decode rows, one pass of the "

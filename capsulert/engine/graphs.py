@@ -8,7 +8,10 @@ progress bar over the shapes warmed up and captured on a terminal (capsulert/pro
 decode reaches a grid point in one step re-derive it together: a prefill of `grid` tokens for each of b
 slots replays the (prefill, b, grid) graph of the decode batch bucket; when the step's other sessions decode,
 their rows and those re-derivations are one forward (HybridModel.step_with_pieces): the (mixed, B, k) graph of
-the decode bucket B and the smallest captured count k of re-derivations that holds them.
+the decode bucket B and the smallest captured count k of re-derivations that holds them. A batched append of
+n sessions' prefill pieces (ModelRunner.prefill_from_grid: a crowd's turns) replays the (pieces, B, T) graph of
+the smallest decode bucket B >= n and token bucket T >= its longest piece, each row with its own valid length,
+grid point, replayed tail rows and kept tail; padding rows run in the scratch slot.
 
 A speculative verify step of b slots fed up to w tokens each (HybridModel.verify) replays the (verify, B, w)
 graph of the smallest decode bucket B >= b among those up to VERIFY_BATCH, for w in 2..MAX_SPECULATE + 1: its
@@ -43,7 +46,8 @@ VERIFY_BATCH = 8
 class ShapeKey:
     # "prefill", "prefill_grid" (keeps the state at a grid point inside the piece), either with "_replay" (the
     # linear-attention layers replay the slot's tail first, engine/tail_replay.py), "decode", "verify" (tokens:
-    # the width) or "mixed" (a decode step with `tokens` grid re-derivations in its forward)
+    # the width), "mixed" (a decode step with `tokens` grid re-derivations in its forward) or "pieces" (`batch`
+    # sessions' prefill pieces of up to `tokens` each; "pieces_replay": some replay a tail)
     phase: str
     batch: int
     tokens: int
@@ -74,7 +78,8 @@ def prefill_buckets(prefill_chunk: int, smallest: int = 16) -> list[int]:
 class GraphPlans:
     def __init__(self, model: HybridModel, state: StateSet, scratch_slot: int, max_seq: int,
                  prefill_chunk: int, decode_batches: tuple[int, ...], grid: int, tail_replay: bool = False,
-                 rollback: KeptStates | None = None, scratch_set: int = 0, mixed_pieces: tuple[int, ...] = ()):
+                 rollback: KeptStates | None = None, scratch_set: int = 0, mixed_pieces: tuple[int, ...] = (),
+                 piece_rows: int = 0):
         self.model, self.state, self.scratch = model, state, scratch_slot
         self.grid = grid
         self.tail_replay = tail_replay  # prefill pieces keep their tails, and the replaying pieces have graphs
@@ -91,9 +96,13 @@ class GraphPlans:
         kmax = max(self.mixed_pieces, default=0)
         self.piece_tokens = torch.zeros(kmax, grid, dtype=torch.long, device=dev)
         self.piece_slots = torch.full((kmax,), scratch_slot, dtype=torch.long, device=dev)
-        self.grid_at = torch.full((1,), grid, dtype=torch.long, device=dev)
-        self.replay = torch.zeros(1, dtype=torch.long, device=dev)
-        self.tail_from = torch.zeros(1, dtype=torch.long, device=dev)
+        # a piece's grid point, replayed tail rows and first kept tail row: one per row of a batched append
+        self.grid_at = torch.full((bmax,), grid, dtype=torch.long, device=dev)
+        self.replay = torch.zeros(bmax, dtype=torch.long, device=dev)
+        self.tail_from = torch.zeros(bmax, dtype=torch.long, device=dev)
+        # batched appends: (sessions, tokens) shapes of at most piece_rows rows
+        self.piece_shapes = [(b, t) for b in self.decode_batches if b > 1 for t in self.prefill_sizes
+                             if b * t <= piece_rows]
         widths = range(2, MAX_SPECULATE + 2)
         verify_rows_max = max(b * w for b in self.decode_batches if b <= VERIFY_BATCH for w in widths)
         # the output holds a decode step's rows and a verify step's: with row-invariant GEMMs (decode_rows None)
@@ -124,6 +133,11 @@ class GraphPlans:
             logits = self.model.logits(self.state, torch.cat([self.slots[:B], pieces]))
             self.logits[:B + T].copy_(logits)
             return
+        if key.phase.startswith("pieces"):
+            self.model.forward(self.state, self.slots[:B], self.tokens[:B, :T], self.max_seq, self.valid[:B],
+                               grid_at=self.grid_at[:B], replay=self.replay[:B] if key.replays else None,
+                               tail_from=self.tail_from[:B] if self.tail_replay else None)
+            return
         if key.phase == "verify":
             logits = self.model.verify(self.state, self.verify_rows[key.batch, key.tokens], self.max_seq, self.rollback)
             self.logits[:logits.shape[0]].copy_(logits)
@@ -133,8 +147,9 @@ class GraphPlans:
         keeps_tail = self.tail_replay and not decode and B == 1
         self.model.forward(self.state, self.slots[:B], self.tokens[:B, :T], self.max_seq,
                            None if decode else self.valid[:B], decode=decode,
-                           grid_at=self.grid_at if key.keeps_grid else None,
-                           replay=self.replay if key.replays else None, tail_from=self.tail_from if keeps_tail else None)
+                           grid_at=self.grid_at[:1] if key.keeps_grid else None,
+                           replay=self.replay[:1] if key.replays else None,
+                           tail_from=self.tail_from[:1] if keeps_tail else None)
         if decode:
             logits = self.model.logits(self.state, self.slots[:B])
             self.logits[:logits.shape[0]].copy_(logits)
@@ -149,6 +164,8 @@ class GraphPlans:
                  ] if prefill and self.tail_replay else []
         keys += [ShapeKey("prefill", b, self.grid) for b in self.decode_batches if b > 1] if prefill else []
         keys += [ShapeKey("mixed", b, k) for b in self.decode_batches for k in self.mixed_pieces]
+        keys += [ShapeKey(p, b, t) for p in ("pieces", "pieces_replay")[:1 + self.tail_replay]
+                 for b, t in self.piece_shapes] if prefill else []
         return keys + [ShapeKey("verify", b, w) for b, w in self.verify_shapes]
 
     def warm_inputs(self) -> None:
@@ -250,6 +267,35 @@ class GraphPlans:
         self.slots[:B].copy_(torch.tensor(slots + [self.scratch] * pad), non_blocking=True)
         self.valid[:B].fill_(T)
         self.graphs[ShapeKey("prefill", B, T)].replay()
+
+    def pieces_shape(self, n: int, tokens: int) -> tuple[int, int] | None:
+        """The (sessions, tokens) graph a batched append of n pieces of up to `tokens` each replays; None when
+        none holds it."""
+        return next(((b, t) for b, t in self.piece_shapes if b >= n and t >= tokens), None)
+
+    def pieces(self, slots: list[int], rows: list[list[int]], grid_at: list[int], replay: list[int] | None,
+               tail_from: list[int] | None) -> None:
+        """Several slots' prefill pieces (rows[i] for slots[i]) in one graph (pieces_shape), each with its grid
+        point (0: none inside), tail rows replayed (None: no row replays) and first kept tail row, as
+        HybridModel.forward takes them; padding rows run in the scratch slot."""
+        n = len(slots)
+        shape = self.pieces_shape(n, max(len(r) for r in rows))
+        if shape is None:
+            raise ValueError(f"no batched prefill graph holds {n} pieces of up to {max(len(r) for r in rows)} tokens")
+        if replay is not None and not self.tail_replay:
+            raise ValueError("these graph plans keep no tails: a replaying piece has no graph")
+        B, T = shape
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for r, tokens in enumerate(rows):
+            ids[r, :len(tokens)] = torch.tensor(tokens)
+        pad = [0] * (B - n)
+        # one host tensor for the per-row inputs: padding rows are one token in the scratch slot
+        per_row = torch.tensor([slots + [self.scratch] * (B - n), [len(r) for r in rows] + [1] * (B - n),
+                                grid_at + pad, (replay or [0] * n) + pad, (tail_from or [0] * n) + pad])
+        self.tokens[:B, :T].copy_(ids, non_blocking=True)
+        for dst, src in zip((self.slots, self.valid, self.grid_at, self.replay, self.tail_from), per_row):
+            dst[:B].copy_(src, non_blocking=True)
+        self.graphs[ShapeKey("pieces" if replay is None else "pieces_replay", B, T)].replay()
 
     def mixed_shape(self, n: int, m: int) -> tuple[int, int] | None:
         """The (decode batch, pieces) graph a mixed step of n decode rows and m re-derivations replays; None when

@@ -169,7 +169,8 @@ class ModelRunner:
             keep = self.rollback if self.rollback.capacity else None
             self.graphs = GraphPlans(self.model, self.state, self.scratch_slot, config.max_seq, self.chunk, buckets,
                                      self.grid, self.tail_replay, keep, self.rollback.scratch,
-                                     config.mixed_rederive_pieces if self.mixed_steps else ())
+                                     config.mixed_rederive_pieces if self.mixed_steps else (),
+                                     config.batched_piece_rows)
             self.graphs.capture(progress=config.progress)
 
     # ------------------------------------------------------------------ set-up
@@ -347,8 +348,20 @@ class ModelRunner:
         """One forward of prefill pieces (slot, tokens, start, replay: the linear layers' piece starts `replay`
         rows early, on the grid) of several slots, each padded to the longest; `ats`: each piece's inner grid
         point (None: none, as 0: the state where the layers' pieces start, which is the slot's grid checkpoint
-        already)."""
-        n = max(len(tokens) for _, tokens, _, _ in rows)
+        already). A captured graph of the batch's shape runs it where one holds it (GraphPlans.pieces), else an
+        eager forward of the same inputs."""
+        slots = [slot for slot, _, _, _ in rows]
+        pieces = [tokens for _, tokens, _, _ in rows]
+        grid_at = [at or 0 for at in ats]
+        replay = [r for _, _, _, r in rows] if any(r for _, _, _, r in rows) else None
+        # the rows past a piece's last grid point become its slot's tail (engine/tail_replay.py), counted in the
+        # linear layers' piece
+        tail_from = [(a + len(tokens)) // self.grid * self.grid - (a - r) for _, tokens, a, r in rows
+                     ] if self.tail_replay else None
+        n = max(len(tokens) for tokens in pieces)
+        if self.graphs is not None and self.graphs.pieces_shape(len(rows), n) is not None:
+            self.graphs.pieces(slots, pieces, grid_at, replay, tail_from)
+            return
         step = self.cpu_piece_rows
         if step is not None:
             T = -(-n // step) * step
@@ -359,19 +372,16 @@ class ModelRunner:
         else:
             T = n
         ids = torch.zeros(len(rows), T, dtype=torch.long)
-        for r, (_, tokens, _, _) in enumerate(rows):
+        for r, tokens in enumerate(pieces):
             ids[r, :len(tokens)] = torch.tensor(tokens)
         dev = self.device
-        valid = torch.tensor([len(tokens) for _, tokens, _, _ in rows], device=dev)
-        grid_at = None if all(at is None for at in ats) else torch.tensor([at or 0 for at in ats], device=dev)
-        replay = torch.tensor([r for _, _, _, r in rows], device=dev) if any(r for _, _, _, r in rows) else None
-        # the rows past a piece's last grid point become its slot's tail (engine/tail_replay.py), counted in the
-        # linear layers' piece
-        tail_from = torch.tensor([(a + len(tokens)) // self.grid * self.grid - (a - r) for _, tokens, a, r in rows],
-                                 device=dev) if self.tail_replay else None
-        self.model.forward(self.state, self.slot_ids([slot for slot, _, _, _ in rows]), ids.to(dev),
-                           self.kv_len(max(a for _, _, a, _ in rows) + T), valid=valid, grid_at=grid_at,
-                           replay=replay, tail_from=tail_from)
+        # the same inputs a graph takes (a grid point for every row, 0 where none is inside), so this path
+        # checks the graphs' numerics on any device
+        self.model.forward(self.state, self.slot_ids(slots), ids.to(dev), self.kv_len(max(a for _, _, a, _ in rows) + T),
+                           valid=torch.tensor([len(t) for t in pieces], device=dev),
+                           grid_at=torch.tensor(grid_at, device=dev),
+                           replay=None if replay is None else torch.tensor(replay, device=dev),
+                           tail_from=None if tail_from is None else torch.tensor(tail_from, device=dev))
 
     def prefill_grid_rows(self, slots: list[int], rows: list[list[int]], end: int) -> None:
         """One batched prefill of GRID tokens for each slot, every slot's live state at its previous grid

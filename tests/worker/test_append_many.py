@@ -207,9 +207,10 @@ def test_a_batched_append_replays_each_sessions_kept_tail_and_runs_only_its_new_
     """Sessions whose prefilled tokens end past a grid point, with their tail rows kept:
     one batched append runs only the new tokens through the model and replays each tail in the
     linear-attention layers, beside a session on the grid; each ends bitwise where its own append leaves it.
-    A row whose piece crosses a grid point and one that crosses none share the forward. (CUDA keeps no tails
-    unless asked: asked here.)"""
-    eng = make_engine(slots=6, tail_replay=True)
+    A row whose piece crosses a grid point and one that crosses none share the forward. The eager forward's
+    inputs (batched_piece_rows=0: on CUDA a captured graph of the batch's shape takes the same ones,
+    tests/worker/test_graphs.py)."""
+    eng = make_engine(slots=6, tail_replay=True, batched_piece_rows=0)
     contexts, turns = [corpus[:100], corpus[200:330], corpus[400:464]], [corpus[600:610], corpus[700:770], corpus[800:805]]
     batched = [eng.open(c) for c in contexts]
     calls = []

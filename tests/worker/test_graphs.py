@@ -28,12 +28,22 @@ def test_capture_draws_a_bar_over_the_shapes_when_asked(cuda_engine, make_engine
 @pytest.mark.parametrize("model_dir", MODELS, indirect=True)
 def test_graph_count_is_bounded(cuda_engine):
     g = cuda_engine.graphs
-    # decode buckets, prefill buckets, the batched re-derivation of grid points (b rows of 64 tokens) and the
-    # speculative verify steps (b slots fed 2 to MAX_SPECULATE + 1 tokens each)
-    assert set(g.graphs) == ({ShapeKey("decode", b, 1) for b in (1, 2, 4)} | {ShapeKey("prefill", 1, t) for t in (16, 32, 64, 128)}
+    sizes = (16, 32, 64, 128)
+    # decode buckets, prefill buckets (plain, keeping a grid point, replaying a kept tail), the batched
+    # re-derivation of grid points (b rows of 64 tokens), decode steps with k re-derivations in their forward
+    # (where this card's GEMMs allow: checked at start), batched appends (b sessions' pieces of up to t tokens,
+    # with and without replayed tails) and the speculative verify steps (b slots fed 2 to MAX_SPECULATE + 1
+    # tokens each)
+    assert g.mixed_pieces in ((), (1, 2, 4))
+    assert set(g.graphs) == ({ShapeKey("decode", b, 1) for b in (1, 2, 4)} | {ShapeKey("prefill", 1, t) for t in sizes}
                              | {ShapeKey("prefill_grid", 1, 128)}
+                             | {ShapeKey(p, 1, t) for p in ("prefill_replay", "prefill_grid_replay") for t in sizes}
                              | {ShapeKey("prefill", b, 64) for b in (2, 4)}
+                             | {ShapeKey("mixed", b, k) for b in (1, 2, 4) for k in g.mixed_pieces}
+                             | {ShapeKey(p, b, t) for p in ("pieces", "pieces_replay") for b in (2, 4) for t in sizes}
                              | {ShapeKey("verify", b, w) for b in (1, 2, 4) for w in range(2, MAX_SPECULATE + 2)})
+    # a cap on the batched appends' rows leaves the larger shapes to eager forwards
+    assert g.piece_shapes == [(b, t) for b in (2, 4) for t in sizes]
 
 
 @pytest.mark.parametrize("model_dir", MODELS, indirect=True)
@@ -104,3 +114,43 @@ def test_an_moe_engine_with_short_prefill_pieces_says_which_piece_keeps_prefill_
         make_engine(device="cuda", slots=1, max_seq=MOE_PREFILL_CHUNK, prefill_chunk=MOE_PREFILL_CHUNK,
                     cuda_graphs=False).close()
     assert "on an MoE model" not in caplog.text
+
+
+@pytest.mark.parametrize("model_dir", MODELS, indirect=True)
+def test_a_batched_append_replays_its_shapes_graph_with_the_eager_forwards_bits(make_engine):
+    """A crowd's turns (Engine.append_many) replay the batched-append graph of their shape, with and without
+    replayed tails, at mixed lengths, one crossing a grid point: the logits, every state buffer of each slot and
+    the tokens decoded after are bitwise an eager forward's (batched_piece_rows=0 captures none)."""
+    from tests.worker.test_append_many import slot_bytes
+
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device: run with -m gpu --device cuda on the GPU machine")
+    ids = torch.randint(1, 4096, (2000,), generator=torch.Generator().manual_seed(5)).tolist()
+    contexts = [ids[:100], ids[200:330], ids[400:464], []]
+    turns = [ids[600:610], ids[700:770], ids[800:805], ids[900:940]]
+    on_grid = [ids[1000:1064], ids[1100:1228], ids[1300:1364]]
+    results = []
+    for rows in (None, 0):
+        eng = make_engine(device="cuda", slots=8) if rows is None else make_engine(device="cuda", slots=8,
+                                                                                    batched_piece_rows=rows)
+        assert bool(eng.graphs.piece_shapes) == (rows is None)
+        forwards = []
+        forward = eng.runner.model.forward
+        eng.runner.model.forward = lambda *a, **kw: forwards.append(kw) or forward(*a, **kw)
+        crowd = [eng.open(c) for c in contexts]
+        grid_crowd = [eng.open(c) for c in on_grid]
+        forwards.clear()
+        logits = eng.append_many(crowd, turns)  # tails replayed: 36 and 2 rows
+        logits += eng.append_many(grid_crowd, [ids[1500:1516]] * 3)  # every piece on the grid: none replayed
+        # with graphs no eager forward ran; without, one per batch, replaying tails in the first only
+        assert [kw["replay"] is not None for kw in forwards] == ([] if rows is None else [True, False])
+        del eng.runner.model.forward
+        state = [slot_bytes(eng, s) for s in crowd + grid_crowd]
+        tokens = eng.generate(crowd + grid_crowd, 70, [SamplingParams(ignore_eos=True)] * 7)
+        results.append((logits, state, [list(t) for t in tokens]))
+        eng.close()
+    (got, got_state, got_tokens), (want, want_state, want_tokens) = results
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == 7
+    for a, b in zip(got_state, want_state):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert got_tokens == want_tokens
