@@ -48,7 +48,8 @@ def pytest_configure(config):
 # test files whose module-scoped fixtures (a `capsulert serve`, an orchestrator and its Ray workers, a generated
 # model) are worth starting once: under pytest-xdist (`make test`) each runs whole on one worker
 WHOLE_FILE_DIRS = ("tests/orchestrator/", "tests/serve/")
-WHOLE_FILES = ("tests/worker/test_default_model.py", "tests/capsule_store/test_fuzz.py", "tests/chat/test_chat_api.py")
+WHOLE_FILES = ("tests/worker/test_default_model.py", "tests/capsule_store/test_fuzz.py", "tests/chat/test_chat_api.py",
+               "tests/worker/test_speculate.py")
 
 
 # files that share a fixture run as one unit, so that it starts once: tests/serve/conftest.py's SharedServer

@@ -60,6 +60,23 @@ def run(engine, prompt, n, sampling):
     return res, state
 
 
+# the plain (non-speculating) runs the speculating ones are compared with, by engine settings, prompt, length and
+# sampling: many tests compare with the same one (every k and every acceptance level with the same 40-token run),
+# so each is made once, in the first such test's own fresh engine, and the later tests' fresh engines (same
+# settings) compare with what it recorded; CPU time. The module runs on one xdist worker (tests/conftest.py:
+# WHOLE_FILES), so each is made once per run.
+_PLAIN: dict = {}
+
+
+def plain_run(engine, prompt, n, sampling):
+    """run() of a plain sampling, made once per engine settings (see _PLAIN)."""
+    assert not sampling.speculate
+    key = (engine.config.model_dump_json(), tuple(prompt), n, repr(sampling))
+    if key not in _PLAIN:
+        _PLAIN[key] = run(engine, prompt, n, sampling)
+    return _PLAIN[key]
+
+
 def assert_same_output(got, want):
     assert list(got) == list(want)
     assert got.logprobs == want.logprobs
@@ -69,7 +86,7 @@ def assert_same_output(got, want):
 
 def plain_and_oracle(engine, prompt, n, mode, corrupt_every=0):
     """The plain run, and the oracle installed with its stream."""
-    want, state = run(engine, prompt, n, SamplingParams(**mode))
+    want, state = plain_run(engine, prompt, n, SamplingParams(**mode))
     engine.drafters.install(OracleDrafter([list(prompt) + list(want)], corrupt_every=corrupt_every))
     return want, state
 
@@ -180,7 +197,7 @@ def test_speculate_slots_zero_decodes_plainly(make_engine, prompt):
 # ------------------------------------------------------------------------------------------------ stops
 @pytest.mark.parametrize("mode", MODES)
 def test_stop_token_inside_a_draft_stops_where_plain_decode_does(engine, prompt, mode):
-    free, _ = run(engine, prompt, 40, SamplingParams(**mode))
+    free, _ = plain_run(engine, prompt, 40, SamplingParams(**mode))
     stop_id = free[17]  # stops plain decode at its first occurrence, wherever a draft holds it
     stopped = {**mode, "stop_token_ids": (stop_id,)}
     want, want_state = run(engine, prompt, 40, SamplingParams(**stopped))
@@ -193,7 +210,7 @@ def test_stop_token_inside_a_draft_stops_where_plain_decode_does(engine, prompt,
 
 
 def test_stop_string_and_max_tokens_inside_a_draft(engine, prompt):
-    free, _ = run(engine, prompt, 40, SamplingParams(**GREEDY))
+    free, _ = plain_run(engine, prompt, 40, SamplingParams(**GREEDY))
     engine.drafters.install(OracleDrafter([list(prompt) + list(free)]))
     stop = engine.detokenize(free[9:12])
     for mode, n in [({**GREEDY, "stop": (stop,)}, 40), (GREEDY, 10), (GREEDY, 11), (GREEDY, 1)]:
