@@ -41,7 +41,6 @@ from capsulert.engine.default_model import REPO_ROOT  # noqa: E402
 from capsulert.config.engine import EngineConfig  # noqa: E402
 from capsulert.engine.engine import GRID, MOE_PREFILL_CHUNK, Engine  # noqa: E402
 from capsulert.engine.graphs import GraphPlans  # noqa: E402
-from capsulert.engine.model import HybridModel  # noqa: E402
 from capsulert.engine.moe_weights import DOWN, GATE_UP  # noqa: E402
 from capsulert.serve.model_files import model_config  # noqa: E402
 from capsulert.protocol.sampling import SamplingParams  # noqa: E402
@@ -254,8 +253,8 @@ def main() -> int:
         if cuda:
             torch.cuda.empty_cache()
 
-    # the capsule rows now, on their own: what follows builds a second model (an 80 GB card may not hold it
-    # beside a 16k state set), and these must not be lost with it
+    # the capsule rows now, on their own: what follows captures a second set of decode graphs (an 80 GB card
+    # may not hold them beside a 16k state set), and these must not be lost with it
     print_table(rows, list(rows[0]))
     write_json(OUT_DIR / "gpu_capsules.json", {"machine": machine_info(args.device), "args": vars(args), "rows": rows})
 
@@ -269,7 +268,10 @@ def main() -> int:
     decode = {}
     fast = None
     if eng.graphs is not None:  # the batch-dependent comparison replays graphs: CUDA only
-        fast_model = HybridModel(eng.model_cfg, eng.model_weights, eng.model.kernels)
+        # the engine's model on the plain path: its weights and kernels shared (a second packed copy of the 9B
+        # does not fit beside a 16k state set with tail buffers on an 80 GB card), no row padding, no MTP rows
+        fast_model = copy.copy(eng.model)
+        fast_model.decode_rows, fast_model.rowwise, fast_model.mtp = None, False, None
         fast = GraphPlans(fast_model, eng.state, eng.runner.scratch_slot, eng.config.max_seq, c,
                           eng.graphs.decode_batches, eng.grid)
         fast.capture(prefill=False)

@@ -397,8 +397,8 @@ class HybridModel:
         if replay is not None or tail_from is not None:
             gates = torch.cat([b, a], dim=-1)
             if replay is not None:  # the tail's rows first: the piece this layer runs starts at the grid point
-                mixed = with_tail(state.tail_in[li][slots], mixed, replay)
-                gates = with_tail(state.tail_gates[li][slots], gates, replay)
+                mixed = with_tail(state.tail_in[li].index_select(0, slots), mixed, replay)
+                gates = with_tail(state.tail_gates[li].index_select(0, slots), gates, replay)
             if tail_from is not None:
                 keep_tail(state.tail_in[li], slots, mixed, tail_from)
                 keep_tail(state.tail_gates[li], slots, gates, tail_from)

@@ -10,7 +10,9 @@ very tensors a re-run gives them.
 
 `replay` (rows of the tail to prepend) and `tail_from` (where, in the layer's piece, the rows to keep as the
 new tail start) are ints on an eager pass and [B] device tensors in a captured graph, which gathers with
-indices clamped to the piece: rows past the real ones are padding the `valid` counts leave out.
+indices clamped to the piece: rows past the real ones are padding the `valid` counts leave out. Those gathers
+move whole rows (one index a row, `gather_rows`): an index per element moved four times the bytes of the bf16
+rows themselves, most of what a crowd's replayed tails added to its forward.
 """
 from __future__ import annotations
 
@@ -20,6 +22,13 @@ import torch.nn.functional as F
 from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK
 
 Index = int | torch.Tensor
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, L, ...], idx [B, J] -> [B, J, ...]: row idx[b, j] of x[b], whole rows at a time."""
+    B, L = x.shape[:2]
+    flat = (idx + torch.arange(B, device=x.device)[:, None] * L).reshape(-1)
+    return x.reshape(B * L, *x.shape[2:]).index_select(0, flat).view(B, idx.shape[1], *x.shape[2:])
 
 
 def with_tail(tail: torch.Tensor, new: torch.Tensor, replay: Index) -> torch.Tensor:
@@ -33,15 +42,14 @@ def with_tail(tail: torch.Tensor, new: torch.Tensor, replay: Index) -> torch.Ten
     held = tail.shape[1]
     j = torch.arange(held + T, device=new.device)[None, :]
     src = torch.where(j < replay[:, None], j, held + j - replay[:, None]).clamp(max=held + T - 1)
-    return torch.cat([tail, new], dim=1).gather(1, src[..., None].expand(B, held + T, C))
+    return gather_rows(torch.cat([tail, new], dim=1), src)
 
 
 def new_rows(o: torch.Tensor, replay: Index, T: int) -> torch.Tensor:
     """The rows of the T new tokens of a layer's output o [B, rows, ...] that with_tail made."""
     if isinstance(replay, int):
         return o[:, replay:replay + T]
-    idx = replay[:, None] + torch.arange(T, device=o.device)[None, :]
-    return o.gather(1, idx.view(*idx.shape, *([1] * (o.dim() - 2))).expand(-1, -1, *o.shape[2:]))
+    return gather_rows(o, replay[:, None] + torch.arange(T, device=o.device)[None, :])
 
 
 def keep_tail(buf: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, tail_from: Index) -> None:
@@ -51,4 +59,4 @@ def keep_tail(buf: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, tail_f
     L = rows.shape[1]
     start = torch.as_tensor(tail_from, device=rows.device).reshape(-1, 1)
     idx = (start + torch.arange(held, device=rows.device)[None, :]).clamp(max=L - 1)
-    buf.index_copy_(0, slots, rows.gather(1, idx.expand(rows.shape[0], held)[..., None].expand(-1, -1, rows.shape[2])))
+    buf.index_copy_(0, slots, gather_rows(rows, idx.expand(rows.shape[0], held)))

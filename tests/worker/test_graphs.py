@@ -137,7 +137,7 @@ def test_a_batched_append_replays_its_shapes_graph_with_the_eager_forwards_bits(
         forwards = []
         forward = eng.runner.model.forward
         eng.runner.model.forward = lambda *a, **kw: forwards.append(kw) or forward(*a, **kw)
-        crowd = [eng.open(c) for c in contexts]
+        crowd = [eng.open(c) if c else eng.open() for c in contexts]
         grid_crowd = [eng.open(c) for c in on_grid]
         forwards.clear()
         logits = eng.append_many(crowd, turns)  # tails replayed: 36 and 2 rows
