@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -172,9 +174,12 @@ def main() -> int:
     t0 = time.perf_counter()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    eng = Engine.from_config(model=args.model, device=DEVICE, dtype="bfloat16" if cuda else "float32",
-                             tail_replay=TAIL_REPLAY[args.tail_replay], slots=max(DECODE_BATCHES) + 2,
-                             max_seq=max_seq, prefill_chunk=c)
+
+    def engine(max_seq: int) -> Engine:
+        return Engine.from_config(model=args.model, device=DEVICE, dtype="bfloat16" if cuda else "float32",
+                                  tail_replay=TAIL_REPLAY[args.tail_replay], slots=max(DECODE_BATCHES) + 2,
+                                  max_seq=max_seq, prefill_chunk=c)
+    eng = engine(max_seq)
     start_s = time.perf_counter() - t0
     weights_gb = sum(t.numel() * t.element_size() for t in eng.model_weights.values()) / 1e9
     state_gb = eng.state.nbytes / 1e9
@@ -261,6 +266,21 @@ def main() -> int:
     # decode at a 4k context: batch-invariant engine (generate: sampling + grid re-derivation included) and
     # the graph replay alone, against the plain batch-dependent path (same weights, state and kernels)
     ctx = min(4096, max(args.lengths))
+    # what the rest runs: the context, the forks' first tokens and the timed calls' tokens; the best-of-8
+    decode_seq = (max(ctx + 1024, min(8192, max(args.lengths)) + 2 * GRID) + c - 1) // c * c
+    if decode_seq < max_seq:
+        # an engine sized for that: on an 80 GB card the 9B's state set for 16k tokens (tail buffers included)
+        # leaves no room for a 64-row decode step's sampling
+        log(f"decode at {ctx} tokens and the best-of-8: an engine of max_seq={decode_seq}")
+        eng.close()
+        gone = weakref.ref(eng)
+        eng = s = _ = None  # the last restore's and fork's sessions (timed's results) hold the engine too
+        gc.collect()
+        if gone() is not None:
+            raise RuntimeError("the long-context engine is still referenced: its state set would stay allocated")
+        if cuda:
+            torch.cuda.empty_cache()
+        eng = engine(decode_seq)
     s = eng.open()
     s.append(base[:ctx])
     s.snapshot("ctx")
