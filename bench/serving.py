@@ -73,7 +73,9 @@ async def agent(orch, name: str, turn: list[int], gen: int) -> dict:
             "wall_ms": (time.perf_counter() - t0) * 1e3}
 
 
-async def run_n(orch, names, turns, gen: int, concurrent: bool) -> dict:
+async def run_n(orch, names, turns, gen: int, concurrent: bool, lone: bool = False) -> dict:
+    """The agents of `names` with their turns, all at once (`concurrent`) or one after another. `lone`: one
+    after another as samples of one session's figures (its decode rate the median of theirs)."""
     t0 = time.perf_counter()
     if concurrent:
         outs = await asyncio.gather(*(agent(orch, nm, tn, gen) for nm, tn in zip(names, turns)))
@@ -81,7 +83,8 @@ async def run_n(orch, names, turns, gen: int, concurrent: bool) -> dict:
         outs = [await agent(orch, nm, tn, gen) for nm, tn in zip(names, turns)]
     wall = time.perf_counter() - t0
     itl = [x for o in outs for x in o["itl_ms"]]
-    return {"wall_s": wall, "tokens_per_s": len(names) * gen / wall, "decode_tokens_per_s": steady_rate(outs),
+    rate = percentile([steady_rate([o]) for o in outs], 50) if lone else steady_rate(outs)
+    return {"wall_s": wall, "tokens_per_s": len(names) * gen / wall, "decode_tokens_per_s": rate,
             "ttft_p50_ms": percentile([o["ttft_ms"] for o in outs], 50),
             "ttft_p99_ms": percentile([o["ttft_ms"] for o in outs], 99),
             "itl_p50_ms": percentile(itl, 50) if itl else float("nan"),
@@ -225,7 +228,17 @@ async def run(args) -> list[dict]:
             tiers = {t: sum(c["tier"] == t for c in held) for t in sorted({c["tier"] for c in held})}
             log(f"N={n}: concurrent; capsules by tier {tiers}, {sum(c['size_bytes'] for c in held) / 1e9:.2f} GB")
             before, t_run = await loop_busy(orch), time.monotonic()
-            conc = await run_n(orch, names, turns[:n], args.gen, True)
+            if n == 1 and args.n1_samples > 1:
+                # one session's figures from several lone runs, one after another: a single first token is no
+                # median, and one slow request (a host hiccup) once moved every ratio against N = 1
+                k = min(args.n1_samples, n_max)
+                lone = hot[:k] if args.skew else [f"agent{i}" for i in range(k)]
+                log(f"N=1: {k} lone runs, one after another")
+                conc = await run_n(orch, lone, turns[:k], args.gen, False, lone=True)
+                for i, b in enumerate(conc["tokens"]):  # each a solo run: the crowd's sessions are checked against it
+                    solo[i] = solo[i] or b
+            else:
+                conc = await run_n(orch, names, turns[:n], args.gen, True)
             loop = loop_figures(before, await loop_busy(orch), conc["wall_s"], args.workers)
             if n == n_max:
                 trace = await step_records(orch, t_run)
@@ -324,6 +337,9 @@ def parse_args(argv=None):
     ap.add_argument("--replicate-hot", type=int, default=None, metavar="GAP",
                     help="OrchestratorConfig.replicate_hot: copy a capsule to a worker with GAP fewer sessions")
     ap.add_argument("--max-sequential", type=int, default=16, help="largest N also run one after another")
+    ap.add_argument("--n1-samples", type=int, default=5, metavar="K",
+                    help="N = 1's TTFT, ITL and rates from K lone runs one after another (agents 0..K-1), the "
+                         "denominator of every ratio; 1: a single run")
     ap.add_argument("--check-all", action="store_true",
                     help="check every session against its solo run (default: those run one after another)")
     ap.add_argument("--no-hf", action="store_true")

@@ -16,11 +16,7 @@ def test_gpu_bench_speculate_runs_the_speculation_benchmark_with_its_options():
 def test_serving_bench_leaves_the_rederive_bound_to_the_engine_unless_told():
     """bench/serving.py without --step-rederive-rows runs the engine's default bound (it once passed None, which
     is unbounded); `none` asks for unbounded and a number for that bound; anything else is refused."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("serving_bench", REPO / "bench" / "serving.py")
-    serving = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serving)
+    serving = _serving_bench()
     assert serving.parse_args([]).step_rederive_rows is serving.ENGINE_DEFAULT
     assert serving.parse_args(["--step-rederive-rows", "none"]).step_rederive_rows is None
     assert serving.parse_args(["--step-rederive-rows", "512"]).step_rederive_rows == 512
@@ -30,3 +26,53 @@ def test_serving_bench_leaves_the_rederive_bound_to_the_engine_unless_told():
     out = subprocess.run([sys.executable, "bench/serving.py", "--step-rederive-rows", "lots"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--step-rederive-rows" in out.stderr
+
+
+def _serving_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serving_bench", REPO / "bench" / "serving.py")
+    serving = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serving)
+    return serving
+
+
+def test_serving_bench_takes_one_sessions_figures_from_several_lone_runs():
+    """N = 1, the denominator of every ratio, is K lone runs one after another (--n1-samples, default 5): its
+    TTFT is their median, and its decode rate the median of each run's own (one after another, the runs' token
+    windows never overlap, so the crowd's overlap rate would be NaN)."""
+    import asyncio
+    import math
+    from types import SimpleNamespace
+
+    serving = _serving_bench()
+    assert serving.parse_args([]).n1_samples == 5 and serving.parse_args(["--n1-samples", "1"]).n1_samples == 1
+    first_token_s = {"a": 0.03, "b": 0.01, "c": 0.02}
+
+    class Session:
+        def __init__(self, name):
+            self.name = name
+
+        async def append(self, turn):
+            await asyncio.sleep(first_token_s[self.name])
+
+        async def stream(self, gen, params):
+            for t in range(gen):
+                await asyncio.sleep(0.002)
+                yield SimpleNamespace(token=t)
+
+        async def close(self):
+            pass
+
+    class Orchestrator:
+        async def restore(self, name):
+            return Session(name)
+
+    def run(**kw):
+        return asyncio.run(serving.run_n(Orchestrator(), ["a", "b", "c"], [[1]] * 3, 4, False, **kw))
+
+    lone = run(lone=True)
+    assert lone["tokens"] == [[0, 1, 2, 3]] * 3
+    assert 20 <= lone["ttft_p50_ms"] < 30  # the median of ~12, ~22 and ~32 ms: b, c, a
+    assert lone["decode_tokens_per_s"] > 0 and not math.isnan(lone["decode_tokens_per_s"])
+    assert math.isnan(run()["decode_tokens_per_s"])
