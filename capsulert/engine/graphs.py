@@ -285,9 +285,7 @@ class GraphPlans:
         if replay is not None and not self.tail_replay:
             raise ValueError("these graph plans keep no tails: a replaying piece has no graph")
         B, T = shape
-        ids = torch.zeros(B, T, dtype=torch.long)
-        for r, tokens in enumerate(rows):
-            ids[r, :len(tokens)] = torch.tensor(tokens)
+        ids = torch.tensor([r + [0] * (T - len(r)) for r in rows] + [[0] * T] * (B - n))
         pad = [0] * (B - n)
         # one host tensor for the per-row inputs: padding rows are one token in the scratch slot
         per_row = torch.tensor([slots + [self.scratch] * (B - n), [len(r) for r in rows] + [1] * (B - n),

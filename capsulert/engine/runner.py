@@ -371,9 +371,7 @@ class ModelRunner:
             T = next((t for t in self.graphs.prefill_sizes if t >= n), n)
         else:
             T = n
-        ids = torch.zeros(len(rows), T, dtype=torch.long)
-        for r, tokens in enumerate(pieces):
-            ids[r, :len(tokens)] = torch.tensor(tokens)
+        ids = torch.tensor([tokens + [0] * (T - len(tokens)) for tokens in pieces])
         dev = self.device
         # the same inputs a graph takes (a grid point for every row, 0 where none is inside), so this path
         # checks the graphs' numerics on any device

@@ -12,7 +12,8 @@ very tensors a re-run gives them.
 new tail start) are ints on an eager pass and [B] device tensors in a captured graph, which gathers with
 indices clamped to the piece: rows past the real ones are padding the `valid` counts leave out. Those gathers
 move whole rows (one index a row, `gather_rows`): an index per element moved four times the bytes of the bf16
-rows themselves (a 9B crowd's forward of 32 turns at 3,500 tokens on an H100: 62 ms with those, 58 ms without).
+rows themselves (a 9B crowd's forward of 32 turns at 3,500 tokens: 62 ms with those on one H100, 58 ms without
+on another; bench/RESULTS.md).
 """
 from __future__ import annotations
 
