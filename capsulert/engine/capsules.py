@@ -145,7 +145,7 @@ class CapsuleVerbs:
         match = self._shared_state(session, namespace, G) if mode == "replay" else PrefixMatch()
         if mode == "full" or (match.grid or G) == P:  # nothing to re-run (on the grid, no shared state below)
             views = capsule_views(runner.state, session.slot, P, G)
-            views.update(tail_views(runner.state, session.slot, self.table.replayable_end(session) - G))
+            views.update(tail_views(runner.state, session.slot, self.table.replayable_end(session, seeded=False) - G))
             return self._put(session, name, namespace, tier, pin, canonical, views, None)
         if match.grid and match.grid < G:
             try:
@@ -260,6 +260,8 @@ class CapsuleVerbs:
         out: dict[str, tuple[torch.Tensor, str | None]] = {k: (v, None) for k, v in row_views(st, slot, P).items()}
         out.update({k: (v, k) for k, v in (grid_state_views(st, slot) if replay else state_views(st, slot, P != G)).items()})
         out.update({k: (v, k) for k, v in tail_views(st, slot, read.tail_rows).items()})
+        if read.tail_rows and st.keeps_tail_seed:  # a capsule's tail ends where it does: its seed is last_hidden
+            out["tail_hidden"] = (st.tail_hidden[slot], "last_hidden")
         if P == G:  # at the grid point the live state is the grid checkpoint
             twin = live_state_views(st, slot) if replay else grid_state_views(st, slot)
             out.update({f"{k}:twin": (v, k) for k, v in twin.items()})

@@ -210,13 +210,12 @@ class HybridModel:
             state.grid_hidden.index_copy_(0, slots, before)
         if self.mtp is not None and not decode:
             self.mtp.piece(state, slots, tokens, h, seed, start, kv_len)
-        if valid is None:
-            state.last_hidden.index_copy_(0, slots, h[:, -1])
-            state.pos.index_add_(0, slots, torch.full_like(slots, tokens.shape[1], dtype=torch.int32))
-        else:
-            last = h[torch.arange(h.shape[0], device=self.device), valid - 1]
-            state.last_hidden.index_copy_(0, slots, last)
-            state.pos.index_add_(0, slots, valid.to(torch.int32))
+        last = h[:, -1] if valid is None else h[torch.arange(h.shape[0], device=self.device), valid - 1]
+        state.last_hidden.index_copy_(0, slots, last)
+        if tail_from is not None and state.keeps_tail_seed:  # the seed where the kept tail ends
+            state.tail_hidden.index_copy_(0, slots, last)
+        state.pos.index_add_(0, slots, torch.full_like(slots, tokens.shape[1], dtype=torch.int32) if valid is None
+                             else valid.to(torch.int32))
 
     @torch.inference_mode()
     def step_with_pieces(self, state: StateSet, slots: torch.Tensor, tokens: torch.Tensor, piece_slots: torch.Tensor,

@@ -116,18 +116,34 @@ class SessionTable:
     def stopped(self, session: Session, reason: str) -> None:
         session.stop_reason = reason
 
-    def replayable_end(self, session: Session) -> int:
+    def replayable_end(self, session: Session, seeded: bool = True) -> int:
         """How far past its grid point G the session's tail buffers hold its prefilled tokens, the tail an
-        append replays (G: none)."""
+        append replays (G: none). An MTP head's rows of a re-run from the tail's end t start with the hidden
+        state before t: the slot keeps it (state.tail_hidden) after tokens were decoded past t, a capsule does
+        not (`seeded` False: the tail a capsule of the session keeps, none past decoded tokens)."""
         P, grid = len(session.tokens), self.runner.grid
         G = P // grid * grid
         t = session.tail_end
         prefilled = session.decoded_from if session.decoded_from is not None else G
         if self.runner.tail_replay and t is not None and t // grid * grid == G and G < t <= min(P, prefilled):
-            # an MTP head's rows of a re-run from t start with the hidden state before t, kept only at P
-            if not self.runner.has_mtp or t == P:
+            if not self.runner.has_mtp or t == P or (seeded and self.runner.state.keeps_tail_seed):
                 return t
         return G
+
+    def _from_tail(self, session: Session) -> tuple[int, int]:
+        """Where an append to the session starts its model rows (E) and its linear layers' rows (G, its grid
+        point), the slot's live state set back to G with its seed at E: the tail [G, E) is replayed, the
+        tokens since E (decoded ones, or none) re-run in full with the new ones."""
+        runner, P = self.runner, len(session.tokens)
+        G = P // runner.grid * runner.grid
+        E = G
+        if P != G:
+            E = self.replayable_end(session)
+            runner.state.load_grid(session.slot, seed=E == G)
+            if G < E < P:  # tokens were decoded past the tail: the head's rows re-run from its end
+                runner.state.load_tail_seed(session.slot)
+            runner.state.pos[session.slot] = E
+        return E, G
 
     # ------------------------------------------------------------------ compute on sessions
     def extend(self, session: Session, new: list[int]) -> bool:
@@ -135,14 +151,8 @@ class SessionTable:
         slot keeps rows for is replayed in the linear-attention layers, the rest since the grid point (decoded,
         or nothing kept) re-run in full. True when state.grid_hidden holds the hidden state before the new
         grid point."""
-        runner, P = self.runner, len(session.tokens)
-        G = P // runner.grid * runner.grid
-        E = G
-        if P != G:
-            E = self.replayable_end(session)
-            runner.state.load_grid(session.slot, seed=E == G)
-            runner.state.pos[session.slot] = E
-        grid_hidden = runner.prefill(session.slot, session.tokens[E:] + new, E, replay=E - G)
+        E, G = self._from_tail(session)
+        grid_hidden = self.runner.prefill(session.slot, session.tokens[E:] + new, E, replay=E - G)
         session.tokens.extend(new)
         session.decoded_from = len(session.tokens)
         session.tail_end = len(session.tokens)
@@ -152,17 +162,11 @@ class SessionTable:
         """`extend` for several sessions in one forward per round of pieces (ModelRunner.prefill_from_grid),
         bitwise what each session's own `extend` gives: each replays the tail its slot keeps rows for in the
         linear-attention layers and re-runs the rest since its grid point in full, as `extend` does."""
-        runner, runs = self.runner, []
+        runs = []
         for s, new in items:
-            P = len(s.tokens)
-            G = P // runner.grid * runner.grid
-            E = G
-            if P != G:
-                E = self.replayable_end(s)
-                runner.state.load_grid(s.slot, seed=E == G)
-                runner.state.pos[s.slot] = E
+            E, G = self._from_tail(s)
             runs.append((s.slot, s.tokens[E:] + new, E, E - G))
-        crossed = runner.prefill_from_grid(runs)
+        crossed = self.runner.prefill_from_grid(runs)
         for s, new in items:
             s.tokens.extend(new)
             s.decoded_from = s.tail_end = len(s.tokens)

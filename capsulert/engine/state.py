@@ -19,7 +19,8 @@ whole model. Decoded tokens have none (decode computes other bits), so they are 
 token p; row 0 has none and is never read), so the rows [0, G) of a prefix are a function of tokens[:G] and
 are cut into prefix blocks with the model's KV. The head's seed (the hidden state its next row starts from)
 is `last_hidden`; on such a model `grid_hidden` is kept at every grid point (the seed there: a re-run from
-the grid point starts with it), as part of the grid checkpoint.
+the grid point starts with it), as part of the grid checkpoint, and `tail_hidden` at the end of the kept tail (the
+seed there: an append after decoded tokens re-runs them from the tail's end, where `last_hidden` has moved on).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ LAYOUT_VERSION = 4
 TAIL_ROWS = GATED_DELTA_CHUNK
 # buffers that only prefill writes (the grid checkpoint and what a piece keeps with it): a decode step leaves
 # them as they are, so a speculative step has nothing of them to roll back
-PREFILL_ONLY = frozenset({"ssm_grid", "conv_grid", "grid_hidden", "tail_in", "tail_gates"})
+PREFILL_ONLY = frozenset({"ssm_grid", "conv_grid", "grid_hidden", "tail_in", "tail_gates", "tail_hidden"})
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class StateLayout:
             "grid_hidden": ((self.slots, self.hidden), self.dtype),
             **self.tail_shapes(self.slots, self.tail_rows),
             **self.mtp_shapes(),
+            **self.tail_seed_shapes(),
         }
 
     def rollback_names(self) -> list[str]:
@@ -131,6 +133,13 @@ class StateLayout:
             return {}
         kv = (self.mtp_layers, self.slots, self.max_seq + 1, self.kv_heads, self.head_dim)
         return {"mtp_k": (kv, self.dtype), "mtp_v": (kv, self.dtype)}
+
+    def tail_seed_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The hidden state before the end of each slot's kept tail (module doc): a model with an MTP head that
+        keeps tails has it; a capsule never holds it (its tail ends where it does, at last_hidden)."""
+        if not (self.mtp_layers and self.tail_rows):
+            return {}
+        return {"tail_hidden": ((self.slots, self.hidden), self.dtype)}
 
     def tail_shapes(self, slots: int, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The exact-replay buffers (module doc) for `slots` slots of `rows` rows: conv inputs, and b | a;
@@ -184,3 +193,14 @@ class StateSet:
         self.conv[:, slot].copy_(self.conv_grid[:, slot])
         if self.layout.mtp_layers and seed:
             self.last_hidden[slot].copy_(self.grid_hidden[slot])
+
+    def load_tail_seed(self, slot: int) -> None:
+        """The slot's MTP seed (last_hidden) back to the end of its kept tail, for a re-run from there of the
+        tokens decoded since; nothing without a head (no seed) or without tails."""
+        if "tail_hidden" in self.buffers:
+            self.last_hidden[slot].copy_(self.tail_hidden[slot])
+
+    @property
+    def keeps_tail_seed(self) -> bool:
+        """Whether a re-run from the end of a slot's kept tail can seed an MTP head there (load_tail_seed)."""
+        return "tail_hidden" in self.buffers

@@ -35,7 +35,7 @@ def slot_bytes(eng, s) -> dict[str, torch.Tensor]:
     """What a snapshot of s stores (copies of the slot's bytes)."""
     P = len(s.tokens)
     G = P // CHUNK * CHUNK
-    views = {**capsule_views(eng.state, s.slot, P, G), **tail_views(eng.state, s.slot, eng.table.replayable_end(s) - G)}
+    views = {**capsule_views(eng.state, s.slot, P, G), **tail_views(eng.state, s.slot, eng.table.replayable_end(s, seeded=False) - G)}
     return {k: v.clone() for k, v in views.items()}
 
 

@@ -35,6 +35,8 @@ def slot_bytes(engine, s):
     t = engine.table.replayable_end(s) - n // GRID * GRID
     if t:
         out.update(tail_in=st.tail_in[:, slot, :t].clone(), tail_gates=st.tail_gates[:, slot, :t].clone())
+        if st.keeps_tail_seed:  # the MTP head's seed where the tail ends
+            out.update(tail_hidden=st.tail_hidden[slot].clone())
     return out
 
 

@@ -26,12 +26,16 @@ def toks(n: int, seed: int) -> list[int]:
 
 
 def state_of(eng, s) -> dict[str, torch.Tensor]:
-    """The slot's complete state (copies): KV rows [0, P), live and grid recurrent/conv state, last hidden."""
+    """The slot's complete state (copies): KV rows [0, P), live and grid recurrent/conv state, last hidden and,
+    with an MTP head, the head's KV rows [1, P) (row 0 holds no entry and is never read)."""
     P, st = len(s.tokens), eng.state
-    return {"kv_k": st.kv_k[:, s.slot, :P].clone(), "kv_v": st.kv_v[:, s.slot, :P].clone(),
-            "ssm": st.ssm[:, s.slot].clone(), "conv": st.conv[:, s.slot].clone(),
-            "ssm_grid": st.ssm_grid[:, s.slot].clone(), "conv_grid": st.conv_grid[:, s.slot].clone(),
-            "last_hidden": st.last_hidden[s.slot].clone(), "pos": st.pos[s.slot].clone()}
+    out = {"kv_k": st.kv_k[:, s.slot, :P].clone(), "kv_v": st.kv_v[:, s.slot, :P].clone(),
+           "ssm": st.ssm[:, s.slot].clone(), "conv": st.conv[:, s.slot].clone(),
+           "ssm_grid": st.ssm_grid[:, s.slot].clone(), "conv_grid": st.conv_grid[:, s.slot].clone(),
+           "last_hidden": st.last_hidden[s.slot].clone(), "pos": st.pos[s.slot].clone()}
+    if st.layout.mtp_layers:
+        out.update(mtp_k=st.mtp_k[:, s.slot, 1:P].clone(), mtp_v=st.mtp_v[:, s.slot, 1:P].clone())
+    return out
 
 
 def assert_same(a: dict, b: dict, what: str) -> None:

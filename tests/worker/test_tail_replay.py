@@ -51,12 +51,13 @@ def test_without_tail_replay_the_tail_is_rerun_with_the_same_bits(make_engine, m
     assert split_append(make_engine(prefill_chunk=128, tail_replay=False), toks(P + n, 2), P, monkeypatch) == P % GRID + n
 
 
-def test_decoded_tokens_past_the_tail_are_rerun_in_full(make_engine, monkeypatch):
+def test_decoded_tokens_past_the_tail_are_rerun_and_the_tail_replayed(make_engine, monkeypatch):
     """Prefilled to 150 (tail [128, 150) kept), 20 tokens decoded (no grid point crossed): the append replays
     the 22 prefilled rows and re-runs the 20 decoded ones with the new ones, as a cold prefill computes them.
-    With an MTP head (the default model has one) the re-run of the decoded rows would start the head's rows
-    with the hidden state at 150, which the slot no longer holds: the tail is re-run in full too."""
+    With an MTP head (the default model has one) the head's re-run rows start from the hidden state at 150,
+    which the slot keeps for its tail (state.tail_hidden): the head's KV rows are compared too."""
     eng = make_engine(prefill_chunk=128, tail_replay=True)
+    assert eng.runner.has_mtp == eng.state.keeps_tail_seed
     s = eng.open()
     s.append(toks(150, 3))
     s.generate(20, NOEOS)
@@ -64,9 +65,40 @@ def test_decoded_tokens_past_the_tail_are_rerun_in_full(make_engine, monkeypatch
     want, want_state = cold(eng, list(s.tokens) + new)
     pieces = count_pieces(eng, monkeypatch)
     got = s.append(new)
-    assert sum(pieces) == (22 if eng.runner.has_mtp else 0) + 20 + 30
+    assert sum(pieces) == 20 + 30
     assert torch.equal(got, want)
     assert_same(want_state, state_of(eng, s), "decoded tail")
+    s.generate(5, NOEOS)  # and the turn after: the new tail's seed
+    more = toks(10, 10)
+    want, want_state = cold(eng, list(s.tokens) + more)
+    assert torch.equal(s.append(more), want)
+    assert_same(want_state, state_of(eng, s), "decoded tail, second turn")
+
+
+def test_a_restored_capsule_that_decodes_replays_its_tail_on_the_next_append(make_engine, monkeypatch):
+    """A capsule's tail ends where the capsule does, so its seed there is the capsule's last hidden state: a
+    restore writes it as the slot's tail seed, and each fork (the fan-out copy included) that decodes and then
+    appends replays the capsule's tail bitwise as a cold prefill."""
+    eng = make_engine(prefill_chunk=128, tail_replay=True)
+    s = eng.open()
+    s.append(toks(150, 11))
+    s.snapshot("c")
+    s.close()
+    forks = eng.fork("c", 2)
+    for i, f in enumerate(forks):
+        eng.state.last_hidden[f.slot] = 1.0  # nothing a restore reads
+        if eng.state.keeps_tail_seed:
+            eng.state.tail_hidden[f.slot] = float(i + 2)
+    eng.restore_into_many(forks, ["c", "c"])
+    eng.generate(forks, 12, [NOEOS, NOEOS])
+    new = toks(20, 12)
+    for f in forks:
+        want, want_state = cold(eng, list(f.tokens) + new)
+        pieces = count_pieces(eng, monkeypatch)
+        assert torch.equal(f.append(new), want)
+        assert sum(pieces) == 12 + 20, "the decoded tokens re-run with the new ones, the capsule's tail replayed"
+        assert_same(want_state, state_of(eng, f), "restored, decoded, appended")
+        monkeypatch.undo()
 
 
 def test_turn_after_turn_each_append_replays_the_last_tail(make_engine, monkeypatch):
@@ -117,7 +149,8 @@ def test_a_capsule_after_generate_keeps_the_prefilled_part_of_its_tail(make_engi
     r = eng.restore("g")
     pieces = count_pieces(eng, monkeypatch)
     assert torch.equal(r.append(new), want)
-    # with an MTP head the prefilled rows re-run too (test_decoded_tokens_past_the_tail_are_rerun_in_full)
+    # with an MTP head the prefilled rows re-run too: a capsule keeps no seed for a tail that decoded tokens
+    # follow (test_a_restored_capsule_that_decodes_replays_its_tail_on_the_next_append: one that ends its tail)
     rerun_tail = 22 if eng.runner.has_mtp else 0
     assert sum(pieces) == rerun_tail + 20 + 10, "the decoded tokens re-run, the prefilled ones replayed"
     assert_same(want_state, state_of(eng, r), "after generate")
