@@ -1,7 +1,8 @@
 """RL rollouts: episode resets/s and steps/s with E envs through the orchestrator (EpisodeDriver, envs
 spread over the workers, steps batched by each worker's step scheduler) against the same work in-process
 (Engine: the envs restored in place in one batched restore, one batched append of the observations and a
-batched generate over the envs, and the same with a restore and an append per env, the way before batching), plus the time of a weight update and of a
+batched generate over the envs, and the same with a restore and an append per env, the way before batching; the
+in-process rows also give the ms per step spent in the appends and in the generate), plus the time of a weight update and of a
 start-capsule rebuild. Prints a table, writes bench/out/rl.json and bench/out/rl.png. `--no-batch-prefill`
 runs the workers' prefill one forward per session (the orchestrated baseline); `--with-baseline` runs that
 baseline too, in the same run, and reports the batched rate over it.
@@ -47,11 +48,12 @@ def in_process(engine: Engine, envs: int, resets: int, steps: int, obs: list[int
     cuda_sync(dev)
     reset_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _steps(engine, sessions, steps, obs, gen, one_by_one)
+    parts = _steps(engine, sessions, steps, obs, gen, one_by_one)
     step_s = time.perf_counter() - t0
     for s in sessions:
         s.close()
-    return {"resets_per_s": resets / reset_s, "steps_per_s": steps * envs / step_s}
+    return {"resets_per_s": resets / reset_s, "steps_per_s": steps * envs / step_s,
+            "append_ms_per_step": parts["append"] / steps * 1e3, "generate_ms_per_step": parts["generate"] / steps * 1e3}
 
 
 def _resets(engine: Engine, sessions: list, resets: int, one_by_one: bool) -> None:
@@ -65,14 +67,24 @@ def _resets(engine: Engine, sessions: list, resets: int, one_by_one: bool) -> No
             engine.restore_into_many(group, ["c0"] * len(group))
 
 
-def _steps(engine: Engine, sessions: list, steps: int, obs: list[int], gen: int, one_by_one: bool) -> None:
+def _steps(engine: Engine, sessions: list, steps: int, obs: list[int], gen: int, one_by_one: bool) -> dict:
+    """`steps` env steps; the seconds spent in the appends and in the generates (the device synchronized
+    after each: an append waits for its prefill anyway)."""
+    dev, spent = engine.device.type, {"append": 0.0, "generate": 0.0}
     for _ in range(steps):
+        t0 = time.perf_counter()
         if one_by_one:
             for s in sessions:
                 s.append(obs)
         else:
             engine.append_many(sessions, [obs] * len(sessions))
+        cuda_sync(dev)
+        t1 = time.perf_counter()
         engine.generate(sessions, gen, [PARAMS] * len(sessions))
+        cuda_sync(dev)
+        spent["append"] += t1 - t0
+        spent["generate"] += time.perf_counter() - t1
+    return spent
 
 
 async def orchestrated(orch, envs: int, resets: int, steps: int, obs: list[int], gen: int) -> dict:
@@ -173,6 +185,9 @@ async def main(args) -> int:
                                          for name, r in (("in-process", local), ("one by one", alone),
                                                          ("orchestrated", remote))))
             rows.append({"envs": envs, "resets_per_s_inprocess": local["resets_per_s"],
+                         "append_ms_per_step_inprocess": local["append_ms_per_step"],
+                         "append_ms_per_step_one_by_one": alone["append_ms_per_step"],
+                         "generate_ms_per_step_inprocess": local["generate_ms_per_step"],
                          "resets_per_s_inprocess_one_by_one": alone["resets_per_s"],
                          "resets_batched_over_one_by_one": local["resets_per_s"] / alone["resets_per_s"],
                          "steps_per_s_inprocess_one_by_one": alone["steps_per_s"],
