@@ -145,7 +145,10 @@ class CapsuleVerbs:
         match = self._shared_state(session, namespace, G) if mode == "replay" else PrefixMatch()
         if mode == "full" or (match.grid or G) == P:  # nothing to re-run (on the grid, no shared state below)
             views = capsule_views(runner.state, session.slot, P, G)
-            views.update(tail_views(runner.state, session.slot, self.table.replayable_end(session, seeded=False) - G))
+            end = self.table.replayable_end(session)
+            views.update(tail_views(runner.state, session.slot, end - G))
+            if G < end < P and runner.state.keeps_tail_seed:  # decoded tokens follow the tail: the MTP head's seed at its end
+                views["tail_hidden"] = runner.state.tail_hidden[session.slot]
             return self._put(session, name, namespace, tier, pin, canonical, views, None)
         if match.grid and match.grid < G:
             try:
@@ -235,6 +238,9 @@ class CapsuleVerbs:
         # the tail rows, also where this engine keeps none (it restores the rest and re-runs the tail)
         layout = self.runner.state.layout
         specs.update({k: ((shape[0],) + shape[2:], dtype) for k, (shape, dtype) in layout.tail_shapes(1, tail_rows).items()})
+        if tail_rows and grid_pos + tail_rows < length and layout.mtp_layers:
+            # decoded tokens follow the tail: the MTP head's seed at its end (a re-run from there starts with it)
+            specs["tail_hidden"] = ((layout.hidden,), layout.dtype)
         return specs
 
     def _read(self, stack: ExitStack, name: str, namespace: str) -> _Read:
@@ -260,8 +266,8 @@ class CapsuleVerbs:
         out: dict[str, tuple[torch.Tensor, str | None]] = {k: (v, None) for k, v in row_views(st, slot, P).items()}
         out.update({k: (v, k) for k, v in (grid_state_views(st, slot) if replay else state_views(st, slot, P != G)).items()})
         out.update({k: (v, k) for k, v in tail_views(st, slot, read.tail_rows).items()})
-        if read.tail_rows and st.keeps_tail_seed:  # a capsule's tail ends where it does: its seed is last_hidden
-            out["tail_hidden"] = (st.tail_hidden[slot], "last_hidden")
+        if read.tail_rows and st.keeps_tail_seed:  # the seed at the tail's end: last_hidden where the capsule ends
+            out["tail_hidden"] = (st.tail_hidden[slot], "tail_hidden" if "tail_hidden" in read.own else "last_hidden")
         if P == G:  # at the grid point the live state is the grid checkpoint
             twin = live_state_views(st, slot) if replay else grid_state_views(st, slot)
             out.update({f"{k}:twin": (v, k) for k, v in twin.items()})

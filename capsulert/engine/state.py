@@ -35,7 +35,9 @@ from capsulert.kernels.gated_delta import GATED_DELTA_CHUNK
 # its grid checkpoint and prefix blocks every prefill_chunk tokens. A v3 capsule off the grid may also hold
 # the exact-replay rows of its tail (tail_in, tail_gates); one without them re-runs its tail in full.
 # 4: as 3, plus on a model with an MTP head its KV rows (mtp_k, mtp_v, cut into blocks like the KV) and the
-# hidden state before the grid point (grid_hidden, in the grid-state block).
+# hidden state before the grid point (grid_hidden, in the grid-state block). A v4 capsule on such a model whose tail
+# decoded tokens follow also holds the head's seed at the tail's end (tail_hidden); before that tensor such a
+# capsule kept no tail rows, so every v4 capsule reads the same.
 LAYOUT_VERSION = 4
 # rows of the exact-replay buffer: a grid chunk (engine.GRID, the gated delta rule's chunk)
 TAIL_ROWS = GATED_DELTA_CHUNK
@@ -136,7 +138,8 @@ class StateLayout:
 
     def tail_seed_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The hidden state before the end of each slot's kept tail (module doc): a model with an MTP head that
-        keeps tails has it; a capsule never holds it (its tail ends where it does, at last_hidden)."""
+        keeps tails has it. A capsule holds it only where decoded tokens follow its tail (else its tail ends
+        where the capsule does, and the seed there is its last_hidden)."""
         if not (self.mtp_layers and self.tail_rows):
             return {}
         return {"tail_hidden": ((self.slots, self.hidden), self.dtype)}

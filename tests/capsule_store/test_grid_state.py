@@ -35,7 +35,10 @@ def slot_bytes(eng, s) -> dict[str, torch.Tensor]:
     """What a snapshot of s stores (copies of the slot's bytes)."""
     P = len(s.tokens)
     G = P // CHUNK * CHUNK
-    views = {**capsule_views(eng.state, s.slot, P, G), **tail_views(eng.state, s.slot, eng.table.replayable_end(s, seeded=False) - G)}
+    end = eng.table.replayable_end(s)
+    views = {**capsule_views(eng.state, s.slot, P, G), **tail_views(eng.state, s.slot, end - G)}
+    if G < end < P and eng.state.keeps_tail_seed:  # decoded tokens follow the tail: the MTP head's seed at its end
+        views["tail_hidden"] = eng.state.tail_hidden[s.slot]
     return {k: v.clone() for k, v in views.items()}
 
 
@@ -56,6 +59,8 @@ def assert_restores(eng, name: str, want: dict[str, torch.Tensor], namespace: st
         mine = slot_bytes(eng, r)
         if "tail_in" in want:  # written back whatever numerics made them (replayed only under their own)
             mine.update(tail_views(eng.state, r.slot, want["tail_in"].shape[1]))
+        if "tail_hidden" in want:  # and so is the MTP head's seed at the tail's end
+            mine["tail_hidden"] = eng.state.tail_hidden[r.slot]
         for k in want:
             assert torch.equal(mine[k], want[k]), k
         if "ssm_grid" not in want:  # on the grid the slot's grid checkpoint is the live state
@@ -106,13 +111,13 @@ def test_branches_share_one_grid_state_block_and_restore_bitwise(engine, ctx_len
     assert st["device"]["bytes"] == sum(i.nbytes for i in infos) + shared  # the unique bytes: each block once
     # every branch holds alone only what it computed past the grid point: its live state, last hidden
     # state, KV rows [256, P) and, past the context's prefilled tail, that tail's exact-replay rows (kept
-    # where the engine replays tails: on the CPU by default, not on CUDA; with an MTP head a branch that decoded
-    # past the tail keeps none, its re-run starting at the grid point), the MTP head's rows [256, P) too
+    # where the engine replays tails; with an MTP head a branch that decoded past the tail keeps the head's seed
+    # at the tail's end too), the MTP head's rows [256, P) too
     tails = {"tail_in", "tail_gates"} if ctx_len > 256 and eng.runner.tail_replay else set()
     own = {"kv_k", "kv_v", "ssm", "conv", "last_hidden"} | set(eng.state.layout.block_tensors)
     for n in want:
         if n != "ctx" or ctx_len != 256:
-            kept = tails if n == "ctx" or not eng.runner.has_mtp else set()
+            kept = tails | ({"tail_hidden"} if tails and n != "ctx" and eng.runner.has_mtp else set())
             assert set(eng.store._tiers.entries["default", n].tensors) == own | kept, n
     for name, w in want.items():
         assert_restores(eng, name, w)

@@ -137,24 +137,25 @@ def test_a_capsule_keeps_its_tail_rows_on_every_tier_and_its_forks_replay_them(m
     assert ref.nbytes > 0
 
 
-def test_a_capsule_after_generate_keeps_the_prefilled_part_of_its_tail(make_engine, monkeypatch):
-    eng = make_engine(prefill_chunk=128, tail_replay=True)
+@pytest.mark.parametrize("tier", ["device", "disk"])
+def test_a_capsule_after_generate_keeps_the_prefilled_part_of_its_tail(make_engine, tier, tmp_path, monkeypatch):
+    eng = make_engine(prefill_chunk=128, disk_dir=str(tmp_path), tail_replay=True)
     s = eng.open()
     s.append(toks(150, 7))
     s.generate(20, NOEOS)  # [128, 150) prefilled, [150, 170) decoded
-    s.snapshot("g")
+    s.snapshot("g", tier=tier)
     meta = eng.store.info("g").meta
     new = toks(10, 8)
     want, want_state = cold(eng, list(s.tokens) + new)
     r = eng.restore("g")
     pieces = count_pieces(eng, monkeypatch)
     assert torch.equal(r.append(new), want)
-    # with an MTP head the prefilled rows re-run too: a capsule keeps no seed for a tail that decoded tokens
-    # follow (test_a_restored_capsule_that_decodes_replays_its_tail_on_the_next_append: one that ends its tail)
-    rerun_tail = 22 if eng.runner.has_mtp else 0
-    assert sum(pieces) == rerun_tail + 20 + 10, "the decoded tokens re-run, the prefilled ones replayed"
+    assert sum(pieces) == 20 + 10, "the decoded tokens re-run, the prefilled ones replayed"
     assert_same(want_state, state_of(eng, r), "after generate")
     assert meta.boundary == 170 and meta.decoded_from == 150
+    # with an MTP head the capsule holds the head's seed at the tail's end, which the re-run of the decoded
+    # tokens starts from (the restored slot's last hidden state is the capsule's, at 170)
+    assert ("tail_hidden" in eng.store.get("g")[1]) == eng.runner.has_mtp
 
 
 def test_a_capsule_whose_tail_rows_do_not_fit_its_length_is_refused(make_engine):
@@ -257,3 +258,24 @@ def test_a_capsule_with_tail_rows_restores_on_an_engine_without_tail_replay(make
     assert torch.equal(r.append(t[150:]), want)
     assert sum(pieces) == 150 % GRID + 40
     assert_same(want_state, state_of(plain, r), "restored without tail replay")
+
+
+def test_a_capsule_whose_decoded_tail_lacks_the_heads_seed_is_refused(make_engine):
+    """On a model with an MTP head a capsule whose tail decoded tokens follow holds the head's seed at the tail's
+    end; one without it (or with a seed of another shape) is refused, typed, before any byte of a slot changes."""
+    from capsulert.capsule_store.capsule import TensorSpec
+    from capsulert.errors import IncompatibleCapsuleError
+
+    eng = make_engine(prefill_chunk=128, tail_replay=True)
+    assert eng.runner.has_mtp
+    s = eng.open()
+    s.append(toks(150, 13))
+    s.generate(5, NOEOS)
+    s.snapshot("g")
+    meta, tensors = eng.store.get("g")
+    specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    eng.capsules._check_compatible(meta, specs)  # as stored: accepted
+    with pytest.raises(IncompatibleCapsuleError, match="tail_hidden"):
+        eng.capsules._check_compatible(meta, {k: v for k, v in specs.items() if k != "tail_hidden"})
+    with pytest.raises(IncompatibleCapsuleError, match="tail_hidden"):
+        eng.capsules._check_compatible(meta, {**specs, "tail_hidden": TensorSpec((3,), specs["tail_hidden"].dtype)})
