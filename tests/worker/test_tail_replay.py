@@ -279,3 +279,32 @@ def test_a_capsule_whose_decoded_tail_lacks_the_heads_seed_is_refused(make_engin
         eng.capsules._check_compatible(meta, {k: v for k, v in specs.items() if k != "tail_hidden"})
     with pytest.raises(IncompatibleCapsuleError, match="tail_hidden"):
         eng.capsules._check_compatible(meta, {**specs, "tail_hidden": TensorSpec((3,), specs["tail_hidden"].dtype)})
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_speculative_tokens_past_the_tail_then_a_batched_append_replay_the_tail(make_engine, drafter, monkeypatch):
+    """Speculative steps (drafts verified and rolled back) write the MTP head's rows and seed past the tail and
+    never its tail seed: a batched append after them replays each session's tail, bitwise a cold prefill."""
+    from capsulert.protocol.sampling import SamplingParams
+
+    eng = make_engine(prefill_chunk=128, tail_replay=True, slots=6)
+    spec = SamplingParams(ignore_eos=True, speculate=3, speculate_drafter=drafter)
+    sessions = [eng.open(toks(150, 14)), eng.open(toks(100, 15))]
+    eng.generate(sessions, 20, [spec, spec])
+    new = [toks(30, 16), toks(9, 17)]
+    wants = [cold(eng, list(s.tokens) + n) for s, n in zip(sessions, new)]
+    pieces = []
+    forward = eng.model.forward
+
+    def counted(*a, **k):
+        pieces.append(k["valid"].tolist())
+        return forward(*a, **k)
+    if eng.graphs is None:  # the rows each session ran through the model (CUDA: one graph of the batch's shape)
+        monkeypatch.setattr(eng.model, "forward", counted)
+    got = eng.append_many(sessions, new)
+    monkeypatch.undo()
+    if eng.graphs is None:
+        assert pieces == [[20 + 30, 20 + 9]]
+    for s, g, (want, want_state) in zip(sessions, got, wants):
+        assert torch.equal(g, want)
+        assert_same(want_state, state_of(eng, s), f"{drafter} then a batched append")
