@@ -119,15 +119,14 @@ class SessionTable:
     def replayable_end(self, session: Session) -> int:
         """How far past its grid point G the session's tail buffers hold its prefilled tokens, the tail an
         append replays (G: none). An MTP head's rows of a re-run from the tail's end t start with the hidden
-        state before t: after tokens were decoded past t the slot keeps it (state.tail_hidden), and so does a
-        capsule of the session."""
+        state before t, which a slot that keeps tails also keeps (state.tail_hidden), and so does a capsule of
+        the session whose tail decoded tokens follow."""
         P, grid = len(session.tokens), self.runner.grid
         G = P // grid * grid
         t = session.tail_end
         prefilled = session.decoded_from if session.decoded_from is not None else G
         if self.runner.tail_replay and t is not None and t // grid * grid == G and G < t <= min(P, prefilled):
-            if not self.runner.has_mtp or t == P or self.runner.state.keeps_tail_seed:
-                return t
+            return t
         return G
 
     def _from_tail(self, session: Session) -> tuple[int, int]:

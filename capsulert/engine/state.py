@@ -200,7 +200,7 @@ class StateSet:
     def load_tail_seed(self, slot: int) -> None:
         """The slot's MTP seed (last_hidden) back to the end of its kept tail, for a re-run from there of the
         tokens decoded since; nothing without a head (no seed) or without tails."""
-        if "tail_hidden" in self.buffers:
+        if self.keeps_tail_seed:
             self.last_hidden[slot].copy_(self.tail_hidden[slot])
 
     @property
