@@ -186,14 +186,14 @@ async def main(args) -> int:
     return 0
 
 
-async def run(args) -> list[dict]:
-    torch.set_num_threads(args.threads)
+def engine_config(args) -> dict:
+    """The workers' EngineConfig fields from the command line (the engine's defaults where not given)."""
     chunk = args.prefill_chunk
     max_seq = -(-(args.context + args.turn + args.gen + 1) // chunk) * chunk
-    n_max = max(args.ns)
-    engine_cfg = dict(model=args.model, device=args.device, slots=n_max + 2, max_seq=max_seq, prefill_chunk=chunk,
-                      tail_replay=TAIL_REPLAY[args.tail_replay],
+    engine_cfg = dict(model=args.model, device=args.device, slots=max(args.ns) + 2, max_seq=max_seq,
+                      prefill_chunk=chunk, tail_replay=TAIL_REPLAY[args.tail_replay],
                       scheduler={"batch_prefill": not args.no_batch_prefill,
+                                 "step_prefill_tokens": args.step_prefill_tokens,
                                  "step_prefill_tokens_decoding": args.step_prefill_decoding,
                                  **({} if args.step_rederive_rows is ENGINE_DEFAULT
                                     else {"step_rederive_rows": args.step_rederive_rows})})
@@ -201,6 +201,13 @@ async def run(args) -> list[dict]:
         engine_cfg["mixed_rederive_pieces"] = tuple(args.mixed_pieces)
     if args.batched_piece_rows is not None:
         engine_cfg["batched_piece_rows"] = args.batched_piece_rows
+    return engine_cfg
+
+
+async def run(args) -> list[dict]:
+    torch.set_num_threads(args.threads)
+    n_max = max(args.ns)
+    engine_cfg = engine_config(args)
     ocfg = dict(engine=engine_cfg, num_workers=args.workers, call_timeout_s=3600, torch_threads=args.threads)
     if args.replicate_hot is not None:
         ocfg["replicate_hot"] = args.replicate_hot
@@ -326,6 +333,9 @@ def parse_args(argv=None):
                     help="EngineConfig.batched_piece_rows: the largest batched-append shape (sessions x tokens) "
                          "captured as a CUDA graph; 0: every batched append an eager forward (the path before "
                          "those graphs); default: the engine's (2048)")
+    ap.add_argument("--step-prefill-tokens", type=int, default=None, metavar="TOKENS",
+                    help="the workers' step prefill budget (SchedulerConfig.step_prefill_tokens): the prompt tokens "
+                         "one step prefills across its sessions; default: the scheduler's")
     ap.add_argument("--step-prefill-decoding", type=int, default=None, metavar="TOKENS",
                     help="the workers' step prefill budget while sessions decode (SchedulerConfig."
                          "step_prefill_tokens_decoding): bounds ITL; default: the whole step budget")

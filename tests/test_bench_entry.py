@@ -28,6 +28,19 @@ def test_serving_bench_leaves_the_rederive_bound_to_the_engine_unless_told():
     assert out.returncode == 2 and "--step-rederive-rows" in out.stderr
 
 
+def test_serving_bench_hands_its_step_budgets_to_the_workers_engine_config():
+    """--step-prefill-tokens and --step-prefill-decoding reach SchedulerConfig; without them the scheduler's own
+    defaults hold."""
+    from capsulert.config.engine import EngineConfig
+
+    serving = _serving_bench()
+    told = EngineConfig(**serving.engine_config(serving.parse_args(["--step-prefill-tokens", "2048",
+                                                                     "--step-prefill-decoding", "512"])))
+    assert told.scheduler.step_prefill_tokens == 2048 and told.scheduler.step_prefill_tokens_decoding == 512
+    plain = EngineConfig(**serving.engine_config(serving.parse_args([])))
+    assert plain.scheduler == EngineConfig().scheduler.model_copy(update={"batch_prefill": True})
+
+
 def _serving_bench():
     import importlib.util
 
