@@ -52,10 +52,10 @@ def main() -> int:
     bench("conv_prefill B=1 T=256 C=8192", lambda: conv_prefill(x, buf, torch.tensor([1], device=dev), w),
           2 * 256 * 8192 * 2)
     max_seq, Hq, Hkv, D = 16384, 16, 4, 256
-    kv_k = torch.randn(8, max_seq, Hkv, D, device=dev, dtype=bf)
-    kv_v = torch.randn(8, max_seq, Hkv, D, device=dev, dtype=bf)
-    for B in (1, 8):
-        for L in (1024, 16384):
+    kv_k = torch.randn(64, max_seq, Hkv, D, device=dev, dtype=bf)
+    kv_v = torch.randn(64, max_seq, Hkv, D, device=dev, dtype=bf)
+    for B in (1, 8, 64):  # 64 rows: a crowd's decode step, each row its own slot
+        for L in (1024, 2048, 16384):
             q = torch.randn(B, 1, Hq, D, device=dev, dtype=bf)
             slots, start = torch.arange(B, device=dev), torch.full((B,), L - 1, device=dev)
             bench(f"attention decode B={B} len={L}", lambda: attention(q, kv_k, kv_v, slots, start, max_seq, D**-0.5),

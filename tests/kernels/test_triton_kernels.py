@@ -240,6 +240,50 @@ def test_attention(shape, dtype, gated, split_mode):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
+DECODE_BATCHES = {  # Hq, Hkv, D, max_seq, lengths of the batch's rows (row 0 is the one checked), slot ids
+    "gqa2-d16-three-ranges": (4, 2, 16, 700, [600, 3, 280, 699], [2, 0, 3, 1]),
+    "gqa4-d64-one-range": (8, 2, 64, 200, [150, 10], [1, 3]),
+    "gqa2-d32-range-edge": (4, 2, 32, 600, [256, 511, 257], [0, 1, 2]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", DECODE_BATCHES.values(), ids=DECODE_BATCHES.keys())
+def test_decode_attention_row_is_bitwise_the_same_alone_or_in_a_batch(shape, dtype):
+    """Batch-invariant decode: a row's output follows its own length only, not the batch size, the other rows
+    or where it sits in the batch."""
+    Hq, Hkv, D, max_seq, lengths, ids = shape
+    B = len(lengths)
+    q, kv_k, kv_v, slots, start = _attn_inputs(B, 1, Hq, Hkv, D, max_seq, [n - 1 for n in lengths], ids, dtype)
+    gate = _gate_like(q)
+    batch = attention(q, kv_k, kv_v, slots, start, max_seq, D**-0.5, gate)
+    for r in range(B):
+        alone = attention(q[r:r + 1], kv_k, kv_v, slots[r:r + 1], start[r:r + 1], max_seq, D**-0.5, gate[r:r + 1])
+        assert torch.equal(alone, batch[r:r + 1]), f"row {r} (length {lengths[r]}) differs alone"
+    rev = torch.arange(B - 1, -1, -1, device=q.device)
+    moved = attention(q[rev], kv_k, kv_v, slots[rev], start[rev], max_seq, D**-0.5, gate[rev])
+    assert torch.equal(moved, batch[rev])
+    ref = attention_ref(q, kv_k, kv_v, slots, start, max_seq, D**-0.5, gate)
+    torch.testing.assert_close(batch.float(), ref.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("kv_len", [64, 300, 4096, 4352, 262144])
+def test_decode_attention_split_count_follows_kv_len_only(kv_len):
+    """Decode's split count is the same for every batch size, at most DECODE_SPLITS, and never more than
+    kv_len holds splits of MIN_KEYS keys (the kernel shares a row's own keys among them)."""
+    dev = torch.device(DEVICE)
+    cfgs = [triton_attention._launch_config(B, 1, 16, 4, 256, kv_len, dev) for B in (1, 7, 64)]
+    assert all(c == cfgs[0] for c in cfgs)
+    splits = cfgs[0]["splits"]
+    assert 1 <= splits <= min(triton_attention.DECODE_SPLITS, -(-kv_len // triton_attention.MIN_KEYS))
+    assert cfgs[0]["split_keys"] == 0  # ranges from the row's own length, not absolute ones
+
+
+def test_decode_attention_in_one_split_where_the_partials_would_not_fit(monkeypatch):
+    monkeypatch.setattr(triton_attention, "_PARTIAL_BYTES_CAP", 0)
+    assert triton_attention._launch_config(64, 1, 16, 4, 256, 5000, torch.device(DEVICE))["splits"] == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="model-size shapes: too slow for the interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T,starts", [(1, [0, 517, 4000]), (256, [3000])], ids=["decode-b3", "prefill-256"])
