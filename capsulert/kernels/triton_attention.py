@@ -8,33 +8,31 @@ output in q's dtype.
 
 CUDA-graph capturable: slots/start are read on the device and every loop bound over keys comes from the
 device length, so the cost scales with the real length, not with kv_len; the grid, the number of splits and
-all allocations depend only on shapes (B, T, heads, D, kv_len).
+all allocations depend only on shapes (B, T, heads, D, kv_len) and the device's SM count.
 
 Design
 ------
 * GQA packing: one program serves all G = Hq // Hkv query heads of one kv head for a block of BT tokens,
   as BM = BT * GP rows (GP = next power of two >= G; row r -> token r // GP, head r % GP), so each K/V tile is
   loaded once per group. BM >= 16 (tl.dot minimum); in decode (T = 1) that pads G rows up to 16.
-* Split-K (flash-decoding): grid (B * Hkv * n_tblocks, NUM_SPLITS). The key range of a program is computed on
-  the device from the real length: kmax = start[b] + (last token of the block) + 1. With NUM_SPLITS > 1 each
-  program writes its normalised partial output and its log2-sum-exp, and a second kernel (grid B * T * Hq) adds
-  the ranges that hold keys, in range order; splits with no visible key carry lse = -inf and are skipped
-  without reading their partials. NUM_SPLITS is set on the host from kv_len alone, never from the batch.
-* Decode (attention): the row's keys are shared among the splits, at least MIN_KEYS each: chunk =
-  max(MIN_KEYS, ceil(kmax / NUM_SPLITS) rounded up to BN), split s covers [s * chunk, min((s+1) * chunk, kmax)).
-  A row's ranges follow its own length, so its bits are the same alone or among 63 others (batch-invariant
-  decode), and the work follows the real lengths. The floor of MIN_KEYS keys (four key blocks) keeps a program
-  from being one block's worth of work: a 64-row step over 2k keys runs ~2,300 programs, where splits of one
-  block ran ~8,400 busy ones (16,384 with the empty ones) and wrote a partial output for each.
-* Split-invariant prefill (prefill_attention): ranges of SPLIT_KEYS whatever kv_len, and the tile shape of the
-  longest pieces whatever T is, so a row's bits do not depend on how many queries share its piece or on kv_len.
-  Long pieces run in waves of rows so the partials stay bounded.
+* Split-K (flash-decoding): grid (B * Hkv * n_tblocks, NUM_SPLITS). NUM_SPLITS is chosen on the host from
+  shapes so that the grid fills the GPU even for one decode row (~2 light decode programs per SM, ~1 heavy
+  prefill program per SM; see _launch_config). The key range of a
+  program is computed on the device from the real length: kmax = start[b] + (last token of the block) + 1,
+  chunk = ceil(kmax / NUM_SPLITS) rounded up to BN, split s covers [s * chunk, min((s+1) * chunk, kmax)), so all
+  splits share the real work whatever the length. With NUM_SPLITS > 1 each program writes its normalised
+  partial output and its log2-sum-exp, and a second kernel (grid B * T * Hq) merges them; splits with no
+  visible key carry lse = -inf and are skipped without reading their partials.
+* Split-invariant prefill (prefill_attention): the splits are absolute key ranges of SPLIT_KEYS from position
+  0, and the merge adds the ranges that hold keys in order, so a row's bits do not depend on how many queries
+  share its piece or on kv_len. Long pieces run in waves of rows so the partials stay bounded.
 * Online softmax in base 2 (scores scaled by scale * log2(e)), fp32 accumulators; bf16 inputs use bf16
   tensor-core dots with fp32 accumulation (P is rounded to bf16 for P @ V, as in flash attention); fp32 inputs
   use IEEE fp32 dots (no TF32).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -65,8 +63,7 @@ def _attn_fwd_kernel(
     so_b, so_t, so_h, so_d,
     sg_b, sg_t, sg_h, sg_d,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
-    D: tl.constexpr, BN: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, MIN_KEYS: tl.constexpr,
-    IEEE: tl.constexpr,
+    D: tl.constexpr, BN: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, IEEE: tl.constexpr,
     INTERPRET: tl.constexpr, GATED: tl.constexpr,
 ):
     BM: tl.constexpr = BT * GP
@@ -92,8 +89,8 @@ def _attn_fwd_kernel(
     if SPLIT_KEYS > 0:  # absolute key ranges: a row's partials do not depend on the piece
         lo = split * SPLIT_KEYS
         hi = tl.minimum(lo + SPLIT_KEYS, kmax)
-    else:  # the row's own keys shared among the splits, at least MIN_KEYS each
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(kmax, NUM_SPLITS), BN) * BN, MIN_KEYS)
+    else:
+        chunk = tl.cdiv(tl.cdiv(kmax, NUM_SPLITS), BN) * BN
         lo = split * chunk
         hi = tl.minimum(lo + chunk, kmax)
 
@@ -156,7 +153,7 @@ def _attn_merge_kernel(
     Tn, t0, Tw, Hq,
     so_b, so_t, so_h, so_d,
     sg_b, sg_t, sg_h, sg_d,
-    D: tl.constexpr, NUM_SPLITS: tl.constexpr, SP: tl.constexpr, GATED: tl.constexpr,
+    D: tl.constexpr, NUM_SPLITS: tl.constexpr, SP: tl.constexpr, ORDERED: tl.constexpr, GATED: tl.constexpr,
 ):
     pid = tl.program_id(0)  # over B * Tn * Hq (Tn rows of the wave), in the order of the partials
     hq = pid % Hq
@@ -170,25 +167,41 @@ def _attn_merge_kernel(
     lse = tl.load(lse_ptr + base + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    # the ranges with keys, summed in range order: how many empty ones follow them (kv_len, the piece's length)
-    # changes nothing, not even a zero's sign
     acc = tl.zeros([D], dtype=tl.float32)
-    denom = tl.zeros([D], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        ls = tl.load(lse_ptr + base + s)
-        if ls > float("-inf"):
-            w = tl.exp2(ls - m) + tl.zeros([D], dtype=tl.float32)
-            denom += w
-            acc += w * tl.load(opart_ptr + (base + s) * D + offs_d)
+    if ORDERED:
+        # the splits with keys, summed in split order: the number of empty splits after them (which follows
+        # the piece's length) changes nothing, not even a zero's sign
+        denom = tl.zeros([D], dtype=tl.float32)
+        for s in range(NUM_SPLITS):
+            ls = tl.load(lse_ptr + base + s)
+            if ls > float("-inf"):
+                w = tl.exp2(ls - m) + tl.zeros([D], dtype=tl.float32)
+                denom += w
+                acc += w * tl.load(opart_ptr + (base + s) * D + offs_d)
+    else:
+        denom = tl.sum(tl.exp2(lse - m), 0)
+        for s in range(NUM_SPLITS):
+            w = tl.exp2(tl.load(lse_ptr + base + s) - m) + tl.zeros([D], dtype=tl.float32)  # [D], uniform
+            part = tl.load(opart_ptr + (base + s) * D + offs_d, mask=w > 0.0, other=0.0)  # splits w/o keys: no read
+            acc += w * part
     out = acc / tl.where(denom > 0.0, denom, 1.0)
     out = _gated(out, g_ptr + b * sg_b + t * sg_t + hq * sg_h + offs_d * sg_d, offs_d < D, GATED,
                  o_ptr.dtype.element_ty)
     tl.store(o_ptr + b * so_b + t * so_t + hq * so_h + offs_d * so_d, out)
 
 
-_PARTIAL_BYTES_CAP = 64 << 20  # a decode row's partials: 64 splits of 16 heads x 257 fp32 take 1 MiB
-DECODE_SPLITS = 64
-MIN_KEYS = 256  # a decode split's keys at least (four 64-key blocks), where the row has that many
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 132  # interpreter / CPU: mimic an H100/H200 so the same code paths are exercised
+
+
+_PARTIAL_BYTES_CAP = 64 << 20
 # split-invariant prefill: every row folds its keys in ranges of this many from position 0, one program each
 # (a 32-token append over 2k keys runs 8 ranges x 4 kv heads instead of 4 programs over all 2k keys), and a
 # piece's partials take at most this many bytes: a longer piece runs in waves of rows
@@ -200,8 +213,9 @@ def _launch_config(B: int, T: int, Hq: int, Hkv: int, D: int, kv_len: int, devic
                    fp32: bool = False, split_invariant: bool = False) -> dict:
     """Block sizes and split count from shapes only (never from device values), so a captured graph holds one
     fixed launch. Measured on one H200 (bf16, Hq=16, Hkv=4, D=256): decode keeps BM = 16 rows; prefill chunks
-    use BM = 128 rows, BN = 64, 8 warps, 2 stages. fp32 inputs (IEEE dots, twice the bytes per tile) use half
-    the rows and keys per tile so the tiles still fit in shared memory.
+    use BM = 128 rows, BN = 64, 8 warps, 2 stages, and about one program per SM (heavier tiles run one per SM:
+    T=256 over 16k keys went 263 -> 391 TFLOP/s going from 9 splits to 4). fp32 inputs (IEEE dots, twice the
+    bytes per tile) use half the rows and keys per tile so the tiles still fit in shared memory.
     split_invariant (prefill): a row's bits must not depend on the piece it is computed in, so the tile shape
     is the one of the longest pieces whatever T is, and the splits are absolute key ranges of SPLIT_KEYS
     (a proportional split's range follows the block's last query, which moves with the piece); the merge adds
@@ -224,11 +238,16 @@ def _launch_config(B: int, T: int, Hq: int, Hkv: int, D: int, kv_len: int, devic
         wave = min(T, max(BT, _INVARIANT_PARTIAL_BYTES_CAP // (B * per_row) // BT * BT))
         return dict(G=G, GP=GP, BT=BT, BN=BN, n_tblocks=triton.cdiv(wave, BT), splits=splits, wave=wave,
                     split_keys=SPLIT_KEYS, num_warps=num_warps, num_stages=num_stages)
-    # decode: the split count follows kv_len only, never the batch size B, so a row's output is bitwise the same
-    # alone or among 63 others (batch-invariant decode); a row's partials stay under _PARTIAL_BYTES_CAP
+    n_tblocks = triton.cdiv(T, BT)
+    # the split count (and so each row's reduction order) must not depend on the batch size B: a row's
+    # attention output is then bitwise the same alone or among 63 others (batch-invariant decode). Sized for
+    # one row, it fills the GPU for one decode row; larger batches just run more programs.
+    base = Hkv * n_tblocks
+    target = (1 if heavy else 2) * _num_sms(device)
+    splits = max(1, min(target // base, triton.cdiv(kv_len, BN), 64))
     per_split_bytes = T * Hq * (D + 1) * 4  # per row
-    splits = max(1, min(DECODE_SPLITS, triton.cdiv(kv_len, MIN_KEYS), _PARTIAL_BYTES_CAP // per_split_bytes))
-    return dict(G=G, GP=GP, BT=BT, BN=BN, n_tblocks=triton.cdiv(T, BT), splits=splits, wave=T, split_keys=0,
+    splits = max(1, min(splits, _PARTIAL_BYTES_CAP // per_split_bytes))
+    return dict(G=G, GP=GP, BT=BT, BN=BN, n_tblocks=n_tblocks, splits=splits, wave=T, split_keys=0,
                 num_warps=num_warps, num_stages=num_stages)
 
 
@@ -272,7 +291,7 @@ def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, gate=None,
             o.stride(0), o.stride(1), o.stride(2), o.stride(3),
             g.stride(0), g.stride(1), g.stride(2), g.stride(3),
             HKV=Hkv, G=cfg["G"], GP=cfg["GP"], BT=cfg["BT"], D=D, BN=cfg["BN"], NUM_SPLITS=S,
-            SPLIT_KEYS=cfg["split_keys"], MIN_KEYS=MIN_KEYS, IEEE=ieee, INTERPRET=interpret, GATED=gate is not None,
+            SPLIT_KEYS=cfg["split_keys"], IEEE=ieee, INTERPRET=interpret, GATED=gate is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         if merge:
@@ -282,7 +301,7 @@ def attention(q, kv_k, kv_v, slots, start, kv_len: int, scale: float, gate=None,
                 Tn, t0, Tw, Hq,
                 o.stride(0), o.stride(1), o.stride(2), o.stride(3),
                 g.stride(0), g.stride(1), g.stride(2), g.stride(3),
-                D=D, NUM_SPLITS=S, SP=triton.next_power_of_2(S), GATED=gate is not None,
+                D=D, NUM_SPLITS=S, SP=triton.next_power_of_2(S), ORDERED=split_invariant, GATED=gate is not None,
                 num_warps=4 if D >= 128 else 2,
             )
     return o
