@@ -240,7 +240,7 @@ def test_attention(shape, dtype, gated, split_mode):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
-DECODE_BATCHES = {  # Hq, Hkv, D, max_seq, lengths of the batch's rows (row 0 is the one checked), slot ids
+DECODE_BATCHES = {  # Hq, Hkv, D, max_seq, the lengths of the batch's rows (each checked alone), slot ids
     "gqa2-d16-long-and-short": (4, 2, 16, 700, [600, 3, 280, 699], [2, 0, 3, 1]),
     "gqa4-d64-two-rows": (8, 2, 64, 200, [150, 10], [1, 3]),
     "gqa2-d32-block-edges": (4, 2, 32, 600, [256, 511, 257], [0, 1, 2]),
