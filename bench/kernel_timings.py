@@ -49,7 +49,8 @@ def main() -> int:
         bench(f"conv_step B={B} C={C}", lambda: conv_step(x, buf, slots, w), B * C * 2 * 8)
     x = torch.randn(1, 256, 8192, device=dev, dtype=bf)
     buf, w = torch.randn(4, 8192, 3, device=dev, dtype=bf), torch.randn(8192, 4, device=dev, dtype=bf)
-    bench("conv_prefill B=1 T=256 C=8192", lambda: conv_prefill(x, buf, torch.tensor([1], device=dev), w),
+    slot = torch.tensor([1], device=dev)  # made before capture: a graph cannot copy from pageable host memory
+    bench("conv_prefill B=1 T=256 C=8192", lambda: conv_prefill(x, buf, slot, w),
           2 * 256 * 8192 * 2)
     max_seq, Hq, Hkv, D = 16384, 16, 4, 256
     kv_k = torch.randn(64, max_seq, Hkv, D, device=dev, dtype=bf)
