@@ -14,7 +14,10 @@ the copy is queued on the stream before anything the caller does next), `snapsho
 bytes are complete (the copy has run); each call on a fresh capsule of the same session (the previous one deleted
 first, so every call copies all of its blocks), after one warm-up call (`snapshot_first_ms`: that first call).
 `restore_n64_ms`: a fork of 64 sessions from the capsule (the batched path: one read, two grouped copies), until
-its copies are done; `restore_ms`: one restore, likewise.
+its copies are done; `restore_ms`: one restore, likewise. A crowd restores many capsules, not one capsule many
+times: `restore_distinct_ms` is `restore_many` of DISTINCT capsules (snapshots of the session under as many names:
+each read, checked and planned on its own, its bytes copied in full) until the copies are done, and
+`restore_distinct_host_ms` until the call returns, the host's part (the copies are queued, not waited for).
 
 Decode floors: the bytes a step must read at HBM_TBPS. Dense: every weight but the embedding table (a step
 gathers B rows of it; the LM head is read whole). MoE: the same, but of the routed experts only those a batch of
@@ -50,6 +53,7 @@ from capsulert.protocol.sampling import SamplingParams  # noqa: E402
 SHAPE = REPO_ROOT / "capsulert" / "configs" / "models" / "qwen3_5-9b-shape.yaml"
 SUFFIX = 32
 DECODE_BATCHES = (1, 8, 32, 64)
+DISTINCT = 16  # capsules restored together in the crowd row: each holds its own state (~50 MB on the 9B)
 HBM_TBPS = 4.3  # H200 HBM3e: GB read per ms
 
 
@@ -80,6 +84,23 @@ def timed(fn, iters=3, warmup=1, after=None):
         if after is not None:
             after(out)
     return median(times), out
+
+
+def timed_host(fn, iters=3, warmup=1, after=None):
+    """fn's median ms until it returns and until its work is done (synchronized), like `timed`."""
+    host, done = [], []
+    for i in range(warmup + iters):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        t1 = time.perf_counter()
+        sync()
+        if i >= warmup:
+            host.append((t1 - t0) * 1e3)
+            done.append((time.perf_counter() - t0) * 1e3)
+        if after is not None:
+            after(out)
+    return median(host), median(done)
 
 
 def time_snapshots(eng, session, name: str, iters: int) -> dict:
@@ -209,7 +230,15 @@ def main() -> int:
         name = f"p{P}"
         snaps = time_snapshots(eng, s, name, args.iters)
         ref = eng.store.info(name)
+        n_distinct = min(DISTINCT, eng.config.slots)
+        distinct = [f"{name}.d{i}" for i in range(n_distinct)]
+        for d in distinct:
+            s.snapshot(d)
         s.close()
+        distinct_host_ms, distinct_ms = timed_host(lambda: eng.restore_many(distinct), args.iters,
+                                                   after=lambda rs: [r.close() for r in rs])
+        for d in distinct:
+            eng.store.delete(d)
         restore_ms, _ = timed(lambda: eng.restore(name), args.iters, after=lambda r: r.close())
         n_fork = min(64, eng.config.slots)
         fork_ms, _ = timed(lambda: eng.fork(name, n_fork), args.iters, after=lambda br: [b.close() for b in br])
@@ -229,7 +258,9 @@ def main() -> int:
         row = dict(prefix=P, cold_ms=cold_ms, capsule_ms=cap_ms, speedup=cold_ms / cap_ms, **snaps,
                    restore_ms=restore_ms, snapshot_over_restore=snaps["snapshot_ms"] / restore_ms,
                    snapshot_done_over_restore=snaps["snapshot_done_ms"] / restore_ms, restore_n64_ms=fork_ms,
-                   restore_n64_per_session_ms=fork_ms / n_fork, capsule_mb=mb,
+                   restore_n64_per_session_ms=fork_ms / n_fork,
+                   restore_distinct_per_session_ms=distinct_ms / n_distinct,
+                   restore_distinct_host_per_session_ms=distinct_host_ms / n_distinct, capsule_mb=mb,
                    restore_gbps=2 * nbytes / restore_ms / 1e6, capsule_floor_ms=floor_ms,
                    capsule_over_floor=cap_ms / floor_ms)
         if hf is not None:
@@ -390,7 +421,8 @@ def main() -> int:
 
     cols = ["prefix", "cold_ms", "capsule_ms", "speedup", "snapshot_ms", "snapshot_done_ms", "snapshot_first_ms",
             "restore_ms", "snapshot_over_restore", "snapshot_done_over_restore", "restore_n64_ms",
-            "restore_n64_per_session_ms", "capsule_mb", "restore_gbps", "capsule_vs_first", "capsule_floor_ms",
+            "restore_n64_per_session_ms", "restore_distinct_per_session_ms", "restore_distinct_host_per_session_ms",
+            "capsule_mb", "restore_gbps", "capsule_vs_first", "capsule_floor_ms",
             "capsule_over_floor"]
     if hf is not None:
         cols += ["hf_cold_ms", "hf_kept_ms", "hf_cold_over_ours", "hf_kept_over_capsule", "top1_agree"]
