@@ -35,6 +35,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 
 from capsulert.capsule_store.capsule import CapsuleMeta, TensorSpec, tensor_specs
+from capsulert.kernels.triton_copy import Strided
 
 KEY_SEED = b"capsulert-block-1"
 STATE_TAG = b"capsulert-grid-state-1\x00"  # the kind tag of grid-state keys: never a KV block's key
@@ -272,12 +273,26 @@ class SlabRow:
 
 @dataclass(frozen=True)
 class BlockRun:
-    """Blocks first..first+count of a capsule held in consecutive rows of one slab: `tensors` are those rows
-    ([count, *block shape] per block tensor), so the run copies as one pair per tensor, not one per block."""
+    """Blocks first..first+count of a capsule held in consecutive rows of one slab, from row `index` on: the
+    run copies as one pair per tensor, not one per block."""
 
     first: int
     count: int
-    tensors: Tensors
+    slabs: Mapping[str, torch.Tensor]
+    index: int
+
+    def rows(self, name: str, skip: int = 0) -> Strided:
+        """Slab `name`'s rows of the run's blocks past its first `skip`, [count - skip, *block shape], as a view
+        not made yet (a restore's plan reads its address alone)."""
+        slab = self.slabs[name]
+        stride = slab.stride()
+        return Strided(slab, (self.count - skip, *slab.shape[1:]), stride,
+                       slab.storage_offset() + (self.index + skip) * stride[0])
+
+    @property
+    def tensors(self) -> Tensors:
+        """The run's rows of every slab, as views."""
+        return {n: self.rows(n).view() for n in self.slabs}
 
 
 def block_runs(rows: Sequence[SlabRow | None]) -> tuple[BlockRun, ...] | None:
@@ -292,8 +307,7 @@ def block_runs(rows: Sequence[SlabRow | None]) -> tuple[BlockRun, ...] | None:
             last[1] += 1
         else:
             spans.append([i, 1, row])
-    return tuple(BlockRun(first, count, {n: t.narrow(0, row.index, count) for n, t in row.slabs.items()})
-                 for first, count, row in spans)
+    return tuple(BlockRun(first, count, row.slabs, row.index) for first, count, row in spans)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 from capsulert.capsule_store.blocks import Parts
 from capsulert.capsule_store.capsule import CapsuleMeta
 from capsulert.engine.state import StateSet
-from capsulert.kernels.triton_copy import Pair
+from capsulert.kernels.triton_copy import Pair, Strided
 
 def row_views(st: StateSet, slot: int, length: int) -> dict[str, torch.Tensor]:
     """The slot's rows [0, length) of every per-token buffer ([layers, length, heads, head_dim]: token rows
@@ -94,18 +94,21 @@ def kv_pairs(st: StateSet, slot: int, grid: int, parts: Parts, first: int, end: 
 
 def _run_pairs(st: StateSet, slot: int, grid: int, parts: Parts, first: int, end: int | None) -> list[Pair]:
     """kv_pairs over the parts' slab runs: the slot's rows of each run, viewed [count, layers, grid, ...] like
-    the run's slab rows, against those rows (a 2k capsule's 32 blocks in one slab: 4 pairs instead of 128)."""
+    the run's slab rows, against those rows (a 2k capsule's 32 blocks in one slab: 4 pairs instead of 128).
+    Both sides are views not made yet (Strided): on the GPU the copy plan reads their addresses alone."""
     n, pairs = len(parts.blocks), []
     for k in st.layout.block_tensors:
-        buf = st.buffers[k][:, slot]  # [layers, max_seq, ...]
-        size, stride, at = tuple(buf.shape), buf.stride(), buf.storage_offset()
+        full = st.buffers[k]  # [layers, slots, max_seq, ...]: the slot's rows without a view of them
+        shape, fstride = tuple(full.shape), full.stride()
+        size, stride = (shape[0], *shape[2:]), (fstride[0], *fstride[2:])  # those of full[:, slot]
+        at = full.storage_offset() + slot * fstride[1]
         for run in parts.runs:  # type: ignore[union-attr]
             lo, hi = max(run.first, first), run.first + run.count
             if lo < hi:  # the slot's rows [lo * grid, hi * grid) as [hi - lo, layers, grid, ...]
-                rows = buf.as_strided((hi - lo, size[0], grid, *size[2:]), (grid * stride[1], *stride),
-                                      at + lo * grid * stride[1])
-                src = run.tensors[k]
-                pairs.append((rows, src if lo == run.first else src.narrow(0, lo - run.first, hi - lo)))
+                rows = Strided(full, (hi - lo, size[0], grid, *size[2:]), (grid * stride[1], *stride),
+                               at + lo * grid * stride[1])
+                pairs.append((rows, run.rows(k, lo - run.first)))
         if end is not None:
-            pairs.append((buf.narrow(1, n * grid, end - n * grid), parts.own[k]))
+            pairs.append((Strided(full, (size[0], end - n * grid, *size[2:]), stride, at + n * grid * stride[1]),
+                          parts.own[k]))
     return pairs

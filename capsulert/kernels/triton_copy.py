@@ -14,7 +14,7 @@ copied with `copy_`.
 The pairs must not overlap one another (as for torch._foreach_copy_). On the CPU, and where triton is not
 installed, copy_pairs is torch._foreach_copy_, the reference.
 
-    copy_pairs(pairs)              copy every (dst, src) pair
+    copy_pairs(pairs)              copy every (dst, src) pair (tensors, or Strided: views not made yet)
     plan_runs(pairs, device)       the runs table of the pairs on `device` and the pairs left for copy_
     copy_runs(runs, device)        launch the kernel over a runs table
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -33,7 +33,42 @@ try:
 except ImportError:  # a CPU install has no triton: copy_pairs copies with torch there
     triton = tl = None
 
-Pair = tuple[torch.Tensor, torch.Tensor]  # (dst, src)
+
+
+class Strided(NamedTuple):
+    """A view of `base`'s storage not made yet: what base.as_strided(shape, stride, offset) would give (offset in
+    elements from the start of the storage, as as_strided takes it). A crowd's restore names ~40 KV views a
+    capsule; on the GPU the plan reads only their addresses and strides, so making them was most of its host
+    time. Where a copy needs the tensor (the CPU, a pair left to copy_), `view()` makes it. (A tuple: a
+    restore makes thousands, and a frozen dataclass costs several times a tuple to build.)"""
+
+    base: torch.Tensor
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def view(self) -> torch.Tensor:
+        return self.base.as_strided(self.shape, self.stride, self.offset)
+
+
+Pair = tuple["torch.Tensor | Strided", "torch.Tensor | Strided"]  # (dst, src)
+
+
+def as_tensor(x: "torch.Tensor | Strided") -> torch.Tensor:
+    return x.view() if type(x) is Strided else x
+
+
+def _described(x: "torch.Tensor | Strided", bases: dict) -> tuple[torch.dtype, tuple, tuple, int, int]:
+    """dtype, shape, strides, data address and device index (-1: the CPU) of a tensor or a view not made;
+    `bases`: by id, what a call has read of the bases of views not made (a restore's share a few bases)."""
+    if type(x) is Strided:
+        b = bases.get(id(x.base))
+        if b is None:
+            t = x.base
+            size = t.element_size()
+            b = bases[id(t)] = (t.dtype, t.data_ptr() - t.storage_offset() * size, size, t.get_device())
+        return b[0], x.shape, x.stride, b[1] + x.offset * b[2], b[3]
+    return x.dtype, x.shape, x.stride(), x.data_ptr(), x.get_device()
 
 CHUNK_BYTES = 64 * 1024  # the most one program copies: a 2 MiB recurrent-state run spreads over 32 programs
 BLOCK_BYTES = 16 * 1024  # bytes a program moves per loop step
@@ -172,9 +207,10 @@ _LAYOUTS: dict[tuple, RunLayout | None] = {}  # by (dtypes, shapes, strides) of 
 _MAX_LAYOUTS = 4096
 
 
-def _pair_layout(d: torch.Tensor, s: torch.Tensor) -> RunLayout | None:
-    """The runs of the pair (None: copy_ copies it), looked up by its dtypes, shapes and strides."""
-    key = (d.dtype, s.dtype, d.shape, s.shape, d.stride(), s.stride())
+def _pair_layout(dd: torch.dtype, sd: torch.dtype, dshape: tuple, sshape: tuple, dstride: tuple,
+                 sstride: tuple) -> RunLayout | None:
+    """The runs of a pair (None: copy_ copies it), looked up by its dtypes, shapes and strides."""
+    key = (dd, sd, dshape, sshape, dstride, sstride)
     try:
         return _LAYOUTS[key]
     except KeyError:
@@ -182,8 +218,8 @@ def _pair_layout(d: torch.Tensor, s: torch.Tensor) -> RunLayout | None:
     if len(_LAYOUTS) >= _MAX_LAYOUTS:  # the patterns keep the layouts they hold alive
         _LAYOUTS.clear()
     # copy_ converts dtypes, broadcasts shapes and resolves a complex tensor's lazy conjugation: not bytes
-    plain = d.dtype == s.dtype and d.shape == s.shape and not d.dtype.is_complex
-    layout = _LAYOUTS[key] = run_layout(tuple(d.shape), d.stride(), s.stride(), d.element_size()) if plain else None
+    plain = dd == sd and tuple(dshape) == tuple(sshape) and not dd.is_complex
+    layout = _LAYOUTS[key] = run_layout(tuple(dshape), tuple(dstride), tuple(sstride), dd.itemsize) if plain else None
     return layout
 
 
@@ -192,14 +228,16 @@ def plan_runs(pairs: Sequence[Pair], device: torch.device) -> tuple[Runs, list[P
     `device`, and the pairs left for copy_. Host work per pair is a few attribute reads and a dict lookup;
     the table is a handful of numpy ops over all pairs together (layouts and patterns are cached)."""
     index = -1 if device.type == "cpu" else (device.index if device.index is not None else torch.cuda.current_device())
-    dptr, sptr, layouts, rest = [], [], [], []
+    dptr, sptr, layouts, rest, bases = [], [], [], [], {}
     for d, s in pairs:
-        layout = _pair_layout(d, s)
-        if layout is None or d.get_device() != index or s.get_device() != index:
+        dd, dshape, dstride, daddr, ddev = _described(d, bases)
+        sd, sshape, sstride, saddr, sdev = _described(s, bases)
+        layout = _pair_layout(dd, sd, dshape, sshape, dstride, sstride)
+        if layout is None or ddev != index or sdev != index:
             rest.append((d, s))
             continue
-        dptr.append(d.data_ptr())
-        sptr.append(s.data_ptr())
+        dptr.append(daddr)
+        sptr.append(saddr)
         layouts.append(layout)
     pat = _pattern(tuple(layouts))
     src, dst = (np.array(ptrs, np.int64)[pat.pair] for ptrs in (sptr, dptr))
@@ -231,16 +269,17 @@ def copy_pairs(pairs: Sequence[Pair]) -> None:
     the pairs that are sets of runs go in one Triton launch, the others through copy_, all stream-ordered."""
     if not pairs:
         return
-    device = pairs[0][0].device
+    first = pairs[0][0]
+    device = first.base.device if type(first) is Strided else first.device
     if triton is None or device.type != "cuda":
-        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        torch._foreach_copy_([as_tensor(d) for d, _ in pairs], [as_tensor(s) for _, s in pairs])
         return
     runs, rest = plan_runs(pairs, device)
     if runs.count:
         with torch.cuda.device(device):  # Triton launches on the current device's current stream
             copy_runs(runs, device)
     for d, s in rest:
-        d.copy_(s)
+        as_tensor(d).copy_(as_tensor(s))
 
 
 def check_copy_pairs(device: torch.device) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from capsulert.kernels.triton_copy import (
-    CHUNK_BYTES, MAX_ALIGN, Runs, check_copy_pairs, copy_pairs, copy_runs, plan_runs)
+    CHUNK_BYTES, MAX_ALIGN, Runs, Strided, check_copy_pairs, copy_pairs, copy_runs, plan_runs)
 
 L, SLOTS, T, H, D = 3, 4, 320, 2, 16  # a KV buffer [layers, slots, max_seq, heads, dim], small
 
@@ -140,6 +140,33 @@ def test_copy_pairs_on_the_cpu_is_foreach_copy(name):
         assert torch.equal(got, w)
 
 
+def _not_made(t: torch.Tensor) -> Strided:
+    """t as a view not made, over a base that starts past its storage's start (as_strided's offset is counted
+    from the storage's start, not the base's)."""
+    base = (t._base if t._base is not None else t).reshape(-1)[1:]
+    return Strided(base, tuple(t.shape), t.stride(), t.storage_offset())
+
+
+@pytest.mark.parametrize("name", CASES, ids=CASES.keys())
+def test_views_not_made_plan_and_copy_what_their_views_do(name):
+    pairs = _case(name)
+    # a view with a lazy conjugation is more than its storage's bytes: such a source stays a tensor
+    lazy = [(_not_made(d), _not_made(s) if s._base is not None and not s.is_conj() else s) for d, s in pairs]
+    for (d, s), (ld, ls) in zip(pairs, lazy):
+        for t, x in ((d, ld), (s, ls)):
+            v = x.view() if isinstance(x, Strided) else x
+            assert (v.data_ptr(), v.shape, v.stride()) == (t.data_ptr(), t.shape, t.stride())
+    cpu = torch.device("cpu")
+    (runs, rest), (lruns, lrest) = plan_runs(pairs, cpu), plan_runs(lazy, cpu)
+    for f in ("src", "dst", "nbytes"):
+        assert (getattr(runs, f) == getattr(lruns, f)).all(), f
+    assert len(rest) == len(lrest)
+    want, bases = _reference(pairs)
+    copy_pairs(lazy)  # the CPU copies the views they stand for
+    for got, w in zip(bases, want):
+        assert torch.equal(got, w)
+
+
 def test_a_strided_slot_view_is_one_run_per_layer():
     pairs = _restore_pairs(torch.bfloat16, torch.Generator().manual_seed(0), "cpu", blocks=2, tail=5)
     runs, rest = plan_runs(pairs, torch.device("cpu"))
@@ -185,11 +212,13 @@ KERNEL_CASES = [n for n in CASES if n != "left-for-copy"]
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("cuda_or_interpreter")
+@pytest.mark.parametrize("lazy", [False, True], ids=["views", "views-not-made"])
 @pytest.mark.parametrize("name", KERNEL_CASES, ids=KERNEL_CASES)
-def test_kernel_copies_bitwise_what_foreach_copy_does(name):
+def test_kernel_copies_bitwise_what_foreach_copy_does(name, lazy):
     pairs = _case(name, DEVICE)
     want, bases = _reference(pairs)
-    runs, rest = plan_runs(pairs, torch.device(DEVICE))
+    planned = [(_not_made(d), _not_made(s) if s._base is not None else s) for d, s in pairs] if lazy else pairs
+    runs, rest = plan_runs(planned, torch.device(DEVICE))
     assert not rest
     copy_runs(runs, torch.device(DEVICE))
     for got, w in zip(bases, want):

@@ -6,7 +6,9 @@ import torch
 
 from capsulert.engine import capsules
 from capsulert.engine.default_model import CORPUS_PATH
+from capsulert.engine.slot_views import kv_pairs
 from capsulert.errors import InvalidRequestError, UnknownCapsuleError
+from capsulert.kernels.triton_copy import Strided, as_tensor, plan_runs
 
 ON, OFF = 256, 301
 
@@ -207,8 +209,9 @@ def test_a_restore_copies_each_slab_run_of_blocks_as_one_pair(engine, corpus, mo
     monkeypatch.setattr(capsules, "copy_pairs", lambda ps: (pairs.extend(ps), real(ps))[1])
     r = engine.restore("b")
     storages = {engine.state.buffers[k].untyped_storage().data_ptr(): k for k in kv}
-    kv_pairs = [d for d, _ in pairs if d.numel() and d.untyped_storage().data_ptr() in storages]
-    assert len(kv_pairs) == 2 * len(kv)
+    dsts = [as_tensor(d) for d, _ in pairs]  # a KV pair's sides are views not made yet (Strided)
+    kv_dsts = [d for d in dsts if d.numel() and d.untyped_storage().data_ptr() in storages]
+    assert len(kv_dsts) == 2 * len(kv)
     for k in kv:
         assert torch.equal(engine.state.buffers[k][:, r.slot, :6 * grid], rows[k]), k
     assert r.generate(6) == engine.restore("b").generate(6)
@@ -236,3 +239,37 @@ def test_a_restore_of_slab_held_blocks_makes_no_view_of_one_block(engine, corpus
     for r, name in zip(restored, ("x", "y")):
         for k in kv:
             assert torch.equal(engine.state.buffers[k][:, r.slot, :5 * grid], want[name][k]), (name, k)
+
+
+@pytest.mark.parametrize("first", [0, 1, 5], ids=["whole", "past-one-block", "inside-the-second-run"])
+def test_the_copy_plan_of_views_not_made_is_the_plan_of_the_views(engine, corpus, first):
+    """A restore's KV pairs name their views without making them (Strided); the GPU's copy plan reads their
+    addresses and strides. That plan must be, run for run, the plan of the views they stand for, for every
+    start block a restore or a prefix reuse asks for (a run cut at its start included), and each view not made
+    must be the slot's rows and the slab's rows it names."""
+    grid, st = engine.runner.grid, engine.state
+    s = engine.open()
+    s.append(corpus[:4 * grid])
+    s.snapshot("a")
+    s.append(corpus[4 * grid:7 * grid + 9])
+    s.snapshot("b")  # two runs of blocks (a's slab, then its own) and own rows past its blocks
+    slot = s.slot
+    with engine.store.reading_parts("b") as (meta, parts, _):
+        assert parts.runs is not None and len(parts.runs) == 2
+        pairs = kv_pairs(st, slot, grid, parts, first, meta.held)
+        assert any(isinstance(d, Strided) for d, _ in pairs) and any(isinstance(x, Strided) for _, x in pairs)
+        made = [(as_tensor(d), as_tensor(x)) for d, x in pairs]
+        cpu = torch.device("cpu")
+        lazy, lazy_rest = plan_runs(pairs, cpu)
+        real, real_rest = plan_runs(made, cpu)
+        assert not lazy_rest and not real_rest
+        for f in ("src", "dst", "nbytes"):
+            assert (getattr(lazy, f) == getattr(real, f)).all(), f
+        for d, x in made:  # the slot already holds what it snapshotted: each pair's sides hold the same bytes
+            assert torch.equal(d, x)
+        rows = {k: st.buffers[k][:, slot, first * grid:meta.held] for k in st.layout.block_tensors}
+        for k, want in rows.items():  # together the pairs cover the slot's rows [first * grid, held), no more
+            covered = sum(d.numel() for d, _ in made if d.untyped_storage().data_ptr()
+                          == st.buffers[k].untyped_storage().data_ptr())
+            assert covered == want.numel(), k
+    s.close()
