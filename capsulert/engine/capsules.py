@@ -45,14 +45,14 @@ from capsulert.engine.runner import ModelRunner, decode_groups
 from capsulert.engine.session import Session
 from capsulert.engine.session_table import SessionTable
 from capsulert.engine.slot_views import (
-    capsule_views, grid_state_views, grid_views, kv_pairs, live_state_views, row_views, set_positions,
+    capsule_views, grid_state_views, grid_views, kv_pairs, live_state_views, rows_not_made, set_positions,
     state_views, stored_grid_state, tail_views)
 from capsulert.engine.state import LAYOUT_VERSION
 from capsulert.errors import (
     CapsuleError, IncompatibleCapsuleError, InvalidRequestError, StaleCapsuleError, UnknownCapsuleError,
     UnsupportedStateModeError)
 from capsulert.kernels.ops import CUDA_KERNEL_BITS
-from capsulert.kernels.triton_copy import Pair, copy_pairs
+from capsulert.kernels.triton_copy import Pair, Strided, copy_pairs
 
 STATE_MODES = ("full", "replay")
 
@@ -258,12 +258,13 @@ class CapsuleVerbs:
         tail_rows = own["tail_in"].shape[1] if "tail_in" in own and self.runner.tail_replay else 0
         return _Read(meta, parts, own, tier, canonical, tail_rows)
 
-    def _targets(self, slot: int, read: _Read) -> dict[str, tuple[torch.Tensor, str | None]]:
+    def _targets(self, slot: int, read: _Read) -> dict[str, tuple[torch.Tensor | Strided, str | None]]:
         """The slot's views a restore of the capsule writes, each with the capsule tensor it takes (None: the
         KV rows [0, P), written block by block from the capsule's blocks)."""
         st, meta = self.runner.state, read.meta
         P, G, replay = meta.held, meta.held_grid, meta.replay_from is not None  # a replay capsule: P == G
-        out: dict[str, tuple[torch.Tensor, str | None]] = {k: (v, None) for k, v in row_views(st, slot, P).items()}
+        out: dict[str, tuple[torch.Tensor | Strided, str | None]] = {
+            k: (v, None) for k, v in rows_not_made(st, slot, P).items()}  # read only by a fork's second copy
         out.update({k: (v, k) for k, v in (grid_state_views(st, slot) if replay else state_views(st, slot, P != G)).items()})
         out.update({k: (v, k) for k, v in tail_views(st, slot, read.tail_rows).items()})
         if read.tail_rows and st.keeps_tail_seed:  # the seed at the tail's end: last_hidden where the capsule ends
@@ -285,7 +286,7 @@ class CapsuleVerbs:
             for _, name in items:
                 if name not in reads:
                     reads[name] = self._read(stack, name, namespace)
-            first: dict[str, dict[str, tuple[torch.Tensor, str | None]]] = {}
+            first: dict[str, dict[str, tuple[torch.Tensor | Strided, str | None]]] = {}
             direct: list[Pair] = []
             fanout: list[Pair] = []
             for session, name in items:

@@ -23,6 +23,23 @@ def row_views(st: StateSet, slot: int, length: int) -> dict[str, torch.Tensor]:
     return {name: st.buffers[name][:, slot, :length] for name in st.layout.block_tensors}
 
 
+def rows_not_made(st: StateSet, slot: int, length: int) -> dict[str, Strided]:
+    """row_views as views not made yet (Strided): a restore copies into them (copy_pairs) and a crowd's restore
+    would otherwise make them for every capsule."""
+    out = {}
+    for name in st.layout.block_tensors:
+        full = st.buffers[name]
+        size, stride, at = _slot_geometry(full, slot)
+        out[name] = Strided(full, (size[0], length, *size[2:]), stride, at)
+    return out
+
+
+def _slot_geometry(full: torch.Tensor, slot: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """Shape, strides and storage offset of full[:, slot] ([layers, slots, ...] -> [layers, ...]), no view made."""
+    shape, fstride = tuple(full.shape), full.stride()
+    return (shape[0], *shape[2:]), (fstride[0], *fstride[2:]), full.storage_offset() + slot * fstride[1]
+
+
 def capsule_views(st: StateSet, slot: int, length: int, grid_pos: int) -> dict[str, torch.Tensor]:
     """The slot's bytes that make up a capsule of `length` tokens."""
     return {**row_views(st, slot, length), **state_views(st, slot, length != grid_pos)}
@@ -99,9 +116,7 @@ def _run_pairs(st: StateSet, slot: int, grid: int, parts: Parts, first: int, end
     n, pairs = len(parts.blocks), []
     for k in st.layout.block_tensors:
         full = st.buffers[k]  # [layers, slots, max_seq, ...]: the slot's rows without a view of them
-        shape, fstride = tuple(full.shape), full.stride()
-        size, stride = (shape[0], *shape[2:]), (fstride[0], *fstride[2:])  # those of full[:, slot]
-        at = full.storage_offset() + slot * fstride[1]
+        size, stride, at = _slot_geometry(full, slot)
         for run in parts.runs:  # type: ignore[union-attr]
             lo, hi = max(run.first, first), run.first + run.count
             if lo < hi:  # the slot's rows [lo * grid, hi * grid) as [hi - lo, layers, grid, ...]

@@ -273,3 +273,31 @@ def test_the_copy_plan_of_views_not_made_is_the_plan_of_the_views(engine, corpus
                           == st.buffers[k].untyped_storage().data_ptr())
             assert covered == want.numel(), k
     s.close()
+
+
+def test_a_forks_two_copies_plan_as_the_views_they_name(engine, corpus, monkeypatch):
+    """Both grouped copies of a restore of repeated and distinct capsules (the capsules into their first slots,
+    then those slots' rows into the other slots, both naming views not made): the plan of what they name is the
+    plan of the views, and every slot holds its capsule's bytes."""
+    grid = engine.runner.grid
+    s = engine.open()
+    s.append(corpus[:3 * grid + 5])
+    s.snapshot("p")
+    s.append(corpus[3 * grid + 5:5 * grid])
+    s.snapshot("q")
+    s.close()
+    want = {n: alone(engine, n)[0] for n in ("p", "q")}
+    calls = []
+    real = capsules.copy_pairs
+    monkeypatch.setattr(capsules, "copy_pairs", lambda ps: (calls.append(list(ps)), real(ps))[1])
+    free_slots(engine, 4)
+    got = engine.restore_many(["p", "q", "p", "q"])
+    assert len(calls) == 2 and all(any(isinstance(d, Strided) for d, _ in c) for c in calls)
+    cpu = torch.device("cpu")
+    for pairs in calls:
+        lazy, _ = plan_runs(pairs, cpu)
+        made, _ = plan_runs([(as_tensor(d), as_tensor(x)) for d, x in pairs], cpu)
+        for f in ("src", "dst", "nbytes"):
+            assert (getattr(lazy, f) == getattr(made, f)).all(), f
+    for r, name in zip(got, ("p", "q", "p", "q")):
+        assert_slots_equal(slot_bytes(engine, r.slot), want[name])
