@@ -34,13 +34,13 @@ except ImportError:  # a CPU install has no triton: copy_pairs copies with torch
     triton = tl = None
 
 
-
 class Strided(NamedTuple):
     """A view of `base`'s storage not made yet: what base.as_strided(shape, stride, offset) would give (offset in
-    elements from the start of the storage, as as_strided takes it). A crowd's restore names ~40 KV views a
-    capsule; on the GPU the plan reads only their addresses and strides, so making them was most of its host
-    time. Where a copy needs the tensor (the CPU, a pair left to copy_), `view()` makes it. (A tuple: a
-    restore makes thousands, and a frozen dataclass costs several times a tuple to build.)"""
+    elements from the start of the storage, as as_strided takes it). A crowd's restore named ~100 views a
+    capsule (its KV runs, their slab rows, the slot's rows); on the GPU the plan reads only their addresses and
+    strides, and making each view cost more host time than reading it. Where a copy needs the tensor (the CPU,
+    a pair left to copy_), `view()` makes it. (A tuple: a restore makes thousands, and a frozen dataclass
+    costs several times a tuple to build.)"""
 
     base: torch.Tensor
     shape: tuple[int, ...]
