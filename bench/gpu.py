@@ -73,22 +73,19 @@ def default_prefill_chunk(model: str) -> int:
 def timed(fn, iters=3, warmup=1, after=None):
     """fn's median ms until its work is done (synchronized) and its last result; `after(result)` runs untimed
     after each call (e.g. closing the sessions a restore made)."""
-    out, times = None, []
-    for i in range(warmup + iters):
-        sync()
-        t0 = time.perf_counter()
-        out = fn()
-        sync()
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-        if after is not None:
-            after(out)
-    return median(times), out
+    _, done, out = _timed_calls(fn, iters, warmup, after)
+    return median(done), out
 
 
 def timed_host(fn, iters=3, warmup=1, after=None):
     """fn's median ms until it returns and until its work is done (synchronized), like `timed`."""
-    host, done = [], []
+    host, done, _ = _timed_calls(fn, iters, warmup, after)
+    return median(host), median(done)
+
+
+def _timed_calls(fn, iters, warmup, after):
+    """Each timed call's ms until it returned and until its work was done, and the last result."""
+    out, host, done = None, [], []
     for i in range(warmup + iters):
         sync()
         t0 = time.perf_counter()
@@ -100,7 +97,7 @@ def timed_host(fn, iters=3, warmup=1, after=None):
             done.append((time.perf_counter() - t0) * 1e3)
         if after is not None:
             after(out)
-    return median(host), median(done)
+    return host, done, out
 
 
 def time_snapshots(eng, session, name: str, iters: int) -> dict:
