@@ -38,10 +38,9 @@ class EntryAccess:
         parts = split(meta, tensors, tiers.layout, origin, tiers.chains)
         own = tensor_nbytes(parts.own)
         plan, budget = tiers.new_plan(), tiers.budgets[tier]
-        need = plan.added(tier, own, parts.refs)
+        need = plan.enter(tier, own, parts.refs)
         if budget is not None and need > budget:
             raise BudgetExceededError(f"a capsule of {need} bytes cannot fit tier {tier!r} (budget {budget})")
-        plan.enter(tier, own, parts.refs)
         tiers.make_room(plan, tier, frozenset({key}), anon_only=anonymous)
         # a disk write is staged before any move, so a failed write (disk full) changes nothing
         staged = mover.stage(meta, parts) if tier == "disk" else None

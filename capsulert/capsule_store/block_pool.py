@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -55,6 +55,17 @@ class BlockPool:
     def add(self, key: str, rec: BlockRecord) -> BlockRecord:
         """Hold a new block (no references yet); an existing record wins."""
         return self.records.setdefault(key, rec)
+
+    def add_many(self, items: Iterable[tuple[str, BlockRecord]]) -> None:
+        """`add` of each (key, record): a 16k capsule's snapshot adds 256 blocks."""
+        add = self.records.setdefault
+        for key, rec in items:
+            add(key, rec)
+
+    def missing(self, keys: Sequence[str]) -> list[int]:
+        """The indices of the keys the pool holds no block for, in order."""
+        records = self.records
+        return [i for i, k in enumerate(keys) if k not in records]
 
     def ref(self, keys: Iterable[str], anon: bool) -> int:
         """Reference blocks the pool holds, once each; the bytes this adds to the tier. One loop with no call

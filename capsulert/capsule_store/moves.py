@@ -12,6 +12,7 @@ unlinked only after a directory fsync has made the capsule files that named them
 from __future__ import annotations
 
 import logging
+from itertools import repeat
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -58,6 +59,9 @@ def distinct_events(events: Sequence[Any]) -> list:
 def slab_ranges(indices: Sequence[int], limit: int = SLAB_BLOCKS) -> list[tuple[int, int]]:
     """(first, count) of the runs of consecutive block indices, each run cut at `limit` blocks: the slabs
     the blocks a tier lacks are allocated in."""
+    if indices and indices[-1] - indices[0] == len(indices) - 1:  # consecutive (a new chain's blocks): cut at once
+        first, n = indices[0], len(indices)
+        return [(first + at, min(limit, n - at)) for at in range(0, n, limit)]
     out: list[tuple[int, int]] = []
     for i in indices:
         if out and out[-1][0] + out[-1][1] == i and out[-1][1] < limit:
@@ -94,13 +98,13 @@ class Mover:
         rows: dict[str, SlabRow] = {}  # the new KV blocks: their slab rows (no per-block views made here)
         state: dict[str, torch.Tensor] | None = None  # the new grid-state block's tensors
         if refs is not None:
-            missing = [i for i, k in enumerate(refs.keys) if pool.get(k) is None]
+            missing = pool.missing(refs.keys)
             sources = ({n: blocked(whole[n], refs.token_dim, len(refs.keys), refs.rows) for n in refs.specs}
                        if whole is not None and missing else {})
             for first, count in slab_ranges(missing):
                 slabs = slabs_for(refs.specs, count, device, pin=pin)
                 keys = refs.keys[first:first + count]
-                rows.update((k, SlabRow(slabs, i)) for i, k in enumerate(keys))
+                rows.update(zip(keys, map(SlabRow, repeat(slabs), range(count))))
                 if whole is not None:
                     pairs += [(slabs[n], sources[n].narrow(0, first, count)) for n in slabs]
                     continue
@@ -115,8 +119,9 @@ class Mover:
                 waits.append(ev)
         ev = copy_into(pairs, stream=self._stream if copy_stream else None, wait=distinct_events(waits))
         e.tensors, e.event = new_own, ev
-        for k, row in rows.items():
-            pool.add(k, BlockRecord(refs.nbytes_of(k), None, ev, slab=row))  # type: ignore[union-attr]
+        if rows:
+            nbytes = refs.block_nbytes  # type: ignore[union-attr]
+            pool.add_many((k, BlockRecord(nbytes, None, ev, slab=row)) for k, row in rows.items())
         if state is not None:
             pool.add(refs.state, BlockRecord(refs.nbytes_of(refs.state), state, ev))  # type: ignore[union-attr,arg-type]
         self._tiers.ref(tier, e)

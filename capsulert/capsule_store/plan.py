@@ -63,9 +63,12 @@ class Plan:
 
     # enter, leave and added run once per block of a capsule (256 for a 16k one, on every snapshot): their
     # loops read the counts from one generator, without a method call per block
-    def enter(self, tier: str, own: int, blocks: BlockRefs | None) -> None:
-        """A capsule holding `own` bytes and referencing `blocks` would be in `tier`."""
-        self.used[tier] += own + self._step(tier, blocks, 1)
+    def enter(self, tier: str, own: int, blocks: BlockRefs | None) -> int:
+        """A capsule holding `own` bytes and referencing `blocks` would be in `tier`; the bytes that adds there
+        (what `added` gave before)."""
+        added = own + self._step(tier, blocks, 1)
+        self.used[tier] += added
+        return added
 
     def leave(self, tier: str, own: int, blocks: BlockRefs | None) -> None:
         self.used[tier] -= own + self._step(tier, blocks, -1)

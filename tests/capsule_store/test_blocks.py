@@ -323,3 +323,38 @@ def test_a_put_hashes_only_the_blocks_its_earlier_puts_did_not(monkeypatch):
     _, second = put(s, "t2", turns)
     assert sum(hashed) == 1 + 5  # the first block finds the chain; blocks 5-9 are new
     assert exact(s.get("t1")[1], first) and exact(s.get("t2")[1], second)
+
+
+@pytest.mark.parametrize("indices", [[], [0], list(range(5)), list(range(3, 3 + 2 * 7 + 1)), list(range(16)),
+                                     [0, 1, 2, 5, 6, 9], [4, 6, 7, 8, 9, 10, 11, 12, 13, 20]],
+                         ids=["none", "one", "short-run", "runs-cut-at-the-limit", "two-whole-slabs", "gaps",
+                              "gap-then-long-run"])
+def test_slab_ranges_cut_consecutive_indices_into_runs_of_at_most_the_limit(indices):
+    """slab_ranges (the slabs a put allocates) takes a fast path for one consecutive run of indices, a new
+    chain's blocks; whichever path runs, the ranges are those of a plain walk over the indices."""
+    from capsulert.capsule_store.moves import slab_ranges
+
+    limit = 7
+    want: list[tuple[int, int]] = []
+    for i in indices:
+        if want and want[-1][0] + want[-1][1] == i and want[-1][1] < limit:
+            want[-1] = (want[-1][0], want[-1][1] + 1)
+        else:
+            want.append((i, 1))
+    assert slab_ranges(indices, limit) == want
+    assert [i for first, count in want for i in range(first, first + count)] == indices
+
+
+def test_a_plans_enter_gives_the_bytes_it_adds_to_the_tier():
+    """Plan.enter returns what the capsule adds to its tier: its own bytes and the blocks the tier lacks
+    (a put checks its budget against it); entering again adds only the own bytes."""
+    s = store()
+    put(s, "a", tokens(5 * ROWS + 3))
+    tiers = s._tiers
+    e = tiers.entries[("default", "a")]
+    plan = tiers.new_plan()
+    before = plan.used["host"]
+    added = plan.enter("host", e.own_nbytes, e.blocks)
+    assert added == e.own_nbytes + 5 * ROWS * ROW_BYTES + e.blocks.state_nbytes
+    assert plan.used["host"] - before == added
+    assert plan.enter("host", e.own_nbytes, e.blocks) == e.own_nbytes  # its blocks are counted there already
