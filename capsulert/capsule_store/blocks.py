@@ -173,7 +173,7 @@ class BlockRefs:
         """Tokens the blocks cover: the capsule's grid point."""
         return len(self.keys) * self.rows
 
-    @property
+    @cached_property  # asked on every read, reference and plan step
     def all_keys(self) -> tuple[str, ...]:
         """Every block the capsule references: its KV blocks, then its grid-state block."""
         return self.keys + ((self.state,) if self.state is not None else ())
@@ -326,12 +326,12 @@ class Parts:
 
     @classmethod
     def of(cls, own: Tensors, refs: BlockRefs | None, by_key: "Mapping[str, Tensors] | BlockLookup",
-           slab_rows: Mapping[str, SlabRow | None] | None = None) -> "Parts":
+           slab_rows: Sequence[SlabRow | None] | None = None) -> "Parts":
         """A capsule's parts from its own tensors and its blocks' tensors by key (and, for blocks a memory tier
-        holds, their slab rows by key)."""
+        holds, the slab row of each KV block, in the order of refs.keys)."""
         if refs is None:
             return cls(own)
-        runs = block_runs([slab_rows.get(k) for k in refs.keys]) if slab_rows is not None else None
+        runs = block_runs(slab_rows) if slab_rows is not None else None
         return cls(own, KeyedBlocks(refs.keys, by_key), refs,
                    by_key[refs.state] if refs.state is not None else None, runs=runs)
 

@@ -146,18 +146,14 @@ class Mover:
         if e.held is None and e.tier in MEMORY_TIERS:  # blocks looked up when used: a restore copies slab runs
             records = self._tiers.pools[e.tier].records
             by_key: Mapping | BlockLookup = BlockLookup(lambda k: records[k].block_tensors())  # type: ignore[arg-type,return-value]
-            events = [records[k].event for k in e.block_keys]
-        else:
+            held_here = [records[k] for k in e.block_keys]  # one lookup per block: a crowd's restore reads many
+            events = [r.event for r in held_here]
+            # the slab rows of its KV blocks (the grid-state block, last, has none)
+            rows = [r.slab for r in held_here[:len(e.blocks.keys)]] if e.blocks is not None else None
+        else:  # its own until a disk write settles, or files: no slab rows
             held = self._held_blocks(e)
-            by_key, events = {k: held[k][0] for k in e.block_keys}, [held[k][1] for k in e.block_keys]
-        return Parts.of(e.tensors, e.blocks, by_key, self._slab_rows(e)), distinct_events([e.event] + events)
-
-    def _slab_rows(self, e: Entry) -> dict[str, SlabRow | None] | None:
-        """The slab rows of e's KV blocks in its memory tier (None while it holds its own until a disk write)."""
-        if e.held is not None or e.tier not in MEMORY_TIERS or e.blocks is None:
-            return None
-        records = self._tiers.pools[e.tier].records
-        return {k: records[k].slab for k in e.blocks.keys}
+            by_key, events, rows = {k: held[k][0] for k in e.block_keys}, [held[k][1] for k in e.block_keys], None
+        return Parts.of(e.tensors, e.blocks, by_key, rows), distinct_events([e.event] + events)
 
     def _to_device(self, parts: Parts, waits: list) -> tuple[Parts, Any]:
         """A transient device copy of a capsule's parts (one grouped copy), and its CUDA event."""

@@ -268,7 +268,7 @@ class CapsuleVerbs:
         out.update({k: (v, k) for k, v in (grid_state_views(st, slot) if replay else state_views(st, slot, P != G)).items()})
         out.update({k: (v, k) for k, v in tail_views(st, slot, read.tail_rows).items()})
         if read.tail_rows and st.keeps_tail_seed:  # the seed at the tail's end: last_hidden where the capsule ends
-            out["tail_hidden"] = (st.tail_hidden[slot], "tail_hidden" if "tail_hidden" in read.own else "last_hidden")
+            out["tail_hidden"] = (st.slot_view("tail_hidden", slot), "tail_hidden" if "tail_hidden" in read.own else "last_hidden")
         if P == G:  # at the grid point the live state is the grid checkpoint
             twin = live_state_views(st, slot) if replay else grid_state_views(st, slot)
             out.update({f"{k}:twin": (v, k) for k, v in twin.items()})

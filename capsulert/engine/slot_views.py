@@ -48,13 +48,15 @@ def capsule_views(st: StateSet, slot: int, length: int, grid_pos: int) -> dict[s
 def tail_views(st: StateSet, slot: int, rows: int) -> dict[str, torch.Tensor]:
     """The slot's exact-replay rows of the first `rows` tokens past its grid point (engine/tail_replay.py),
     none for rows = 0."""
-    return {"tail_in": st.tail_in[:, slot, :rows], "tail_gates": st.tail_gates[:, slot, :rows]} if rows else {}
+    if not rows:
+        return {}
+    return {"tail_in": st.slot_view("tail_in", slot)[:, :rows], "tail_gates": st.slot_view("tail_gates", slot)[:, :rows]}
 
 
 def state_views(st: StateSet, slot: int, off_grid: bool) -> dict[str, torch.Tensor]:
     """`capsule_views` but the KV rows: the live state, the last hidden state and, off the grid (where the
     live state and the grid checkpoint differ), the grid checkpoint."""
-    views = {"ssm": st.ssm[:, slot], "conv": st.conv[:, slot], "last_hidden": st.last_hidden[slot]}
+    views = {name: st.slot_view(name, slot) for name in ("ssm", "conv", "last_hidden")}
     if off_grid:
         views.update({off: st.slot_view(off, slot) for _, off in st.layout.grid_state})
     return views

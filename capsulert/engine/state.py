@@ -162,6 +162,10 @@ class StateSet:
             name: torch.zeros(shape, dtype=dtype, device=layout.device)
             for name, (shape, dtype) in layout.shapes().items()
         }
+        # each slot's part of every buffer, made once: a crowd's restore names a dozen of them per capsule, and
+        # making the views was a sixth of its host time
+        self._slot_parts = [{name: t[:, slot] if t.dim() >= 4 else t[slot] for name, t in self.buffers.items()}
+                            for slot in range(layout.slots)]
 
     def __getattr__(self, name: str) -> torch.Tensor:
         buffers = self.__dict__.get("buffers")
@@ -177,9 +181,10 @@ class StateSet:
         return {name: t.data_ptr() for name, t in self.buffers.items()}
 
     def slot_view(self, name: str, slot: int) -> torch.Tensor:
-        """The part of buffer `name` that belongs to one slot (a view, no copy)."""
-        t = self.buffers[name]
-        return t[:, slot] if t.dim() >= 4 else t[slot]
+        """The part of buffer `name` that belongs to one slot (a view, no copy): [:, slot] of a buffer of four or
+        more dimensions ([layers, slots, ...]), [slot] of the others. The same view object every call: callers
+        write through it and never change its shape or strides."""
+        return self._slot_parts[slot][name]
 
     def save_grid(self, slot: int) -> None:
         """The slot's live recurrent/conv state (and, with an MTP head, its seed) becomes its grid checkpoint."""

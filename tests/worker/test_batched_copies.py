@@ -301,3 +301,20 @@ def test_a_forks_two_copies_plan_as_the_views_they_name(engine, corpus, monkeypa
             assert (getattr(lazy, f) == getattr(made, f)).all(), f
     for r, name in zip(got, ("p", "q", "p", "q")):
         assert_slots_equal(slot_bytes(engine, r.slot), want[name])
+
+
+def test_a_slots_part_of_each_buffer_is_one_view_made_once(engine):
+    """StateSet.slot_view hands out the view it made at start (a restore names a dozen per capsule): the same
+    object each call, [:, slot] of a buffer of four or more dimensions and [slot] of the others, writing
+    through to the buffer."""
+    st = engine.state
+    for name, full in st.buffers.items():
+        for slot in (0, engine.config.slots - 1):
+            view = st.slot_view(name, slot)
+            assert view is st.slot_view(name, slot)
+            want = full[:, slot] if full.dim() >= 4 else full[slot]
+            assert (view.shape, view.stride(), view.data_ptr()) == (want.shape, want.stride(), want.data_ptr())
+    before = st.buffers["ssm"].clone()
+    st.slot_view("ssm", 1).add_(1)
+    assert torch.equal(st.buffers["ssm"][:, 1], before[:, 1] + 1) and torch.equal(st.buffers["ssm"][:, 0], before[:, 0])
+    st.slot_view("ssm", 1).copy_(before[:, 1])
