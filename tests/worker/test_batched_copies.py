@@ -259,9 +259,9 @@ def test_the_copy_plan_of_views_not_made_is_the_plan_of_the_views(engine, corpus
         pairs = kv_pairs(st, slot, grid, parts, first, meta.held)
         assert any(isinstance(d, Strided) for d, _ in pairs) and any(isinstance(x, Strided) for _, x in pairs)
         made = [(as_tensor(d), as_tensor(x)) for d, x in pairs]
-        cpu = torch.device("cpu")
-        lazy, lazy_rest = plan_runs(pairs, cpu)
-        real, real_rest = plan_runs(made, cpu)
+        # planned for the engine's device: a plan for another one leaves every pair to copy_
+        lazy, lazy_rest = plan_runs(pairs, engine.device)
+        real, real_rest = plan_runs(made, engine.device)
         assert not lazy_rest and not real_rest
         for f in ("src", "dst", "nbytes"):
             assert (getattr(lazy, f) == getattr(real, f)).all(), f
@@ -293,10 +293,10 @@ def test_a_forks_two_copies_plan_as_the_views_they_name(engine, corpus, monkeypa
     free_slots(engine, 4)
     got = engine.restore_many(["p", "q", "p", "q"])
     assert len(calls) == 2 and all(any(isinstance(d, Strided) for d, _ in c) for c in calls)
-    cpu = torch.device("cpu")
     for pairs in calls:
-        lazy, _ = plan_runs(pairs, cpu)
-        made, _ = plan_runs([(as_tensor(d), as_tensor(x)) for d, x in pairs], cpu)
+        lazy, lazy_rest = plan_runs(pairs, engine.device)
+        made, made_rest = plan_runs([(as_tensor(d), as_tensor(x)) for d, x in pairs], engine.device)
+        assert lazy.count and len(lazy_rest) == len(made_rest)
         for f in ("src", "dst", "nbytes"):
             assert (getattr(lazy, f) == getattr(made, f)).all(), f
     for r, name in zip(got, ("p", "q", "p", "q")):
