@@ -12,9 +12,9 @@ unlinked only after a directory fsync has made the capsule files that named them
 from __future__ import annotations
 
 import logging
-from itertools import repeat
 import time
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Mapping, Sequence
 
 import torch
