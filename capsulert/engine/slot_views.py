@@ -28,16 +28,16 @@ def rows_not_made(st: StateSet, slot: int, length: int) -> dict[str, Strided]:
     would otherwise make them for every capsule."""
     out = {}
     for name in st.layout.block_tensors:
-        full = st.buffers[name]
-        size, stride, at = _slot_geometry(full, slot)
-        out[name] = Strided(full, (size[0], length, *size[2:]), stride, at)
+        size, stride, at = _slot_geometry(st, name, slot)
+        out[name] = Strided(st.buffers[name], (size[0], length, *size[2:]), stride, at)
     return out
 
 
-def _slot_geometry(full: torch.Tensor, slot: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """Shape, strides and storage offset of full[:, slot] ([layers, slots, ...] -> [layers, ...]), no view made."""
-    shape, fstride = tuple(full.shape), full.stride()
-    return (shape[0], *shape[2:]), (fstride[0], *fstride[2:]), full.storage_offset() + slot * fstride[1]
+def _slot_geometry(st: StateSet, name: str, slot: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """Shape, strides and storage offset of the slot's view of buffer `name` ([layers, max_seq, ...]), read from
+    the view the state set made at start."""
+    view = st.slot_view(name, slot)
+    return tuple(view.shape), view.stride(), view.storage_offset()
 
 
 def capsule_views(st: StateSet, slot: int, length: int, grid_pos: int) -> dict[str, torch.Tensor]:
@@ -117,8 +117,8 @@ def _run_pairs(st: StateSet, slot: int, grid: int, parts: Parts, first: int, end
     Both sides are views not made yet (Strided): on the GPU the copy plan reads their addresses alone."""
     n, pairs = len(parts.blocks), []
     for k in st.layout.block_tensors:
-        full = st.buffers[k]  # [layers, slots, max_seq, ...]: the slot's rows without a view of them
-        size, stride, at = _slot_geometry(full, slot)
+        full = st.buffers[k]  # the base of the slot's rows: one per buffer however many slots a restore writes
+        size, stride, at = _slot_geometry(st, k, slot)
         for run in parts.runs:  # type: ignore[union-attr]
             lo, hi = max(run.first, first), run.first + run.count
             if lo < hi:  # the slot's rows [lo * grid, hi * grid) as [hi - lo, layers, grid, ...]
