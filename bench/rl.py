@@ -4,7 +4,8 @@ spread over the workers, steps batched by each worker's step scheduler) against 
 batched generate over the envs, and the same with a restore and an append per env, the way before batching; the
 in-process rows also give the ms per step spent in the appends and in the generate), plus the time of a weight update and of a
 start-capsule rebuild. Prints a table, writes bench/out/rl.json and bench/out/rl.png. `--no-batch-prefill`
-runs the workers' prefill one forward per session (the orchestrated baseline); `--with-baseline` runs that
+runs the workers' prefill one forward per session, a chunk a step (SchedulerConfig.batch_prefill=False: the
+orchestrated baseline, the way before batching); `--with-baseline` runs that
 baseline too, in the same run, and reports the batched rate over it.
 
     .venv/bin/python bench/rl.py --quick                 # CPU, default model

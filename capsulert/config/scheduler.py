@@ -12,11 +12,14 @@ class SchedulerConfig(BaseModel):
                            "QueueFullError (the orchestrator's admission queue bounds what reaches a worker first)")
     step_prefill_tokens: int | None = Field(None, ge=1, description="prompt tokens one step prefills across all "
                                             "sessions before the next decode step (a long prompt cannot stall the "
-                                            "others' decoding for longer); None: the engine's prefill_chunk")
+                                            "others' decoding for longer); None: the engine's prefill_chunk while sessions "
+                                            "decode, and while none does (no token waits) the larger of it and "
+                                            "EngineConfig.batched_piece_rows (with batch_prefill), so a crowd's turns that arrive together "
+                                            "run in one forward and start decoding together")
     step_prefill_tokens_decoding: int | None = Field(
         None, ge=1, description="the step's prefill budget while other sessions are decoding: their next token "
         "waits for the step's prefill, so this bounds their inter-token latency (a crowd's arrivals are then "
-        "prefilled over more steps); None: step_prefill_tokens")
+        "prefilled over more steps); None: step_prefill_tokens (unset: the engine's prefill_chunk)")
     step_rederive_rows: int | None = Field(
         256, ge=64, description="the grid re-derivation rows one decode step runs (64 for each session whose step "
         "reaches a grid point: its last 64 tokens re-run through the prefill path, the canonical grid state); the "
@@ -30,5 +33,6 @@ class SchedulerConfig(BaseModel):
     batch_prefill: bool = Field(True, description="a step's prefill pieces of many sessions run as one batched "
                                 "append (one forward per round), and its requests' capsule restores as one batch "
                                 "(two grouped copies); False: one forward per session's piece and one restore per "
-                                "request, the way before batching (benchmarks compare the two; the tokens are the "
+                                "request, and a step budget of one chunk with or without decoding sessions, the way "
+                                "before batching (benchmarks compare the two; the tokens are the "
                                 "same)")

@@ -11,8 +11,9 @@ the engine and runs steps. Each step:
    requests after it wait behind it (a fork of 8 is never starved by a stream of opens), each up to
    `slot_wait_s` from its arrival, then NoFreeSlotError. One that needs more slots than the engine has is
    refused at once (ExceedsCapacityError);
-2. runs prefill work under a token budget (`step_prefill_tokens`, default one chunk; while generates run,
-   `step_prefill_tokens_decoding` where set, which bounds their inter-token latency): appends are cut at
+2. runs prefill work under a token budget (`step_prefill_tokens`; unset, one chunk while generates run and a
+   crowd forward, `batched_piece_rows`, while none does; while generates run, `step_prefill_tokens_decoding`
+   where set, which bounds their inter-token latency): appends are cut at
    grid points, so a long prefill advances one chunk per step while decoding sessions keep producing
    tokens, and the pieces give bitwise the same state as one append. Before an append is cut, the whole
    of it is looked up in the prefix cache (EngineConfig.prefix_cache): the longest cached grid prefix is
@@ -89,10 +90,16 @@ class StepScheduler:
             raise InvalidRequestError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
-        self.budget = step_prefill_tokens or config.step_prefill_tokens or engine.chunk
+        set_budget = step_prefill_tokens or config.step_prefill_tokens
         # while generates run, a step prefills at most this much: their next token waits for it
-        self.decoding_budget = min(self.budget, config.step_prefill_tokens_decoding or self.budget)
+        running = set_budget or engine.chunk
+        self.decoding_budget = min(running, config.step_prefill_tokens_decoding or running)
         self.batch_prefill = config.batch_prefill
+        # with none running, no token waits for the step: unset, it takes a whole crowd forward (a batched
+        # append of batched_piece_rows rows), so a crowd's turns that arrive together (64 RL envs' steps) run in
+        # one forward and start decoding in one step, not a chunk's worth of sessions at a time
+        crowd = max(engine.chunk, engine.config.batched_piece_rows) if self.batch_prefill else engine.chunk
+        self.budget = set_budget or crowd
         rows = config.step_rederive_rows
         self.rederive_sessions = None if rows is None else max(1, rows // engine.grid)
         self._cv = threading.Condition()

@@ -562,20 +562,25 @@ async def test_a_job_goes_through_its_typed_phases_in_order(make_engine, corpus)
 
 
 def test_the_scheduler_takes_its_bounds_from_the_engine_config(make_engine):
-    """EngineConfig.scheduler sets the step scheduler's queue bound and prefill budget; arguments override."""
+    """EngineConfig.scheduler sets the step scheduler's queue bound and prefill budgets; arguments override. Set,
+    step_prefill_tokens is the budget with or without decoding sessions; unset, it is one chunk while sessions
+    decode and a crowd forward (batched_piece_rows, or the chunk where that is smaller) while none does."""
     from capsulert.scheduler.step_scheduler import StepScheduler
 
     eng = make_engine(slots=1, scheduler={"max_queue": 3, "step_prefill_tokens": 256})
-    sch = StepScheduler(eng)
-    try:
-        assert (sch.max_queue, sch.budget) == (3, 256)
-    finally:
-        sch.stop()
-    sch = StepScheduler(eng, max_queue=5)
-    try:
-        assert (sch.max_queue, sch.budget) == (5, 256)
-    finally:
-        sch.stop()
+    for sch, queue in ((StepScheduler(eng), 3), (StepScheduler(eng, max_queue=5), 5)):
+        try:
+            assert (sch.max_queue, sch.budget, sch.decoding_budget) == (queue, 256, 256)
+        finally:
+            sch.stop()
+    # the engine's chunk is 128; without batched prefill there is no crowd forward to fill
+    for cfg, want in (({}, 2048), ({"batched_piece_rows": 512}, 512), ({"batched_piece_rows": 64}, 128),
+                      ({"batched_piece_rows": 0}, 128), ({"scheduler": {"batch_prefill": False}}, 128)):
+        sch = StepScheduler(make_engine(slots=1, **cfg))
+        try:
+            assert (sch.budget, sch.decoding_budget) == (want, 128)
+        finally:
+            sch.stop()
 
 
 @pytest.mark.parametrize("held,new,want", [
@@ -641,6 +646,65 @@ async def test_requests_submitted_together_start_in_one_step(make_engine, corpus
         assert [info.length for info in await asyncio.gather(*futures)] == [15] * 3
         steps = await records_when(async_read(aeng.scheduler.trace.since, t0), lambda rs: len(rs) > 0)
         assert [(r["started"], r["prefill_forwards"], r["prefill_tokens"]) for r in steps] == [(3, 1, 15)]
+
+
+async def test_a_crowds_turns_arriving_together_run_in_one_forward_and_start_decoding_together(make_engine, corpus):
+    """No session decoding, the unset step budget is a crowd forward, not a chunk: six turns of 40 tokens (240
+    rows, past the 128-token chunk, which held four of them a step) submitted together are one prefill forward,
+    and their first tokens come in one decode step, every later step decoding all six; each turn's tokens are its
+    solo run's."""
+    eng = make_engine(slots=7, max_seq=512)
+    prompts = [corpus[100 * i:100 * i + 64] for i in range(6)]
+    turns = [corpus[700 + 40 * i:740 + 40 * i] for i in range(6)]
+    want = []
+    for p, t in zip(prompts, turns):
+        s = eng.open(p)
+        s.append(t)
+        want.append(eng.generate([s], 5, [NOEOS])[0].tokens)
+        s.close()
+    loop = asyncio.get_running_loop()
+    async with AsyncEngine(eng) as aeng:
+        sessions = [await aeng.open(p) for p in prompts]
+        t0, futures = time.monotonic(), []
+        with aeng.scheduler.together():
+            for s, t in zip(sessions, turns):
+                fut, sink = _future_sink(loop)
+                aeng.scheduler.submit(Turn(s.id, suffix=t, max_new_tokens=5, sampling=NOEOS), sink)
+                futures.append(fut)
+        got = await asyncio.gather(*futures)
+        steps = await records_when(async_read(aeng.scheduler.trace.since, t0),
+                                   lambda rs: sum(r["decode_rows"] for r in rs) == 30)
+    assert [g.tokens for g in got] == want
+    assert [(r["started"], r["prefill_forwards"], r["prefill_tokens"]) for r in steps if r["prefill_forwards"]] == [
+        (6, 1, 240)]
+    assert [r["decode_rows"] for r in steps] == [6] * 5
+
+
+async def test_a_crowds_turns_arriving_while_a_generate_runs_are_prefilled_a_chunk_a_step(make_engine, corpus):
+    """While a generate runs its next token waits for the step's prefill: the unset budget is then one chunk
+    (128 tokens), so the same six turns take two prefill forwards in two steps, not one of 240 rows."""
+    eng = make_engine(slots=8, max_seq=1024)
+    loop = asyncio.get_running_loop()
+    async with AsyncEngine(eng) as aeng:
+        decoder = await aeng.open(corpus[:20])
+        sessions = [await aeng.open(corpus[100 * i:100 * i + 64]) for i in range(6)]
+        running = asyncio.ensure_future(decoder.generate(600, NOEOS))
+        while aeng.scheduler.decoded_tokens < 2:
+            await asyncio.sleep(0.002)
+        t0, futures = time.monotonic(), []
+        with aeng.scheduler.together():
+            for i, s in enumerate(sessions):
+                fut, sink = _future_sink(loop)
+                aeng.scheduler.submit(Turn(s.id, suffix=corpus[700 + 40 * i:740 + 40 * i], max_new_tokens=1,
+                                           sampling=NOEOS), sink)
+                futures.append(fut)
+        await asyncio.gather(*futures)
+        steps = await records_when(async_read(aeng.scheduler.trace.since, t0),
+                                   lambda rs: sum(r["prefill_tokens"] for r in rs) == 240)
+        still_running = not running.done()
+        running.cancel()
+    assert still_running
+    assert [r["prefill_tokens"] for r in steps if r["prefill_forwards"]] == [160, 80]
 
 
 @pytest.mark.parametrize("rederive_rows", [None, 64, 128])
