@@ -314,6 +314,31 @@ async def test_episode_envs_share_decode_steps(orch_tv):
     await orch.delete("ep-c")
 
 
+async def test_an_env_step_of_a_crowd_is_one_prefill_forward_then_one_decode_step_a_token(orch_tv):
+    """The envs' step() calls of one env step reach the worker together and, no env decoding, fill one crowd
+    forward: 8 observations of 24+ tokens (past the 128-token chunk, which held only six of them a step and started
+    the envs decoding in two groups) are one prefill forward, and every decode step after it decodes all 8."""
+    orch = orch_tv
+    maker = await orch.open(PROMPT)
+    c0, held = "crowd-c", maker.length
+    await maker.snapshot(c0)
+    await maker.close()
+    n = next(k for k in range(24, 100) if 1 <= (held + k) % 64 <= 60)  # no grid point in the 3 decoded tokens
+    obs = list(range(300, 300 + n))
+    async with EpisodeDriver(orch, c0, n_envs=8, max_new_tokens=3, sampling=NOEOS) as drv:
+        await asyncio.gather(*(drv.reset(i) for i in range(8)))
+        t0 = time.monotonic()
+        actions = await asyncio.gather(*(drv.step(i, obs) for i in range(8)))
+
+        async def read() -> list[dict]:
+            return (await orch.stats(steps_since=t0))[0]["recent_steps"]
+        steps = await records_when(read, lambda rs: sum(r["decode_rows"] for r in rs) == 8 * 3)
+    assert len({tuple(a.tokens) for a in actions}) == 1  # the same start, observation and greedy sampling
+    assert [(r["prefill_forwards"], r["prefill_tokens"]) for r in steps if r["prefill_forwards"]] == [(1, 8 * n)]
+    assert [r["decode_rows"] for r in steps if r["decode_rows"]] == [8, 8, 8]
+    await orch.delete(c0)
+
+
 # ---------------------------------------------------------------------- coalesced short requests
 async def test_concurrent_resets_travel_as_one_batch_and_equal_fresh_restores(orch_tv, spy):
     s = await orch_tv.open(PROMPT)
