@@ -29,7 +29,10 @@ class SchedulerConfig(BaseModel):
         "first grid point and re-derives a few sessions a step from then on, at the price of the separate "
         "forwards of those few (on CUDA they ride in the decode step's forward: EngineConfig.mixed_rederive_pieces). "
         "None: unbounded (a few % more tokens/s, an inter-token p99 of 7.5x the median on an H100 9B crowd of 64 "
-        "against 2.5x at 256)")
+        "against 2.5x at 256). The bound holds in steps that decode a streamed generate; a step whose generates "
+        "are all whole-result requests (RL turns, best-of-N branches) re-derives every grid point it reaches: no "
+        "caller sees a token before its last, and a crowd that an RL env step re-aligns would otherwise spread "
+        "out again at each grid point (an env step of 8 tokens took 23 decode steps instead of 8)")
     batch_prefill: bool = Field(True, description="a step's prefill pieces of many sessions run as one batched "
                                 "append (one forward per round), and its requests' capsule restores as one batch "
                                 "(two grouped copies); False: one forward per session's piece and one restore per "

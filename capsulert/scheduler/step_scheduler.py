@@ -20,8 +20,9 @@ the engine and runs steps. Each step:
    restored and only the rest is prefilled (a Turn's `cached_tokens` counts what was served);
 3. advances every running generate by one token in one batched decode step (engine/decoding.py).
 Every running generate advances once per step, so a long generate never starves a short one; where
-`step_rederive_rows` bounds a step's grid re-derivations, the generates past it whose step would reach a grid
-point sit that step out and go first in the next (their tokens stay the same). A constrained
+`step_rederive_rows` bounds a step's grid re-derivations (a step that decodes a streamed generate), the generates
+past it whose step would reach a grid point sit that step out and go first in the next (their tokens stay the
+same). A constrained
 generate whose grammar mask is not ready when the step starts skips it (its tokens stay the same); its
 generate starts without waiting for the first mask, and when only such generates are left the loop sleeps
 until a mask is ready. One whose mask runs past its budget fails with GrammarTooCostlyError and is undone
@@ -406,8 +407,11 @@ class StepScheduler:
         if not jobs:
             return
         by_stream = {id(j.stream): j for j in jobs}
-        events = advance(self.engine, [j.stream for j in jobs],
-                         should_stop=lambda st: by_stream[id(st)].cancelled, rederive_sessions=self.rederive_sessions)
+        # the bound keeps streamed tokens evenly spaced; with none streamed (RL turns, best-of-N, whole generates)
+        # no caller sees a token before its last, which re-deriving every grid point the step reaches gives soonest
+        streamed = any(j.sink.event is not None for j in jobs)
+        events = advance(self.engine, [j.stream for j in jobs], should_stop=lambda st: by_stream[id(st)].cancelled,
+                         rederive_sessions=self.rederive_sessions if streamed else None)
         self.steps += bool(events)  # a step every generate skipped (all waiting for masks) is none
         self.decoded_tokens += len(events)
         for st, ev in events:

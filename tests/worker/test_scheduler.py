@@ -707,12 +707,16 @@ async def test_a_crowds_turns_arriving_while_a_generate_runs_are_prefilled_a_chu
     assert [r["prefill_tokens"] for r in steps if r["prefill_forwards"]] == [160, 80]
 
 
+@pytest.mark.parametrize("streamed", ["all", "one", "none"])
 @pytest.mark.parametrize("rederive_rows", [None, 64, 128])
-async def test_a_bound_on_rederive_rows_spreads_a_crowds_grid_points_over_steps(make_engine, corpus, rederive_rows):
+async def test_a_bound_on_rederive_rows_spreads_a_crowds_grid_points_over_steps(make_engine, corpus, rederive_rows,
+                                                                                streamed):
     """Five sessions that reach grid point 64 in the same step (one of them speculating; their generates are
     submitted together, so one step starts them all): unbounded, that step re-derives all five; with
     step_rederive_rows the streams past the bound sit the step out and re-derive in later ones (64 rows: one a
-    step; 128: two), and every stream's tokens and logprobs stay its solo run's."""
+    step; 128: two), and every stream's tokens and logprobs stay its solo run's. The bound holds while one of
+    the generates streams its tokens; with none streamed (whole results: RL turns, best-of-N), the step
+    re-derives all five, the soonest every result is whole."""
     eng = make_engine(slots=6, max_seq=512, scheduler={"step_rederive_rows": rederive_rows})
     prompts = [corpus[100 * i:100 * i + 60] for i in range(5)]
     params = [NOEOS, SamplingParams(temperature=0.9, seed=3, ignore_eos=True), NOEOS,
@@ -733,9 +737,11 @@ async def test_a_bound_on_rederive_rows_spreads_a_crowds_grid_points_over_steps(
         eng.table.rederive_grid_points = counted
         loop, futures = asyncio.get_running_loop(), []
         try:
+            events: list[TokenEvent] = []
             with aeng.scheduler.together():  # else a loaded box can start some before the rest arrive
-                for s, sp in zip(sessions, params):
-                    fut, sink = _future_sink(loop)
+                for i, (s, sp) in enumerate(zip(sessions, params)):
+                    streams = streamed == "all" or (streamed == "one" and i == 2)
+                    fut, sink = _future_sink(loop, events.append if streams else None)
                     aeng.scheduler.submit(Generate(s.id, 12, sp), sink)
                     futures.append(fut)
             got = await asyncio.gather(*futures)
@@ -743,8 +749,9 @@ async def test_a_bound_on_rederive_rows_spreads_a_crowds_grid_points_over_steps(
             del eng.table.rederive_grid_points
     for g, w in zip(got, want):
         assert g.tokens == w.tokens and g.logprobs == w.logprobs
+    assert len(events) == {"all": 5, "one": 1, "none": 0}[streamed] * 12
     assert sum(per_step.values()) == 5
-    most = 5 if rederive_rows is None else rederive_rows // 64
+    most = 5 if rederive_rows is None or streamed == "none" else rederive_rows // 64
     assert max(per_step.values()) == most
     assert len(per_step) == -(-5 // most)
 
