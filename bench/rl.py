@@ -6,7 +6,10 @@ in-process rows also give the ms per step spent in the appends and in the genera
 start-capsule rebuild. Prints a table, writes bench/out/rl.json and bench/out/rl.png. `--no-batch-prefill`
 runs the workers' prefill one forward per session, a chunk a step (SchedulerConfig.batch_prefill=False: the
 orchestrated baseline, the way before batching); `--with-baseline` runs that
-baseline too, in the same run, and reports the batched rate over it.
+baseline too, in the same run, and reports the batched rate over it. The orchestrated rows also give the workers'
+prefill forwards and decode steps per env step (a crowd's env step: one forward, then --gen decode steps).
+`--context` sets where the envs' grid points fall: at the default 1000 every one ends an observation's append;
+at e.g. 1012 every fourth env step's generate reaches one (each env re-derives its last 64 tokens there).
 
     .venv/bin/python bench/rl.py --quick                 # CPU, default model
     python bench/rl.py --device cuda --model random:capsulert/configs/models/qwen3_5-9b-shape.yaml
@@ -97,11 +100,22 @@ async def orchestrated(orch, envs: int, resets: int, steps: int, obs: list[int],
         for r in range(0, resets, envs):  # the envs reset concurrently, as a driver's env loops do
             await asyncio.gather(*(drv.reset(i) for i in range(min(envs, resets - r))))
         reset_s = time.perf_counter() - t0
+        before = await loop_counts(orch)
         t0 = time.perf_counter()
         for _ in range(steps):
             await asyncio.gather(*(drv.step(i, obs) for i in range(envs)))
         step_s = time.perf_counter() - t0
-    return {"resets_per_s": resets / reset_s, "steps_per_s": steps * envs / step_s}
+        after = await loop_counts(orch)
+    # the workers' step loops per env step: one prefill forward and `gen` decode steps where the envs' turns
+    # are one crowd (a forward per env without batched prefill)
+    per_step = {f"{k}_per_env_step": (after[k] - before[k]) / steps for k in after}
+    return {"resets_per_s": resets / reset_s, "steps_per_s": steps * envs / step_s, **per_step}
+
+
+async def loop_counts(orch) -> dict:
+    """The prefill forwards and decode steps every worker's step loop has run."""
+    rows = await orch.stats()
+    return {k: sum(r[k] for r in rows) for k in ("prefill_forwards", "decode_steps")}
 
 
 def update_times(engine) -> dict:
@@ -196,9 +210,15 @@ async def main(args) -> int:
                          "resets_per_s_orch": remote["resets_per_s"],
                          "resets_orch_over_inprocess": remote["resets_per_s"] / local["resets_per_s"],
                          "steps_per_s_inprocess": local["steps_per_s"], "steps_per_s_orch": remote["steps_per_s"],
-                         "steps_orch_over_inprocess": remote["steps_per_s"] / local["steps_per_s"]})
+                         "steps_orch_over_inprocess": remote["steps_per_s"] / local["steps_per_s"],
+                         "forwards_per_env_step_orch": remote["prefill_forwards_per_env_step"],
+                         "decode_steps_per_env_step_orch": remote["decode_steps_per_env_step"]})
             if envs in baseline:
                 rows[-1].update({"steps_per_s_orch_one_forward_each": baseline[envs]["steps_per_s"],
+                                 "forwards_per_env_step_one_forward_each":
+                                     baseline[envs]["prefill_forwards_per_env_step"],
+                                 "decode_steps_per_env_step_one_forward_each":
+                                     baseline[envs]["decode_steps_per_env_step"],
                                  "steps_orch_batched_over_one_forward_each":
                                      remote["steps_per_s"] / baseline[envs]["steps_per_s"]})
     finally:
