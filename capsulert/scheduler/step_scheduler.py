@@ -55,6 +55,7 @@ from capsulert.engine.session import Session
 from capsulert.protocol.requests import SESSION, Request
 from capsulert.protocol.results import GenerateResult, SessionInfo
 from capsulert.scheduler.jobs import Decode, Job, Phase, Prefill, Sink, queue_sink, stream_item
+from capsulert.scheduler.prefill_rounds import split_by_length
 from capsulert.scheduler.prefill_undo import roll_back
 from capsulert.scheduler.restore_batch import restore_together
 from capsulert.scheduler.session_ids import SessionIds
@@ -343,14 +344,17 @@ class StepScheduler:
 
     def _prefill(self) -> None:
         """The step's prefill work under its token budget: each round takes the next piece of every prefilling
-        job (arrival order) while budget is left, and runs them as one batched append (Engine.append_checked_many:
-        one forward per round of pieces, each session bitwise what its own append gives)."""
+        job (arrival order) while budget is left, and runs them as batched appends (Engine.append_checked_many:
+        one forward for the round's pieces, or one per group of similar lengths where padding them all to the
+        longest costs more than another forward: prefill_rounds.py; each session bitwise what its own append
+        gives)."""
         decoding = any(j.phase is Phase.DECODE for j in self._active)
         budget = self.decoding_budget if decoding else self.budget
         for job in [j for j in self._active if j.phase is Phase.PREFILL and not j.prefill]:
             self._prefilled(job)  # nothing left to prefill (the prefix cache served it all)
         while budget > 0:
             batch: list[tuple[Job, Session, list[int]]] = []
+            rows: list[int] = []  # each piece's rows through the model
             for job in [j for j in self._active if j.phase is Phase.PREFILL and j.prefill]:
                 if budget <= 0:
                     break
@@ -366,10 +370,14 @@ class StepScheduler:
                 [(end, work)] = prefill_steps(P, len(job.prefill), self.engine.grid, self.engine.chunk,
                                               self.engine.table.replayable_end(s))[:1]
                 batch.append((job, s, job.prefill[:end - P]))
+                rows.append(work)
                 budget -= work
             if not batch:
                 return
-            for part in [batch] if self.batch_prefill else [[b] for b in batch]:
+            # one forward pads its pieces to the longest: pieces of very different lengths go in more than one
+            parts = [[batch[i] for i in group] for group in split_by_length(rows)] if self.batch_prefill else [
+                [b] for b in batch]
+            for part in parts:
                 self.prefill_forwards += 1
                 self.prefill_tokens += sum(len(piece) for _, _, piece in part)
                 try:

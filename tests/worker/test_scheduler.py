@@ -648,19 +648,14 @@ async def test_requests_submitted_together_start_in_one_step(make_engine, corpus
         assert [(r["started"], r["prefill_forwards"], r["prefill_tokens"]) for r in steps] == [(3, 1, 15)]
 
 
-async def test_a_crowds_turns_arriving_together_run_in_one_forward_and_start_decoding_together(make_engine, corpus):
-    """No session decoding, the unset step budget is a crowd forward, not a chunk: six turns of 40 tokens (240
-    rows, past the 128-token chunk, which held four of them a step) submitted together are one prefill forward,
-    and their first tokens come in one decode step, every later step decoding all six; each turn's tokens are its
-    solo run's."""
-    eng = make_engine(slots=7, max_seq=512)
-    prompts = [corpus[100 * i:100 * i + 64] for i in range(6)]
-    turns = [corpus[700 + 40 * i:740 + 40 * i] for i in range(6)]
+async def _turns_together(eng, prompts, turns, new: int) -> tuple[list[list[int]], list[list[int]], list[dict]]:
+    """Each prompt's session given its turn (append + `new` greedy tokens): (the tokens of each turn submitted
+    together to a step scheduler, those of its solo run, the scheduler's step records of the turns)."""
     want = []
     for p, t in zip(prompts, turns):
         s = eng.open(p)
         s.append(t)
-        want.append(eng.generate([s], 5, [NOEOS])[0].tokens)
+        want.append(eng.generate([s], new, [NOEOS])[0].tokens)
         s.close()
     loop = asyncio.get_running_loop()
     async with AsyncEngine(eng) as aeng:
@@ -669,15 +664,38 @@ async def test_a_crowds_turns_arriving_together_run_in_one_forward_and_start_dec
         with aeng.scheduler.together():
             for s, t in zip(sessions, turns):
                 fut, sink = _future_sink(loop)
-                aeng.scheduler.submit(Turn(s.id, suffix=t, max_new_tokens=5, sampling=NOEOS), sink)
+                aeng.scheduler.submit(Turn(s.id, suffix=t, max_new_tokens=new, sampling=NOEOS), sink)
                 futures.append(fut)
         got = await asyncio.gather(*futures)
         steps = await records_when(async_read(aeng.scheduler.trace.since, t0),
-                                   lambda rs: sum(r["decode_rows"] for r in rs) == 30)
-    assert [g.tokens for g in got] == want
+                                   lambda rs: sum(r["decode_rows"] for r in rs) == new * len(turns))
+    return [g.tokens for g in got], want, steps
+
+
+async def test_a_crowds_turns_arriving_together_run_in_one_forward_and_start_decoding_together(make_engine, corpus):
+    """No session decoding, the unset step budget is a crowd forward, not a chunk: six turns of 40 tokens (240
+    rows, past the 128-token chunk, which held four of them a step) submitted together are one prefill forward,
+    and their first tokens come in one decode step, every later step decoding all six; each turn's tokens are its
+    solo run's."""
+    prompts = [corpus[100 * i:100 * i + 64] for i in range(6)]
+    turns = [corpus[700 + 40 * i:740 + 40 * i] for i in range(6)]
+    got, want, steps = await _turns_together(make_engine(slots=7, max_seq=512), prompts, turns, 5)
+    assert got == want
     assert [(r["started"], r["prefill_forwards"], r["prefill_tokens"]) for r in steps if r["prefill_forwards"]] == [
         (6, 1, 240)]
     assert [r["decode_rows"] for r in steps] == [6] * 5
+
+
+async def test_a_long_piece_and_short_turns_arriving_together_run_as_two_forwards(make_engine, corpus):
+    """One forward pads its pieces to the longest: a 120-token append beside six 8-token turns would be 7 x 120
+    rows for 168 real ones, so the step runs the long piece and the short turns as two forwards (prefill_rounds.py);
+    each session's tokens are its solo run's."""
+    prompts = [corpus[100 * i:100 * i + 64] for i in range(7)]
+    turns = [corpus[700:820]] + [corpus[820 + 8 * i:828 + 8 * i] for i in range(6)]
+    got, want, steps = await _turns_together(make_engine(slots=8, max_seq=512), prompts, turns, 3)
+    assert got == want
+    assert [(r["started"], r["prefill_forwards"], r["prefill_tokens"]) for r in steps if r["prefill_forwards"]] == [
+        (7, 2, 168)]
 
 
 async def test_a_crowds_turns_arriving_while_a_generate_runs_are_prefilled_a_chunk_a_step(make_engine, corpus):
