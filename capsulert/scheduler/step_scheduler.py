@@ -11,9 +11,9 @@ the engine and runs steps. Each step:
    requests after it wait behind it (a fork of 8 is never starved by a stream of opens), each up to
    `slot_wait_s` from its arrival, then NoFreeSlotError. One that needs more slots than the engine has is
    refused at once (ExceedsCapacityError);
-2. runs prefill work under a token budget (`step_prefill_tokens`; unset, one chunk while generates run and a
-   crowd forward, `batched_piece_rows`, while none does; while generates run, `step_prefill_tokens_decoding`
-   where set, which bounds their inter-token latency): appends are cut at
+2. runs prefill work under a token budget (`step_prefill_tokens`; unset, one chunk while generates run, and
+   while none does one round as wide as a crowd forward, `batched_piece_rows`; while generates run,
+   `step_prefill_tokens_decoding` where set, which bounds their inter-token latency): appends are cut at
    grid points, so a long prefill advances one chunk per step while decoding sessions keep producing
    tokens, and the pieces give bitwise the same state as one append. Before an append is cut, the whole
    of it is looked up in the prefix cache (EngineConfig.prefix_cache): the longest cached grid prefix is
@@ -102,6 +102,9 @@ class StepScheduler:
         # one forward and start decoding in one step, not a chunk's worth of sessions at a time
         crowd = max(engine.chunk, engine.config.batched_piece_rows) if self.batch_prefill else engine.chunk
         self.budget = set_budget or crowd
+        # that wider budget buys width, not depth: such a step runs one round (a piece of each prefilling job), so
+        # a long prompt still advances a piece a step and a request arriving meanwhile starts after one forward
+        self.idle_one_round = set_budget is None and self.batch_prefill
         rows = config.step_rederive_rows
         self.rederive_sessions = None if rows is None else max(1, rows // engine.grid)
         self._cv = threading.Condition()
@@ -350,6 +353,7 @@ class StepScheduler:
         gives)."""
         decoding = any(j.phase is Phase.DECODE for j in self._active)
         budget = self.decoding_budget if decoding else self.budget
+        one_round = self.idle_one_round and not decoding
         for job in [j for j in self._active if j.phase is Phase.PREFILL and not j.prefill]:
             self._prefilled(job)  # nothing left to prefill (the prefix cache served it all)
         while budget > 0:
@@ -394,6 +398,8 @@ class StepScheduler:
                 job.bar.update()
                 if not job.prefill:
                     self._prefilled(job)
+            if one_round:
+                return
 
     def _prefilled(self, job: Job) -> None:
         job.prefill = None

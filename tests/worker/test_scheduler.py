@@ -698,6 +698,28 @@ async def test_a_long_piece_and_short_turns_arriving_together_run_as_two_forward
         (7, 2, 168)]
 
 
+@pytest.mark.parametrize("step_budget", [None, 2048])
+async def test_a_long_prompt_alone_advances_a_piece_a_step_under_the_unset_budget(make_engine, corpus, step_budget):
+    """The unset budget of a step with none decoding is wide (a crowd forward) but one round deep: a lone
+    600-token append advances a piece a step (five pieces of the 128-token chunk, five steps), so a request
+    arriving meanwhile starts after one forward; a budget set to 2,048 runs the pieces in one step. The same
+    logits either way."""
+    eng = make_engine(slots=2, max_seq=1024, scheduler={"step_prefill_tokens": step_budget})
+    solo = eng.open(corpus[:64])
+    want = solo.append(corpus[64:664])
+    solo.close()
+    async with AsyncEngine(eng) as aeng:
+        s = await aeng.open(corpus[:64])
+        t0 = time.monotonic()
+        got = await aeng.submit(Append(s.id, corpus[64:664], logits=True))
+        steps = await records_when(async_read(aeng.scheduler.trace.since, t0),
+                                   lambda rs: sum(r["prefill_tokens"] for r in rs) == 600)
+    assert torch.equal(torch.from_numpy(got.logits), want.cpu())
+    pieces = [r["prefill_forwards"] for r in steps if r["prefill_forwards"]]
+    assert len(prefill_steps(64, 600, 64, 128)) == 5 and sum(pieces) == 5
+    assert pieces == ([1] * 5 if step_budget is None else [5])
+
+
 async def test_a_crowds_turns_arriving_while_a_generate_runs_are_prefilled_a_chunk_a_step(make_engine, corpus):
     """While a generate runs its next token waits for the step's prefill: the unset budget is then one chunk
     (128 tokens), so the same six turns take two prefill forwards in two steps, not one of 240 rows."""
