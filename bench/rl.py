@@ -157,12 +157,12 @@ async def main(args) -> int:
     torch.set_num_threads(args.threads)
     cfg = dict(model=args.model, device=args.device, slots=max(args.envs) + 2, max_seq=args.max_seq,
                prefill_chunk=args.prefill_chunk, tail_replay=TAIL_REPLAY[args.tail_replay])
-    vocab = 4000
+    log("in-process engine")
+    engine = Engine.from_config(cfg)
+    vocab = min(4000, engine.codec.vocab_size)  # the same ids on every model with 4,000 or more
     g = torch.Generator().manual_seed(0)
     c0 = torch.randint(10, vocab, (args.context,), generator=g).tolist()
     obs = torch.randint(10, vocab, (8,), generator=g).tolist()
-    log("in-process engine")
-    engine = Engine.from_config(cfg)
     s = engine.open()
     s.append(c0)
     s.snapshot("c0", pin=True)
