@@ -89,6 +89,8 @@ class Engine:
     model_weights = property(lambda self: self.runner.model_weights)
     fingerprint = property(lambda self: self.runner.fingerprint, doc="the model and weights the state is made under")
     weights_version = property(lambda self: self.runner.weights_version, doc="bumped by update_weights")
+    prefill_forwards = property(lambda self: self.runner.prefill_forwards,
+                                doc="prefill forwards run: one a piece alone, one a group of a batched append's round")
 
     @classmethod
     def from_config(cls, config: EngineConfig | dict | None = None, **overrides) -> "Engine":

@@ -26,6 +26,7 @@ from capsulert.engine.graphs import GraphPlans, decode_buckets
 from capsulert.engine.model import HybridModel, pad_rows
 from capsulert.engine.rollback import RollbackStates
 from capsulert.engine.mtp import MtpHead, check_draft
+from capsulert.engine.prefill_groups import split_by_length
 from capsulert.engine.numerics import (
     CPU_PIECE_ROWS_CHOICES, check_split_invariant_gemm, configure_cuda, cpu_piece_rows, first_mixed_variant_gemm,
     first_row_linear_variant, first_row_variant_gemm)
@@ -155,6 +156,7 @@ class ModelRunner:
         # the rollback copies of speculating slots (engine/rollback.py), allocated once
         self.rollback = RollbackStates(self.state, min(config.speculate_slots, config.slots))
         self.prefill_s_per_token = 0.0  # a running mean of prefill cost: capsules record their recompute cost by it
+        self.prefill_forwards = 0  # prefill forwards run: one a piece alone, one a group of a batched round
         # several slots' prefill pieces run as the rows of one forward, each row bitwise its solo piece
         # (tests/worker/test_append_many.py, CPU and CUDA); False runs them one slot after another (the
         # benchmarks' and tests' comparison path)
@@ -274,6 +276,7 @@ class ModelRunner:
                 # the last piece's rows past its last grid point (in the linear layers' piece, which starts r
                 # earlier) are the slot's tail
                 tail_from = b // self.grid * self.grid - (a - r) if self.tail_replay and b == end else None
+                self.prefill_forwards += 1
                 if self.graphs is not None:
                     self.graphs.prefill(slot, tokens[a - start:b - start], grid_at=at, replay=r, tail_from=tail_from)
                 else:
@@ -333,8 +336,11 @@ class ModelRunner:
                 ats.append(at)
                 if b == end:
                     crossed[j] = at is not None
-            self._forward_rows([(runs[j][0], runs[j][1][a - runs[j][2]:b - runs[j][2]], a,
-                                 runs[j][3] if k == 0 else 0) for j, a, b in rows], ats)
+            # a forward pads its pieces to the longest: pieces of very different lengths go in more than one
+            for group in split_by_length([b - a for _, a, b in rows]):
+                self._forward_rows([(runs[j][0], runs[j][1][a - runs[j][2]:b - runs[j][2]], a,
+                                     runs[j][3] if k == 0 else 0) for j, a, b in (rows[i] for i in group)],
+                                   [ats[i] for i in group])
             for j, a, b in rows:
                 if b % self.grid == 0:
                     self.state.save_grid(runs[j][0])
@@ -350,6 +356,7 @@ class ModelRunner:
         point (None: none, as 0: the state where the layers' pieces start, which is the slot's grid checkpoint
         already). A captured graph of the batch's shape runs it where one holds it (GraphPlans.pieces), else an
         eager forward of the same inputs."""
+        self.prefill_forwards += 1
         slots = [slot for slot, _, _, _ in rows]
         pieces = [tokens for _, tokens, _, _ in rows]
         grid_at = [at or 0 for at in ats]

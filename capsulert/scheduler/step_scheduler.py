@@ -55,7 +55,6 @@ from capsulert.engine.session import Session
 from capsulert.protocol.requests import SESSION, Request
 from capsulert.protocol.results import GenerateResult, SessionInfo
 from capsulert.scheduler.jobs import Decode, Job, Phase, Prefill, Sink, queue_sink, stream_item
-from capsulert.scheduler.prefill_rounds import split_by_length
 from capsulert.scheduler.prefill_undo import roll_back
 from capsulert.scheduler.restore_batch import restore_together
 from capsulert.scheduler.session_ids import SessionIds
@@ -115,7 +114,7 @@ class StepScheduler:
         self._stopped = False
         self._mask_ready = False  # a grammar mask came ready since the loop last looked (set by its thread)
         self.steps = 0
-        self.prefill_forwards = 0  # batched appends run (one per round of a step's prefill work)
+        self.prefill_forwards = 0  # the forwards its prefill work ran (Engine.prefill_forwards)
         self.restore_batches = 0  # restores of several starting requests run together (restore_batch.py)
         # where the loop's time goes (seconds): starting requests and capsule copies, prefill pieces, decode
         # steps (sampling, the batched step, stop rules and the events handed to sinks); read by Stats
@@ -347,10 +346,10 @@ class StepScheduler:
 
     def _prefill(self) -> None:
         """The step's prefill work under its token budget: each round takes the next piece of every prefilling
-        job (arrival order) while budget is left, and runs them as batched appends (Engine.append_checked_many:
+        job (arrival order) while budget is left, and runs them as one batched append (Engine.append_checked_many:
         one forward for the round's pieces, or one per group of similar lengths where padding them all to the
-        longest costs more than another forward: prefill_rounds.py; each session bitwise what its own append
-        gives)."""
+        longest costs more than another forward, engine/prefill_groups.py; each session bitwise what its own
+        append gives)."""
         decoding = any(j.phase is Phase.DECODE for j in self._active)
         budget = self.decoding_budget if decoding else self.budget
         one_round = self.idle_one_round and not decoding
@@ -358,7 +357,6 @@ class StepScheduler:
             self._prefilled(job)  # nothing left to prefill (the prefix cache served it all)
         while budget > 0:
             batch: list[tuple[Job, Session, list[int]]] = []
-            rows: list[int] = []  # each piece's rows through the model
             for job in [j for j in self._active if j.phase is Phase.PREFILL and j.prefill]:
                 if budget <= 0:
                     break
@@ -374,15 +372,11 @@ class StepScheduler:
                 [(end, work)] = prefill_steps(P, len(job.prefill), self.engine.grid, self.engine.chunk,
                                               self.engine.table.replayable_end(s))[:1]
                 batch.append((job, s, job.prefill[:end - P]))
-                rows.append(work)
                 budget -= work
             if not batch:
                 return
-            # one forward pads its pieces to the longest: pieces of very different lengths go in more than one
-            parts = [[batch[i] for i in group] for group in split_by_length(rows)] if self.batch_prefill else [
-                [b] for b in batch]
-            for part in parts:
-                self.prefill_forwards += 1
+            for part in [batch] if self.batch_prefill else [[b] for b in batch]:
+                forwards = self.engine.prefill_forwards
                 self.prefill_tokens += sum(len(piece) for _, _, piece in part)
                 try:
                     if len(part) == 1:  # alone: the one-session path (it replays a kept tail, where one is)
@@ -393,6 +387,7 @@ class StepScheduler:
                     for job, _, _ in part:
                         self._fail_prefill(job, e)
                     batch = [b for b in batch if all(b is not x for x in part)]
+                self.prefill_forwards += self.engine.prefill_forwards - forwards
             for job, _, piece in batch:
                 job.prefill = job.prefill[len(piece):]
                 job.bar.update()

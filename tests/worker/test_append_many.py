@@ -234,3 +234,23 @@ def test_a_batched_append_replays_each_sessions_kept_tail_and_runs_only_its_new_
         assert torch.equal(alone.append(t), logits)
         assert_same(eng, s, alone)
         alone.close()
+
+
+def test_a_long_piece_beside_short_ones_runs_as_two_forwards_bitwise_each_sessions_own(make_engine, corpus):
+    """A forward pads its pieces to the longest: one 120-token piece beside six 8-token turns would be 7 x 120 rows
+    for 168 real ones, so the round runs as two forwards (engine/prefill_groups.py), one of six equal turns as
+    one; each session's logits and slot bytes are its own append's."""
+    eng = make_engine(slots=14, max_seq=512)
+    turns = [corpus[700:820]] + [corpus[820 + 8 * i:828 + 8 * i] for i in range(6)]
+    solo = [eng.open(corpus[100 * i:100 * i + 64]) for i in range(7)]
+    want = [s.append(t).clone() for s, t in zip(solo, turns)]
+    batch = [eng.open(corpus[100 * i:100 * i + 64]) for i in range(7)]
+    before = eng.prefill_forwards
+    got = eng.append_many(batch, turns)
+    assert eng.prefill_forwards - before == 2
+    for w, g, a, b in zip(want, got, solo, batch):
+        assert torch.equal(w, g)
+        assert_same(eng, a, b)
+    before = eng.prefill_forwards
+    eng.append_many(batch[1:], turns[1:])
+    assert eng.prefill_forwards - before == 1

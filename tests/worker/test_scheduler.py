@@ -688,7 +688,7 @@ async def test_a_crowds_turns_arriving_together_run_in_one_forward_and_start_dec
 
 async def test_a_long_piece_and_short_turns_arriving_together_run_as_two_forwards(make_engine, corpus):
     """One forward pads its pieces to the longest: a 120-token append beside six 8-token turns would be 7 x 120
-    rows for 168 real ones, so the step runs the long piece and the short turns as two forwards (prefill_rounds.py);
+    rows for 168 real ones, so the step runs the long piece and the short turns as two forwards (engine/prefill_groups.py);
     each session's tokens are its solo run's."""
     prompts = [corpus[100 * i:100 * i + 64] for i in range(7)]
     turns = [corpus[700:820]] + [corpus[820 + 8 * i:828 + 8 * i] for i in range(6)]

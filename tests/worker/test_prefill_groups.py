@@ -1,12 +1,12 @@
-"""split_by_length: a step's prefill pieces split into forwards of similar lengths, checked against every
-partition of small piece sets."""
+"""split_by_length: a batched append's round of pieces split into forwards of similar lengths, checked against
+every partition of small piece sets."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from capsulert.scheduler.prefill_rounds import FORWARD_ROWS, split_by_length
+from capsulert.engine.prefill_groups import FORWARD_ROWS, split_by_length
 
 
 def cost(rows, groups, forward_rows=FORWARD_ROWS) -> int:

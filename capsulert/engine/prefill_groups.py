@@ -1,11 +1,12 @@
-"""How a step's prefill pieces are split into forwards.
+"""How a round of a batched append's pieces is split into forwards (ModelRunner.prefill_from_grid).
 
-A batched append runs its pieces as one rectangle: every row padded to the longest piece (per-row valid
+A forward runs its pieces as one rectangle: every row padded to the longest piece (per-row valid
 lengths), so a 256-row piece beside thirty 16-row turns makes a forward of 31 x 256 rows where 736 are real. A
 forward also has a cost of its own, the pass over the weights, which one more forward pays again. The split
 that costs least, counting each forward as FORWARD_ROWS rows plus its rectangle, groups pieces of similar
-length: after sorting by length the best groups are contiguous runs, found by a small dynamic program over at
-most a step's pieces. Pieces of one length stay one forward; a long piece and many short ones become two.
+length: after sorting by length the best groups are contiguous runs, found by a small dynamic program over a
+round's pieces (one a session). Pieces of one length stay one forward; a long piece and many short ones become
+two.
 """
 from __future__ import annotations
 
