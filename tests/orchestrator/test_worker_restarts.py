@@ -127,3 +127,26 @@ async def test_callers_of_a_killed_workers_sessions_get_worker_lost_within_a_sec
         assert in_flight_s < 1.0 and after_s < 1.0, (in_flight_s, after_s)
         s = await orch.open(PROMPT)  # a new session waits for the restart and is served
         assert len(await s.generate(3, NOEOS)) == 3
+
+
+async def test_a_turn_from_a_capsule_whose_worker_dies_under_it_runs_again_on_the_restarted_one(
+        ray_session, engine_cfg, tmp_path_factory, oracle):
+    """restore_append_generate names no live session (it restores a capsule into a new one), so a worker that
+    dies while it decodes costs a rerun on the restarted process, not the caller's request: the pool runs it
+    once more, as it runs any rerunnable call."""
+    async with await Orchestrator.start(config(engine_cfg, tmp_path_factory.mktemp("rerun"))) as orch:
+        s = await orch.open(text("r"))
+        await s.snapshot("r", pin=True)  # reloaded from disk by the restarted worker
+        await s.close()
+        ref = oracle.open()
+        ref.append(text("r"))
+        want = ref.generate(600, NOEOS)
+        ref.close()
+        pid = (await orch.health())[0]["pid"]
+        turn = asyncio.ensure_future(orch.restore_append_generate("r", None, 600, NOEOS))
+        while (await orch.stats())[0]["decoded_tokens"] < 5:
+            await asyncio.sleep(0.05)
+        assert not turn.done()
+        await kill_and_wait(pid)
+        assert await turn == want
+        assert (await orch.health())[0]["pid"] != pid
