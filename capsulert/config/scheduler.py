@@ -10,14 +10,12 @@ class SchedulerConfig(BaseModel):
 
     max_queue: int = Field(1024, ge=1, description="requests waiting for the step loop; one more is refused with "
                            "QueueFullError (the orchestrator's admission queue bounds what reaches a worker first)")
-    step_prefill_tokens: int | None = Field(None, ge=1, description="prompt tokens one step prefills across all "
-                                            "sessions before the next decode step (a long prompt cannot stall the "
-                                            "others' decoding for longer); None: the engine's prefill_chunk while sessions "
-                                            "decode, and while none does (no token waits) one round, a piece of each "
-                                            "prefilling session, as wide as the larger of it and "
-                                            "EngineConfig.batched_piece_rows (with batch_prefill), so a crowd's turns that arrive together "
-                                            "run in one forward and start decoding together, while a long prompt still "
-                                            "advances a piece a step")
+    step_prefill_tokens: int | None = Field(
+        None, ge=1, description="prompt tokens one step prefills across all sessions before the next decode step (a "
+        "long prompt cannot stall the others' decoding for longer); None: the engine's prefill_chunk while sessions "
+        "decode, and while none does (no token waits) one round, a piece of each prefilling session, as wide as the "
+        "larger of it and EngineConfig.batched_piece_rows (with batch_prefill), so a crowd's turns that arrive "
+        "together run in one forward and start decoding together, while a long prompt still advances a piece a step")
     step_prefill_tokens_decoding: int | None = Field(
         None, ge=1, description="the step's prefill budget while other sessions are decoding: their next token "
         "waits for the step's prefill, so this bounds their inter-token latency (a crowd's arrivals are then "

@@ -26,7 +26,7 @@ def split_by_length(rows: Sequence[int], forward_rows: int = FORWARD_ROWS) -> li
         return [list(range(n))] if n else []
     order = sorted(range(n), key=lambda i: rows[i])
     # best[k]: the least cost of the k shortest pieces; cut[k]: where the last group of that split begins
-    best, cut = [0] + [0] * n, [0] * (n + 1)
+    best, cut = [0] * (n + 1), [0] * (n + 1)
     for k in range(1, n + 1):
         longest = rows[order[k - 1]]
         best[k], cut[k] = min((best[j] + forward_rows + (k - j) * longest, j) for j in range(k))
