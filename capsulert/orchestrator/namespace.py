@@ -130,7 +130,7 @@ class Namespace:
         async def run(w: int) -> GenerateResult:
             call_id = next_call_id()
             try:
-                return await self.pool.call(w, request, timeout=timeout, call_id=call_id)
+                return await self.pool.call_through_feed(w, request, call_id, timeout=timeout)
             except asyncio.CancelledError:
                 if not keep:  # the caller went away: its generate stops at the next token, its session is closed
                     self.pool.send(w, Interrupt(None, call_id))

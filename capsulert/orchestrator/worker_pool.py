@@ -209,6 +209,24 @@ class WorkerPool:
             raise value
         return asyncio.ensure_future(wait_reply())
 
+    async def call_through_feed(self, w: int, request: Generate | Turn, key, *, timeout: float | None = None
+                                ) -> Any:
+        """A whole generate or turn through worker w's event feed (`start_through_feed`), so the turns of a
+        best-of-N or a crowd of requests made at the same moment reach the step loop together. As `call`, a
+        rerunnable request whose worker died under it is run once more on the restarted process."""
+        worker = self.workers[w]
+        await self.check(w)
+        incarnation = worker.pid
+        try:
+            return await self.reply(w, await self.start_through_feed(w, request, key), request, timeout)
+        except WorkerLost:
+            if not request.rerunnable:
+                raise
+            await self.check(w)  # waits for a restart, bounded by call_timeout_s
+            if worker.pid == incarnation:  # the same process (a timeout, a lost session): nothing to rerun on
+                raise
+        return await self.reply(w, await self.start_through_feed(w, request, key), request, timeout)
+
     async def reply(self, w: int, started: asyncio.Future, request: Request, timeout: float | None = None) -> Any:
         """The reply of a request started through worker w's event feed (`start_through_feed`), or WorkerLost
         when none comes within the timeout (call_timeout_s by default). A cancelled wait leaves the request

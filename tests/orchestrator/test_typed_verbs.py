@@ -249,7 +249,8 @@ async def test_append_generate_on_a_namespace_is_one_request(orch_tv, spy):
     spy.calls.clear()
     res = await orch.default.append_generate(PROMPT, 5, sp)
     turns = [r for r in _requests(spy) if isinstance(r, Turn)]
-    assert [(t.session, t.restore, t.close) for t in turns] == [(None, None, True)] and len(spy.calls) == 1
+    executed = [args[0] for name, args in spy.calls if name == "execute"]  # the feed may open too, as "stream"
+    assert [(t.session, t.restore, t.close) for t in turns] == [(None, None, True)] and len(executed) == 1
     assert (await orch.stats())[0]["sessions"] == sessions_before
     s = await orch.open()
     assert list(await s.turn(PROMPT, 5, sp)) == list(res)
@@ -290,6 +291,28 @@ async def test_best_of_n_branches_share_decode_steps_and_equal_their_solo_runs(o
     finally:
         oracle.store.delete("bon-solo")
     await orch.delete("bon-c")
+
+
+async def test_a_best_of_n_burst_reaches_the_worker_as_one_batch_and_one_prefill_forward(orch_tv, spy):
+    """best_of_n's branches are requests made at the same moment: they travel as one Batch through the event
+    feed, so the worker starts all of them in one step, prefills their suffixes in one forward, and decodes
+    every branch in every step (sent one call each, the first two started alone and the rest trickled in
+    while those decoded)."""
+    orch, n, new = orch_tv, 8, 3
+    c0 = await _capsule(orch, "burst-c")
+    suffix = " Answer:"
+    spy.calls.clear()
+    t0 = time.monotonic()
+    cands = await best_of_n(orch, c0, suffix, n, new, SamplingParams(temperature=0.9, seed=3, ignore_eos=True))
+    executed = [args[0] for name, args in spy.calls if name == "execute"]
+    assert [type(c) for c in executed] == [verbs.Batch]
+    assert [type(r.request) for r in executed[0].requests] == [Turn] * n
+    steps = await _records(orch, t0, lambda rs: sum(r["decode_rows"] for r in rs) == n * new)
+    assert steps[0]["started"] == n and sum(r["started"] for r in steps) == n
+    assert [r["prefill_forwards"] for r in steps if r["prefill_forwards"]] == [1]
+    assert [r["decode_rows"] for r in steps if r["decode_rows"]] == [n] * new
+    assert [len(c.tokens) for c in cands] == [new] * n
+    await orch.delete(c0)
 
 
 async def test_tree_search_children_share_decode_steps(orch_tv):
