@@ -98,6 +98,12 @@ class CapsuleInUseError(CapsuleError):
     """The capsule is being read by a restore or a move and cannot be deleted now."""
 
 
+class TierInUseError(CapsuleInUseError, BudgetExceededError):
+    """A tier cannot make room now: capsules that would be moved out to fit are being read (a restore, a move).
+    Retry after the reads end; it is a CapsuleInUseError and, for callers that handle a full tier, a
+    BudgetExceededError."""
+
+
 class CapsuleIOError(CapsuleError):
     """A capsule directory or file cannot be used: missing, not a directory, not writable, disk full.
     The store is unchanged (a failed write leaves no capsule file behind, only a temp file at worst)."""

@@ -32,7 +32,7 @@ from capsulert.protocol.names import validate_name
 from capsulert.capsule_store.plan import DROP_DISK_COPY, Entry, Key, Plan
 from capsulert.capsule_store.prefix_index import PrefixIndex
 from capsulert.errors import (BudgetExceededError, CapsuleError, ConfigError, DuplicateCapsuleError,
-                              UnknownCapsuleError)
+                              TierInUseError, UnknownCapsuleError)
 from capsulert.policies.base import TIERS, CapsulePolicy, make_policy, registered_policies
 
 log = logging.getLogger("capsulert.capsule_store.store")
@@ -209,22 +209,29 @@ class TierBook:
         return plan
 
     def make_room(self, plan: Plan, tier: str, protect: frozenset, *, anon_only: bool = False) -> None:
-        """Plan moves until what the plan puts in `tier` fits its budget; BudgetExceededError if it cannot."""
+        """Plan moves until what the plan puts in `tier` fits its budget; BudgetExceededError if it cannot,
+        TierInUseError if it could once the capsules being read now are not."""
         budget = self.budgets[tier]
         if budget is None or plan.used[tier] <= budget:
             return
         if tier == "disk" and not anon_only and self._drop_disk_copies(plan):
             return
+        busy: set[Key] = set()  # victims passed over only because a restore or a move reads them now
         for policy in (self.anon_policy,) if anon_only else (self.anon_policy, self.policy):
-            if self._evict(plan, tier, protect, policy):
+            if self._evict(plan, tier, protect, policy, busy):
                 return
+        if sum(self.entries[k].meta.nbytes for k in busy) >= plan.used[tier] - budget:
+            raise TierInUseError(
+                f"tier {tier!r} cannot hold {plan.used[tier]} bytes within its budget of {budget} while "
+                f"{len(busy)} capsule(s) it would move out are being read; retry after the reads end")
         raise BudgetExceededError(
             f"tier {tier!r} cannot hold {plan.used[tier]} bytes within its budget of {budget}: pinned and in-use "
             f"capsules stay{' (and prefix entries never displace capsules)' if anon_only else ''}; unpin "
             "capsules or raise the budget")
 
-    def _evict(self, plan: Plan, tier: str, protect: frozenset, policy: CapsulePolicy) -> bool:
-        """Plan moving `policy`'s victims out of `tier` until it fits; whether it does."""
+    def _evict(self, plan: Plan, tier: str, protect: frozenset, policy: CapsulePolicy, busy: set[Key]) -> bool:
+        """Plan moving `policy`'s victims out of `tier` until it fits; whether it does. Victims passed over
+        only because they are being read go into `busy`."""
         budget = self.budgets[tier]
         # the policy may name capsules we must skip (pinned, in use, already moved by this plan), and a
         # victim that shares blocks frees less than its size: the shortfall is asked for again, until the
@@ -238,8 +245,11 @@ class TierBook:
                 seen.add(pk)
                 key = tuple(pk.split("/", 1))
                 e = self.entries.get(key)  # type: ignore[arg-type]
-                if e is None or key in protect or e.pinned or e.readers or plan.where.get(key, e.tier) != tier:
+                movable = e is not None and key not in protect and not e.pinned and plan.where.get(key, e.tier) == tier
+                if not movable or e.readers:  # type: ignore[union-attr]
                     asked += e.meta.nbytes if e is not None else 0
+                    if movable:
+                        busy.add(key)  # type: ignore[arg-type]
                     continue
                 before = plan.used[tier]
                 self._plan_victim(plan, key, tier, protect)  # type: ignore[arg-type]

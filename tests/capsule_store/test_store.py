@@ -9,7 +9,7 @@ from capsulert.capsule_store.format.names import capsule_file_name
 from capsulert.capsule_store.owner import LOCK_NAME
 from capsulert.errors import (BudgetExceededError, CapsuleInUseError, ConfigError, CorruptCapsuleError,
                               DuplicateCapsuleError, IncompatibleCapsuleError, InvalidCapsuleNameError,
-                              UnknownCapsuleError)
+                              TierInUseError, UnknownCapsuleError)
 from capsulert.policies.base import CapsulePolicy
 
 FP, LAYOUT = "fp-test", 2
@@ -286,6 +286,29 @@ def test_reading_blocks_delete_and_eviction():
         assert set(tiers(s)) == {"a", "c"}
     s.delete("a")
     assert not s.contains("a")
+
+
+def test_a_tier_that_can_make_room_only_once_a_read_ends_refuses_as_in_use_and_changes_nothing():
+    """A promote whose room is held by a capsule being read is refused with TierInUseError: a CapsuleInUseError
+    (retry after the read) that callers handling a full tier also catch as a BudgetExceededError. Once the read
+    ends the same promote goes through. Room held by a pinned capsule is the plain BudgetExceededError."""
+    s = store(gpu=NB, host=2 * NB)
+    add(s, "a")
+    add(s, "b", tier="host")
+    with s.reading("a"):
+        before = (tiers(s), s.stats())
+        with pytest.raises(TierInUseError) as refused:
+            s.promote("b", "device")
+        assert isinstance(refused.value, CapsuleInUseError) and isinstance(refused.value, BudgetExceededError)
+        assert "being read" in str(refused.value)
+        assert (tiers(s), s.stats()) == before
+    s.promote("b", "device")
+    assert tiers(s) == {"a": "host", "b": "device"}
+    s.pin("b")
+    with pytest.raises(BudgetExceededError) as full:
+        s.promote("a", "device")
+    assert not isinstance(full.value, CapsuleInUseError)
+    assert tiers(s) == {"a": "host", "b": "device"}
 
 
 def test_default_policy_resolves():
