@@ -220,10 +220,12 @@ class WorkerPool:
         try:
             return await self.reply(w, await self.start_through_feed(w, request, key), request, timeout)
         except WorkerLost:
-            if not request.rerunnable:
+            # only a reply lost with its process is asked for again (the feed saw the death first); a timeout
+            # is raised as it is, as `call` raises it
+            if not request.rerunnable or worker.down_since is None:
                 raise
-            await self.check(w)  # waits for a restart, bounded by call_timeout_s
-            if worker.pid == incarnation:  # the same process (a timeout, a lost session): nothing to rerun on
+            await self.check(w)  # waits for the restart, bounded by call_timeout_s
+            if worker.pid == incarnation:  # the same process: the request may have run there after all
                 raise
         return await self.reply(w, await self.start_through_feed(w, request, key), request, timeout)
 
