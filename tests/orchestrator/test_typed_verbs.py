@@ -296,8 +296,8 @@ async def test_best_of_n_branches_share_decode_steps_and_equal_their_solo_runs(o
 async def test_a_best_of_n_burst_reaches_the_worker_as_one_batch_and_one_prefill_forward(orch_tv, spy):
     """best_of_n's branches are requests made at the same moment: they travel as one Batch through the event
     feed, so the worker starts all of them in one step, prefills their suffixes in one forward, and decodes
-    every branch in every step (sent one call each, the first two started alone and the rest trickled in
-    while those decoded)."""
+    every branch in every step (sent one call each, the first one or two started alone and the rest trickled
+    in while those decoded)."""
     orch, n, new = orch_tv, 8, 3
     c0 = await _capsule(orch, "burst-c")
     suffix = " Answer:"
