@@ -132,9 +132,9 @@ class WorkerPool:
     async def call(self, w: int, request: Request, *, timeout: float | None = None, call_id=None) -> Any:
         """Send `request` to worker w and await its reply. Short session requests (verbs.BATCHABLE) made at
         the same moment travel together as one Batch (one round trip for many env resets), and so do appends,
-        whose replies come back through the worker's event feed (`_through_feed`)."""
+        whose replies come back through the worker's event feed (`call_through_feed`)."""
         if isinstance(request, Append) and call_id is None:
-            return await self._through_feed(w, request, timeout)
+            return await self.call_through_feed(w, request, next_call_id(), timeout=timeout)
         if isinstance(request, BATCHABLE) and call_id is None:
             return await self._coalesced(w, request, timeout)
         worker = self.workers[w]
@@ -173,10 +173,6 @@ class WorkerPool:
         finally:
             worker.pending -= 1
 
-    async def _through_feed(self, w: int, request: Append, timeout: float | None) -> Any:
-        """An append whose reply comes back through worker w's event feed (`start_through_feed`)."""
-        return await self.reply(w, await self.start_through_feed(w, request, next_call_id()), request, timeout)
-
     async def start_through_feed(self, w: int, request: Append | Generate | Turn, key) -> asyncio.Future:
         """Submit an append or a whole generate whose reply comes back through worker w's event feed under
         `key` (what an Interrupt names); a future of the reply, for `reply`. It is submitted in a Batch with
@@ -209,11 +205,11 @@ class WorkerPool:
             raise value
         return asyncio.ensure_future(wait_reply())
 
-    async def call_through_feed(self, w: int, request: Generate | Turn, key, *, timeout: float | None = None
-                                ) -> Any:
-        """A whole generate or turn through worker w's event feed (`start_through_feed`), so the turns of a
-        best-of-N or a crowd of requests made at the same moment reach the step loop together. As `call`, a
-        rerunnable request whose worker died under it is run once more on the restarted process."""
+    async def call_through_feed(self, w: int, request: Append | Generate | Turn, key, *,
+                                timeout: float | None = None) -> Any:
+        """An append or a whole generate or turn through worker w's event feed (`start_through_feed`), so a
+        crowd's appends or a best-of-N's turns made at the same moment reach the step loop together. As `call`,
+        a rerunnable request whose worker died under it is run once more on the restarted process."""
         worker = self.workers[w]
         await self.check(w)
         incarnation = worker.pid
